@@ -1,0 +1,1 @@
+"""Shipped presets: development.toml and production.toml."""

@@ -1,0 +1,128 @@
+"""Hook specifications: the plugin author's manual.
+
+Every hook a plugin may implement is declared here. Component hooks are
+register-style: tierserve calls them once at start-up with a ``register``
+callback, and the plugin calls ``register("name", factory, **metadata)`` for
+each component it provides. Names are case-insensitive and must be unique
+within a kind; the registry remembers which plugin registered what, so
+``tierserve plugins`` and error messages can say where a component came from.
+
+A minimal plugin module::
+
+    from tierserve.core import hookimpl
+
+    @hookimpl
+    def register_eviction_policies(register):
+        register("fifo", FifoPolicy, description="first in, first out")
+
+and in the plugin's ``pyproject.toml``::
+
+    [project.entry-points.tierserve]
+    fifo = "my_package.plugin"
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import pluggy
+
+PROJECT_NAME = "tierserve"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class Register(Protocol):
+    """The callback handed to every ``register_*`` hook."""
+
+    def __call__(self, name: str, factory: Any, /, **metadata: Any) -> None:
+        """Record ``factory`` under ``name``; ``metadata`` (e.g. ``description``)
+        is shown by ``tierserve plugins``. Raises ``DuplicateComponentError``
+        if another plugin already registered that name for this kind."""
+
+
+@hookspec
+def register_backends(register: Register) -> None:
+    """Register model backends.
+
+    A backend loads a checkpoint and runs forward passes for the engine.
+    ``factory(settings)`` is called once when the engine starts, with the
+    resolved ``Settings``; it returns an object implementing the backend
+    interface of ``tierserve.core`` (model runner, tokenizer, KV layout).
+    The name is what ``[model] backend`` selects, e.g. ``"native"``.
+    """
+
+
+@hookspec
+def register_schedulers(register: Register) -> None:
+    """Register schedulers.
+
+    A scheduler decides, at every engine step, which sequences run and how
+    many of their tokens, under the token and sequence budgets of the
+    ``[scheduler]`` settings. ``factory(settings, block_manager)`` returns the
+    scheduler. The name is what ``[scheduler] name`` selects, e.g. ``"fcfs"``.
+    """
+
+
+@hookspec
+def register_eviction_policies(register: Register) -> None:
+    """Register cache eviction policies.
+
+    ``factory(capacity)`` returns a subclass of
+    ``tierserve.cache.eviction.EvictionPolicy``; ``capacity`` is the size the
+    owning tier holds, in the same units as the sizes it will ``insert``.
+    Every cache tier (L1 block pool, L2 memory, L3 disk) asks its policy
+    which entry to evict. The name is what ``[kv_cache] eviction_policy``
+    selects (case-insensitive), e.g. ``"lru"`` or ``"adaptive"``.
+    """
+
+
+@hookspec
+def register_speculators(register: Register) -> None:
+    """Register speculative-decoding strategies.
+
+    A speculator proposes up to ``k`` draft tokens per sequence; the engine
+    verifies them in one target forward pass. ``factory(settings)`` returns
+    the speculator. The name is what ``[speculative] method`` selects,
+    e.g. ``"ngram"``.
+    """
+
+
+@hookspec
+def register_cache_tiers(register: Register) -> None:
+    """Register KV cache tiers (storage below the live block pool).
+
+    ``factory(settings, policy)`` returns a tier: a bounded key/value store
+    of encoded KV chunks that evicts with the given eviction policy. Tiers
+    are ordered by ``[kv_cache]`` settings, e.g. ``"memory"`` (L2) and
+    ``"disk"`` (L3).
+    """
+
+
+@hookspec
+def register_routes(register: Register) -> None:
+    """Register extra HTTP routes on the server.
+
+    ``register("name", handler)`` where ``handler`` is a Litestar route
+    handler, controller or router; it is mounted on the app built by
+    ``create_app`` alongside the built-in routes, behind the same auth.
+    """
+
+
+@hookspec
+def on_startup(engine: Any) -> None:
+    """Called once after the engine is built and before the first request.
+
+    Use it to start background work or warm caches. An exception here is
+    logged with the plugin's name and does not stop the server.
+    """
+
+
+@hookspec
+def on_shutdown(engine: Any) -> None:
+    """Called once while the server shuts down, after in-flight requests end.
+
+    Use it to flush or release what ``on_startup`` acquired. An exception
+    here is logged with the plugin's name and does not block shutdown.
+    """

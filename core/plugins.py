@@ -1,0 +1,227 @@
+"""Plugin manager: loads built-in and installed plugins into one registry per kind.
+
+Built-in plugins are the modules in ``BUILTIN_PLUGINS``; they go through the
+same hooks as outside plugins, which come from the ``tierserve`` entry point
+group. ``TIERSERVE_PLUGINS`` (comma-separated distribution or entry point
+names) restricts which outside plugins load: unset means all installed, empty
+means none. A plugin that fails to import, has a misspelled hook, raises while
+registering or takes a name another plugin already has is unregistered and
+reported in ``failures``; the others keep working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import pluggy
+import structlog
+
+from tierserve.core import hookspecs
+from tierserve.core.registry import Registry
+
+log = structlog.get_logger(__name__)
+
+ENTRY_POINT_GROUP = "tierserve"
+ALLOWLIST_ENV = "TIERSERVE_PLUGINS"
+
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "tierserve.plugins.eviction.lru",
+    "tierserve.plugins.eviction.lfu",
+    "tierserve.plugins.eviction.adaptive",
+    "tierserve.plugins.eviction.clock",
+)
+
+# registry kind -> (register hook, human name used in messages)
+COMPONENT_KINDS: dict[str, tuple[str, str]] = {
+    "backends": ("register_backends", "backend"),
+    "schedulers": ("register_schedulers", "scheduler"),
+    "eviction_policies": ("register_eviction_policies", "eviction policy"),
+    "speculators": ("register_speculators", "speculator"),
+    "cache_tiers": ("register_cache_tiers", "cache tier"),
+    "routes": ("register_routes", "route"),
+}
+
+
+@dataclass(slots=True)
+class PluginInfo:
+    """What ``tierserve plugins`` shows for one loaded plugin."""
+
+    name: str
+    version: str
+    source: str
+    hooks: list[str]
+    components: dict[str, list[str]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "source": self.source,
+            "hooks": self.hooks,
+            "components": self.components,
+        }
+
+
+@dataclass(slots=True)
+class PluginFailure:
+    """A plugin that could not be loaded, and why."""
+
+    name: str
+    source: str
+    error: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"name": self.name, "source": self.source, "error": self.error}
+
+
+def parse_allowlist(value: str | None) -> frozenset[str] | None:
+    """``None`` (unset) allows every plugin; ``""`` allows none."""
+    if value is None:
+        return None
+    return frozenset(part.strip().lower() for part in value.split(",") if part.strip())
+
+
+class PluginManager:
+    """Loads plugins and keeps the component registries they fill."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.registries: dict[str, Registry] = {
+            kind: Registry(label) for kind, (_, label) in COMPONENT_KINDS.items()
+        }
+        self.failures: list[PluginFailure] = []
+        self._info: dict[str, PluginInfo] = {}
+
+    def registry(self, kind: str) -> Registry:
+        """The registry of one kind, e.g. ``"eviction_policies"``."""
+        return self.registries[kind]
+
+    def add_plugin(self, plugin: object, name: str, version: str, source: str) -> bool:
+        """Register one plugin object and collect its components.
+
+        Returns True on success; on any failure the plugin is removed again,
+        the failure is recorded and logged, and False is returned.
+        """
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:  # pluggy validation errors, duplicate plugin names
+            self._fail(name, source, exc)
+            return False
+        try:
+            self.pm.check_pending()
+            components = self._collect_components(plugin, name)
+        except Exception as exc:
+            self.remove_plugin(name)
+            self._fail(name, source, exc)
+            return False
+        hooks = sorted(
+            caller.name for caller in self.pm.get_hookcallers(plugin) or [] if caller.name
+        )
+        self._info[name] = PluginInfo(name, version, source, hooks, components)
+        return True
+
+    def remove_plugin(self, name: str) -> None:
+        """Unregister a plugin and forget its components."""
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin, name=name)
+        for registry in self.registries.values():
+            registry.remove_plugin(name)
+        self._info.pop(name, None)
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every loaded plugin, built-ins first, in load order."""
+        return list(self._info.values())
+
+    def call_lifecycle(self, hook_name: str, engine: Any) -> None:
+        """Call ``on_startup``/``on_shutdown`` on each plugin; one failure does not stop the rest."""
+        caller = getattr(self.pm.hook, hook_name)
+        for impl in reversed(caller.get_hookimpls()):
+            try:
+                impl.function(engine=engine)
+            except Exception:
+                log.exception("plugin_hook_failed", plugin=impl.plugin_name, hook=hook_name)
+
+    def _collect_components(self, plugin: object, name: str) -> dict[str, list[str]]:
+        components: dict[str, list[str]] = {}
+        for kind, (hook_name, _) in COMPONENT_KINDS.items():
+            registry = self.registries[kind]
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin is not plugin:
+                    continue
+
+                def register(component_name: str, factory: Any, /, **metadata: Any) -> None:
+                    added = registry.add(component_name, factory, name, **metadata)
+                    components.setdefault(kind, []).append(added.name)
+
+                impl.function(**{arg: register for arg in impl.argnames})
+        return components
+
+    def _fail(self, name: str, source: str, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        self.failures.append(PluginFailure(name, source, error))
+        log.error("plugin_failed", plugin=name, source=source, error=error)
+
+
+def _entry_point_allowed(ep: EntryPoint, allowlist: frozenset[str] | None) -> bool:
+    if allowlist is None:
+        return True
+    names = {ep.name.lower()}
+    if ep.dist is not None:
+        names.add(ep.dist.name.lower())
+        names.add(ep.dist.name.lower().replace("_", "-"))
+    return bool(names & allowlist)
+
+
+def load_plugins(
+    allowlist: Iterable[str] | None | str = "env",
+    builtins: Iterable[str] = BUILTIN_PLUGINS,
+) -> PluginManager:
+    """Build a plugin manager with the built-ins and the allowed installed plugins.
+
+    Args:
+        allowlist: names of outside plugins to load; ``None`` loads all of
+            them, an empty iterable none; the default ``"env"`` reads
+            ``TIERSERVE_PLUGINS``.
+        builtins: modules registered as built-in plugins.
+    """
+    from tierserve.core import __version__
+
+    if allowlist == "env":
+        allowed = parse_allowlist(os.environ.get(ALLOWLIST_ENV))
+    elif allowlist is None:
+        allowed = None
+    else:
+        allowed = frozenset(str(name).strip().lower() for name in allowlist)
+
+    manager = PluginManager()
+    for module_name in builtins:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            manager._fail(module_name, "builtin", exc)
+            continue
+        manager.add_plugin(module, module_name, __version__, "builtin")
+
+    seen: set[str] = set()
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if not _entry_point_allowed(ep, allowed):
+            continue
+        dist_name = ep.dist.name if ep.dist is not None else ep.name
+        version = ep.dist.version if ep.dist is not None else "unknown"
+        name = dist_name if dist_name not in seen else f"{dist_name}:{ep.name}"
+        seen.add(name)
+        source = f"entry point {ep.value}"
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            manager._fail(name, source, exc)
+            continue
+        manager.add_plugin(plugin, name, version, source)
+    return manager

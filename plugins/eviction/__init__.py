@@ -1,0 +1,1 @@
+"""Built-in eviction policies: lru, lfu, adaptive (ARC), clock."""
