@@ -46,8 +46,11 @@ class EvictionPolicy(ABC):
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         if key in self._sizes:
-            self._total_size += size - self._sizes[key]
-            self._sizes[key] = size
+            old = self._sizes[key]
+            if size != old:
+                self._on_resize(key, old, size)
+                self._total_size += size - old
+                self._sizes[key] = size
             self.touch(key)
             return
         self._sizes[key] = size
@@ -122,6 +125,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def _on_insert(self, key: Key, size: int) -> None:
         """A new, unpinned key was added."""
+
+    def _on_resize(self, key: Key, old_size: int, new_size: int) -> None:
+        """A tracked key's size is changing (before ``_sizes`` is updated).
+
+        Policies that keep their own size totals adjust them here."""
 
     @abstractmethod
     def _on_touch(self, key: Key, pinned: bool) -> None:

@@ -46,7 +46,7 @@ class ModelSettings(Section):
     """[model]: which checkpoint, which backend, on which device."""
 
     path: str = "builtin:tiny"
-    backend: str | None = None
+    backend: str = "native"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)
@@ -64,7 +64,7 @@ class ModelSettings(Section):
 class SchedulerSettings(Section):
     """[scheduler]: batching budgets and queue bounds."""
 
-    name: str | None = None
+    name: str = "fcfs"
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     max_waiting_requests: int = Field(512, gt=0)
@@ -216,9 +216,7 @@ def preset_path(name: str) -> Path:
     resource = resources.files("tierserve.configs") / f"{name}.toml"
     if not resource.is_file():
         available = preset_names()
-        hint = difflib.get_close_matches(name, available, n=1)
-        message = f"unknown preset {name!r}; available: {', '.join(available)}"
-        raise ConfigError(message + (f"; did you mean {hint[0]!r}?" if hint else ""))
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(available)}{_suggest(name, available)}")
     return Path(str(resource))
 
 
@@ -270,7 +268,7 @@ def parse_override(assignment: str) -> tuple[str, str, Any]:
 
 
 def _suggest(name: str, choices: list[str]) -> str:
-    hint = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    hint = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f"; did you mean {hint[0]!r}?" if hint else ""
 
 

@@ -34,6 +34,10 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierserve.plugins.eviction.lfu",
     "tierserve.plugins.eviction.adaptive",
     "tierserve.plugins.eviction.clock",
+    "tierserve.plugins.schedulers.fcfs",
+    "tierserve.plugins.schedulers.priority",
+    "tierserve.plugins.backends.native",
+    "tierserve.plugins.backends.hf_transformers",
 )
 
 # registry kind -> (register hook, human name used in messages)

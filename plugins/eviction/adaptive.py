@@ -38,6 +38,12 @@ class AdaptivePolicy(EvictionPolicy):
         self._b2_size = 0
         self.target_t1_size = 0.0
 
+    def _on_resize(self, key: Key, old_size: int, new_size: int) -> None:
+        if self._in_t2[key]:
+            self._t2_size += new_size - old_size
+        else:
+            self._t1_size += new_size - old_size
+
     def _on_insert(self, key: Key, size: int) -> None:
         if key in self._b1:
             ratio = max(1.0, self._b2_size / self._b1_size)

@@ -29,6 +29,12 @@ class LFUPolicy(EvictionPolicy):
         if bucket is None:
             bucket = self._buckets[count] = OrderedDict()
             heapq.heappush(self._heap, count)
+            if len(self._heap) > 2 * len(self._buckets) + 8:
+                # Stale counts above the minimum are never popped lazily (a
+                # hot key climbing leaves one per touch): rebuild from the
+                # live buckets. Amortised O(1), and the heap stays O(n).
+                self._heap = list(self._buckets)
+                heapq.heapify(self._heap)
         bucket[key] = None
 
     def _bucket_drop(self, key: Key) -> None:

@@ -1,0 +1,142 @@
+"""L1: the pool of fixed-size KV blocks and the per-sequence block tables built on it.
+
+A block holds the K/V of ``block_size`` consecutive tokens of one sequence in
+every layer of the arena. Blocks are reference-counted so several sequences
+can share one (forked prompts, beams, cached prefixes). A block whose count
+drops to zero is free: if it carries a prefix hash it stays "cached-free"
+(its content is still valid and can be revived by a prefix hit) until the
+eviction policy picks it for reuse; otherwise it goes straight back to the
+plain free list.
+
+    total = free (no content) + cached_free (hash kept, ref 0) + in_use (ref > 0)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tierserve.cache.eviction import EvictionPolicy
+
+
+class OutOfBlocksError(RuntimeError):
+    """The pool cannot supply the blocks asked for."""
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Allocates, shares and frees blocks; the eviction policy picks which cached-free block to reuse."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached_free = policy  # block ids with a hash and ref_count 0
+        self.evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (plain free + cached-free)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` blocks (ref 1), plain free ones first, then evicting cached-free ones."""
+        if count > self.num_free_blocks:
+            raise OutOfBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        allocated = []
+        for _ in range(count):
+            if self._free:
+                block = self.blocks[self._free.popleft()]
+            else:
+                block = self.blocks[self._cached_free.evict()]
+                self._on_evict(block)
+                block.block_hash = None
+                self.evictions += 1
+            block.ref_count = 1
+            allocated.append(block.block_id)
+        return allocated
+
+    def share(self, block_id: int) -> None:
+        """Add a reference to a block in use, or revive a cached-free one."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            if block.block_hash is None or block_id not in self._cached_free:
+                raise ValueError(f"block {block_id} is free and holds no cached content")
+            self._cached_free.remove(block_id)
+        block.ref_count += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; pass them in eviction order
+        (the ones to reuse first come first)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise ValueError(f"block {block_id} freed more times than it was allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free.append(block_id)
+                else:
+                    self._cached_free.insert(block_id, 1)
+
+    def _on_evict(self, block: Block) -> None:
+        """Called when a cached-free block loses its content; the prefix cache overrides this."""
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless free + cached-free + in-use == total and every count is sane."""
+        free = set(self._free)
+        cached = set(self._cached_free)
+        in_use = {b.block_id for b in self.blocks if b.ref_count > 0}
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not (free & cached) and not (free & in_use) and not (cached & in_use), "a block is in two states"
+        assert len(free) + len(cached) + len(in_use) == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
+        )
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
+            if block.block_id in cached:
+                assert block.block_hash is not None, f"cached-free block {block.block_id} has no hash"
+            if block.block_id in free:
+                assert block.block_hash is None, f"free block {block.block_id} still has a hash"
+
+
+class KVCacheManager:
+    """Per-sequence block tables on top of a ``BlockPool``."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def blocks_needed(self, num_tokens: int, num_held: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - num_held)
+
+    def allocate_slots(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grow ``block_table`` in place to cover ``num_tokens`` tokens; False (and no change) if the pool is short."""
+        needed = self.blocks_needed(num_tokens, len(block_table))
+        if needed > self.pool.num_free_blocks:
+            return False
+        if needed:
+            block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def free(self, block_table: list[int]) -> None:
+        """Release a sequence's blocks, tail first so shared prefix blocks stay cached longest."""
+        self.pool.free(list(reversed(block_table)))
+        block_table.clear()

@@ -1,0 +1,92 @@
+"""The model backend interface: what the engine needs from a model, whatever runs it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from tierserve.core.scheduler import ScheduledChunk
+from tierserve.core.sequence import Sequence
+
+if TYPE_CHECKING:  # torch loads with the backend, not with the plugin list
+    import torch
+
+
+class ModelBackend(ABC):
+    """A loaded checkpoint that runs one engine step at a time.
+
+    Attributes set by implementations:
+        tokenizer: the checkpoint's Hugging Face tokenizer (chat template included).
+        eos_token_ids: ids that end generation (config + generation_config).
+        max_model_len: longest prompt + output the model accepts.
+        vocab_size: width of the logits.
+        device, dtype: where and how it computes.
+        fingerprint: identifies the weights, dtype and backend; cache keys
+            include it so KV is never shared across models.
+        paged: True if the backend keeps KV in the engine's block arena
+            (block tables matter); False if it keeps its own per-sequence cache.
+    """
+
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str
+    paged: bool = True
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block of ``block_size`` tokens takes across all layers (0 if not paged)."""
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Preallocate the arena for ``num_blocks`` blocks (paged backends)."""
+
+    @abstractmethod
+    def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
+        """Run the model over every scheduled chunk and return next-token logits.
+
+        Each chunk covers ``seq.token_ids[seq.num_computed_tokens :
+        seq.num_computed_tokens + chunk.num_tokens]``; its KV is written to the
+        slots of ``seq.block_table`` (already allocated). Returns a float tensor
+        of shape ``[number of chunks whose .samples is True, vocab_size]`` in
+        chunk order: the logits after each such chunk's last token.
+        """
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (finished, aborted or preempted)."""
+
+    def close(self) -> None:
+        """Release the model and arena memory."""
+
+
+def checkpoint_fingerprint(directory, *extra: str) -> str:
+    """A stable id for a checkpoint's weights plus ``extra`` (dtype, backend, ...).
+
+    Hashes config.json, each weight file's name and size, its safetensors
+    header (tensor names, shapes, offsets) and up to 1 MiB from its start and
+    end: cheap even for large checkpoints, and any retrained or re-quantised
+    weights change it.
+    """
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    root = Path(directory)
+    config = root / "config.json"
+    if config.is_file():
+        digest.update(config.read_bytes())
+    sample = 1 << 20
+    for path in sorted(list(root.glob("*.safetensors")) + list(root.glob("*.bin"))):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read(sample))
+            if size > 2 * sample:
+                handle.seek(size - sample)
+                digest.update(handle.read(sample))
+    for item in extra:
+        digest.update(b"\0" + item.encode())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,489 @@
+"""The engine: requests in, token deltas out, one model step at a time on a background thread.
+
+    submit() ─► incoming ─► scheduler.schedule() ─► backend.forward() ─► sampler
+                                 ▲                                         │
+                      aborts ────┘           detokenizer ◄─────────────────┘
+                                                  │
+                                 per-request stream (asyncio queue or blocking queue)
+
+HTTP handlers ``async for`` over ``add_request``; scripts and tests call
+``generate``. Everything that touches the scheduler or the KV arena runs on
+the step thread (or inline in ``generate`` when no thread is running), so
+they need no locks; other threads talk to it through thread-safe deques.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from tierserve.cache.block_pool import BlockPool, KVCacheManager
+from tierserve.core.backend import ModelBackend
+from tierserve.core.config import Settings
+from tierserve.core.detokenizer import IncrementalDetokenizer
+from tierserve.core.plugins import PluginManager, load_plugins
+from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.scheduler import QueueFullError, Scheduler
+from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
+
+log = structlog.get_logger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; the message names the field."""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to a request (a streaming delta), plus running totals."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    """The whole result of ``generate``: deltas folded together."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+class RequestStream:
+    """Carries a request's deltas from the step thread to its consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._loop = loop
+        self._async: asyncio.Queue[RequestOutput] | None = asyncio.Queue() if loop else None
+        self._sync: queue.SimpleQueue[RequestOutput] | None = None if loop else queue.SimpleQueue()
+
+    def put(self, output: RequestOutput) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, output)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+        else:
+            self._sync.put(output)
+
+    async def get_async(self) -> RequestOutput:
+        return await self._async.get()
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        return self._sync.get(timeout=timeout)
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    seq: Sequence
+    stream: RequestStream
+    detokenizer: IncrementalDetokenizer
+    logprobs: bool
+
+
+@dataclass
+class EngineStats:
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Continuous-batching inference over one backend, scheduler and block pool."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        backend: ModelBackend,
+        scheduler: Scheduler,
+        pool: BlockPool,
+        plugins: PluginManager,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.scheduler = scheduler
+        self.pool = pool
+        self.plugins = plugins
+        self.tokenizer = backend.tokenizer
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._requests: dict[str, RequestState] = {}
+        self._incoming: deque[RequestState] = deque()
+        self._aborts: deque[str] = deque()
+        self._seq_ids = itertools.count()
+        self._rng = random.Random()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- construction -----------------------------------------------------
+
+    @classmethod
+    def from_settings(cls, settings: Settings, plugins: PluginManager | None = None) -> Engine:
+        """Build the backend, block pool and scheduler that ``settings`` name."""
+        plugins = plugins or load_plugins()
+        backend_factory = plugins.registry("backends").get(settings.model.backend).factory
+        backend: ModelBackend = backend_factory(settings)
+        kv = settings.kv_cache
+        num_blocks = kv.l1_capacity
+        policy = plugins.registry("eviction_policies").get(kv.eviction_policy).factory(num_blocks)
+        pool = BlockPool(num_blocks, kv.block_size, policy)
+        backend.allocate_kv_cache(num_blocks, kv.block_size)
+        scheduler_factory = plugins.registry("schedulers").get(settings.scheduler.name).factory
+        scheduler = scheduler_factory(settings.scheduler, KVCacheManager(pool))
+        engine = cls(settings, backend, scheduler, pool, plugins)
+        log.info(
+            "engine_ready",
+            model=str(getattr(backend, "path", settings.model.path)),
+            device=str(backend.device),
+            dtype=str(backend.dtype),
+            kv_blocks=num_blocks,
+            block_size=kv.block_size,
+        )
+        return engine
+
+    # ---- requests -----------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: Seq[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids for a text prompt, token ids, or chat messages (the checkpoint's chat template)."""
+        if messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError("messages: this model's tokenizer has no chat template; send a prompt instead")
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if prompt is None:
+            raise RequestError("prompt: required (a string or a list of token ids)")
+        ids = list(prompt)
+        if any(not isinstance(t, int) or not 0 <= t < self.backend.vocab_size for t in ids):
+            raise RequestError(f"prompt: token ids must be integers in [0, {self.backend.vocab_size})")
+        return ids
+
+    def submit(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> tuple[str, RequestStream]:
+        """Queue a tokenised request from any thread; deltas arrive on the returned stream.
+
+        Raises:
+            RequestError: empty prompt, or prompt + max_tokens beyond the context or KV capacity.
+            QueueFullError: the waiting queue is full (back-pressure).
+        """
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError("prompt: must contain at least one token")
+        limit = self.backend.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context length ({limit})"
+            )
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise RequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the KV cache capacity ({capacity} tokens)"
+            )
+        waiting = self.scheduler.num_waiting + len(self._incoming)
+        if waiting >= self.settings.scheduler.max_waiting_requests:
+            raise QueueFullError(
+                f"{waiting} requests are waiting (max_waiting_requests = "
+                f"{self.settings.scheduler.max_waiting_requests}); retry later"
+            )
+        request_id = request_id or f"req-{next(self._seq_ids)}-{self._rng.getrandbits(32):08x}"
+        if request_id in self._requests:
+            raise RequestError(f"request_id: {request_id!r} is already in flight")
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            token_ids=ids,
+            num_prompt_tokens=len(ids),
+            params=params,
+            priority=priority,
+            generator=self._make_generator(params),
+        )
+        state = RequestState(
+            seq=seq,
+            stream=RequestStream(loop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            ),
+            logprobs=params.logprobs is not None,
+        )
+        self._requests[request_id] = state
+        self._incoming.append(state)
+        self._wakeup.set()
+        return request_id, state.stream
+
+    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        generator = torch.Generator(device=self.backend.device)
+        generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        return generator
+
+    async def add_request(
+        self,
+        prompt: str | Seq[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Seq[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas; leaving the loop early (client gone) aborts it."""
+        ids = self.encode_prompt(prompt, messages)
+        request_id, stream = self.submit(
+            ids, params or SamplingParams(), request_id=request_id, priority=priority, loop=asyncio.get_running_loop()
+        )
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get_async()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step and free its blocks (thread-safe; unknown ids are ignored)."""
+        self._aborts.append(request_id)
+        self._wakeup.set()
+
+    # ---- the step -------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._incoming or self._aborts or self.scheduler.has_unfinished)
+
+    def step(self) -> int:
+        """Run one scheduling + forward + sampling step; returns the number of tokens computed."""
+        self._admit()
+        self._apply_aborts()
+        output = self.scheduler.schedule()
+        for seq in output.preempted:
+            self.stats.preemptions += 1
+            self.backend.release(seq)
+        if not output.chunks:
+            return 0
+        self.stats.steps += 1
+        logits = self.backend.forward(output.chunks)
+        sampling = [chunk for chunk in output.chunks if chunk.samples]
+        for chunk in output.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        if sampling:
+            rows = [
+                SamplingRow(c.seq.params, c.seq.generator, c.seq.prompt_token_ids, c.seq.output_token_ids)
+                if c.seq.params.has_penalties
+                else SamplingRow(c.seq.params, c.seq.generator, [], [])
+                for c in sampling
+            ]
+            for chunk, sampled in zip(sampling, self.sampler(logits, rows)):
+                self._append_token(self._requests[chunk.seq.request_id], sampled)
+        return output.num_tokens
+
+    def _admit(self) -> None:
+        while self._incoming:
+            state = self._incoming.popleft()
+            if state.seq.request_id not in self._requests:
+                continue
+            try:
+                self.scheduler.add(state.seq)
+            except QueueFullError:
+                self._finish(state, FinishReason.ABORT, "")
+                continue
+            self.stats.requests_added += 1
+            self.stats.prompt_tokens += state.seq.num_prompt_tokens
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            state = self._requests.get(self._aborts.popleft())
+            if state is not None and not state.seq.is_finished:
+                self.stats.requests_aborted += 1
+                self._finish(state, FinishReason.ABORT, "")
+
+    def _append_token(self, state: RequestState, sampled: SampledToken) -> None:
+        seq = state.seq
+        token = sampled.token_id
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self.stats.generation_tokens += 1
+        params = seq.params
+        reason: FinishReason | None = None
+        text = ""
+        if (token in self.backend.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = FinishReason.STOP  # the stop token's text is not part of the output
+        else:
+            delta = state.detokenizer.add([token])
+            text = delta.text
+            if delta.stopped:
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.backend.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None and state.detokenizer.stop_reason is None:
+            text += state.detokenizer.flush()
+            if state.detokenizer.stop_reason is not None:  # held-back text completed a stop string
+                reason = FinishReason.STOP
+        logprobs = None
+        if state.logprobs:
+            logprobs = [TokenLogprob(token, sampled.logprob, sampled.top_logprobs or [])]
+        if reason is not None:
+            self._finish(state, reason, text, [token], logprobs)
+        else:
+            state.stream.put(self._output(state, text, [token], None, logprobs))
+
+    def _output(self, state, text, token_ids, reason, logprobs) -> RequestOutput:
+        seq = state.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=token_ids,
+            finished=reason is not None,
+            finish_reason=reason.value if reason is not None else None,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
+        )
+
+    def _finish(self, state: RequestState, reason: FinishReason, text: str, token_ids=(), logprobs=None) -> None:
+        seq = state.seq
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(seq)
+            self.backend.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.stats.requests_finished += 1
+        self.stats.finish_reasons[reason.value] = self.stats.finish_reasons.get(reason.value, 0) + 1
+        self._requests.pop(seq.request_id, None)
+        state.stream.put(self._output(state, text, list(token_ids), reason, logprobs))
+
+    # ---- running ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run steps on a background thread until ``shutdown``."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="tierserve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.has_work():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                self.step()
+            except Exception:
+                log.exception("engine_step_failed")
+                self._fail_all()
+
+    def _fail_all(self) -> None:
+        """After a step failed, end every request rather than leave clients hanging."""
+        for state in list(self._requests.values()):
+            self._finish(state, FinishReason.ABORT, "")
+
+    def shutdown(self, abort_running: bool = True) -> None:
+        """Stop the step thread; with ``abort_running`` every unfinished request ends as aborted."""
+        if self._thread is not None:
+            self._stop.set()
+            self._wakeup.set()
+            self._thread.join()
+            self._thread = None
+        if abort_running:
+            for request_id in list(self._requests):
+                self.abort(request_id)
+            self._admit()
+            self._apply_aborts()
+
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        priorities: Seq[int] | None = None,
+    ) -> list[CompletedRequest]:
+        """Run prompts to completion (all submitted at once, batched continuously)."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        submitted = []
+        for index, prompt in enumerate(prompts):
+            ids = self.encode_prompt(prompt)
+            priority = priorities[index] if priorities else 0
+            submitted.append((ids, *self.submit(ids, params_list[index], priority=priority)))
+        results = []
+        for ids, request_id, stream in submitted:
+            tokens: list[int] = []
+            text: list[str] = []
+            logprobs: list[TokenLogprob] = []
+            while True:
+                output = self._next_output(stream)
+                tokens.extend(output.token_ids)
+                text.append(output.text)
+                logprobs.extend(output.logprobs or [])
+                if output.finished:
+                    break
+            results.append(
+                CompletedRequest(
+                    request_id, ids, tokens, "".join(text), output.finish_reason, output.cached_tokens,
+                    logprobs if logprobs else None,
+                )
+            )
+        return results
+
+    def _next_output(self, stream: RequestStream) -> RequestOutput:
+        if self._thread is not None:
+            return stream.get()
+        while True:
+            try:
+                return stream.get(timeout=0)
+            except queue.Empty:
+                self.step()

@@ -1,0 +1,75 @@
+"""Per-request sampling parameters, validated with errors that name the field and the allowed values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. ``logprobs=None`` returns none,
+    ``0`` the chosen token's, ``N`` also the top ``N`` alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError("field: ...")`` for any value out of range."""
+
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}")
+
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "0 (greedy) to 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "greater than 0 and at most 1")
+        if self.top_k < -1:
+            raise bad("top_k", "-1 or 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "0 to 1")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", "greater than 0 and at most 10 (1 = off)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "-2 to 2")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "-2 to 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            raise bad("logprobs", f"0 to {self.MAX_LOGPROBS}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "non-empty strings")
+        if len(self.stop) > 16:
+            raise bad("stop", "at most 16 strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "non-negative token ids")

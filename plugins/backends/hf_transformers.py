@@ -1,0 +1,90 @@
+"""The ``transformers`` backend: any ``AutoModelForCausalLM`` with the library's own KV cache.
+
+Slower than ``native`` (one forward per sequence per step, no paged arena) but
+it runs every architecture transformers knows (GPT-2, OPT, ...), behind the
+same request API. Each sequence keeps a ``DynamicCache``; chunked prefill
+feeds chunks into it; preemption drops it and the prompt is recomputed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.config import Settings
+from tierserve.core.hookspecs import hookimpl
+from tierserve.core.scheduler import ScheduledChunk
+from tierserve.core.sequence import Sequence
+
+if TYPE_CHECKING:  # loaded when the backend is built, not when plugins are listed
+    import torch
+
+
+class TransformersBackend(ModelBackend):
+    """A Hugging Face causal LM run sequence by sequence with its own cache objects."""
+
+    paged = False
+
+    def __init__(self, settings: Settings) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+        from tierserve.core.devices import resolve_device, resolve_dtype
+
+        model = settings.model
+        self.path = resolve_model_path(model.path)
+        self.device = resolve_device(model.device)
+        self.dtype = resolve_dtype(model.dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
+        config = self.model.config
+        self.vocab_size = config.vocab_size
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+        self.max_model_len = min(model.max_model_len or positions, positions)
+        eos = load_generation_eos_ids(self.path)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), "transformers")
+        parameters = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._caches: dict[int, object] = {}
+
+    def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
+        import torch
+
+        with torch.inference_mode():
+            return self._forward(chunks)
+
+    def _forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
+        import torch
+        from transformers import DynamicCache
+
+        logits = []
+        for chunk in chunks:
+            seq = chunk.seq
+            start = seq.num_computed_tokens
+            if start == 0:
+                self._caches[seq.seq_id] = DynamicCache()
+            cache = self._caches[seq.seq_id]
+            ids = torch.tensor([seq.token_ids[start : start + chunk.num_tokens]], device=self.device)
+            positions = torch.arange(start, start + chunk.num_tokens, device=self.device)[None]
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache})
+            if chunk.samples:
+                logits.append(out.logits[0, -1].float())
+        if not logits:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return torch.stack(logits)
+
+    def release(self, seq: Sequence) -> None:
+        self._caches.pop(seq.seq_id, None)
+
+    def close(self) -> None:
+        self._caches.clear()
+
+
+@hookimpl
+def register_backends(register):
+    register("transformers", TransformersBackend, description="any AutoModelForCausalLM, with its own KV cache")

@@ -1,0 +1,211 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) computed against a paged KV arena.
+
+Weights come from a Hugging Face state dict; q/k/v and gate/up projections are
+fused into one matmul each. Attention reads K/V through block tables:
+
+    slot(seq, pos) = block_table[pos // block_size] * block_size + pos % block_size
+    k_cache[layer] : [num_blocks * block_size, num_kv_heads, head_dim]
+
+Decode tokens of all sequences attend in one batched call; each prefill chunk
+attends on its own (a chunk starting mid-prompt sees the cached prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    sliding_window: int | None
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Rows of the flattened batch that attend together, and what they read."""
+
+    rows: slice | torch.Tensor  # query rows in the flattened token batch
+    gather: torch.Tensor  # [batch, ctx] slot indices of the keys
+    masks: dict[int | None, torch.Tensor | None]  # sliding window -> bool mask [batch, 1, q, ctx]
+    batch: int
+    q_len: int
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    groups: list[AttentionGroup]
+    sample_rows: torch.Tensor  # rows whose logits are returned
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    """Functional forward pass over fused weights; no autograd, no nn.Module overhead."""
+
+    def __init__(self, config, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the native backend runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, not "
+                f"{config.model_type!r}; set model.backend = \"transformers\" for other architectures"
+            )
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.act = ACT2FN[config.hidden_act]
+        self.scaling = self.head_dim**-0.5
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            tensor = state.pop(name, None)
+            if tensor is None:
+                if required:
+                    raise ValueError(f"checkpoint is missing weight {name!r}")
+                return None
+            return tensor.to(device=device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        lm_head = take("lm_head.weight", required=False)
+        self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+
+        layer_types = getattr(config, "layer_types", None)
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
+            if layer_types:
+                window = config.sliding_window if layer_types[i] == "sliding_attention" else None
+            else:
+                window = getattr(config, "sliding_window", None)
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([q, k, v], 0).contiguous(),
+                    qkv_bias=torch.cat(biases, 0) if all(b is not None for b in biases) else None,
+                    q_norm=take(p + "self_attn.q_norm.weight", required=False),
+                    k_norm=take(p + "self_attn.k_norm.weight", required=False),
+                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    o_bias=take(p + "self_attn.o_proj.bias", required=False),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
+                    ).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                    sliding_window=window,
+                )
+            )
+        state.pop("model.rotary_emb.inv_freq", None)
+        self.windows = sorted({layer.sliding_window for layer in self.layers}, key=lambda w: w or 0)
+        self._build_rope(config)
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+
+    def _build_rope(self, config) -> None:
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic NTK RoPE scaling is not supported by the native backend; use transformers")
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(self.device, self.dtype)
+        self.sin = (emb.sin() * scaling).to(self.device, self.dtype)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * block_size * self.num_kv_heads * self.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        """Logits (float32) for ``batch.sample_rows``; KV of every token is written to the arena."""
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        hidden = self.embed[batch.input_ids]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        tokens = hidden.shape[0]
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, self.eps)
+                k = rms_norm(k, layer.k_norm, self.eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
+            attn = self._attend(q, k_cache, v_cache, batch.groups, layer.sliding_window)
+            hidden = hidden + F.linear(attn.reshape(tokens, q_size), layer.o_proj, layer.o_bias)
+            x = rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(self.act(gate) * up, layer.down)
+        last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attend(self, q, k_cache, v_cache, groups: list[AttentionGroup], window: int | None) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for group in groups:
+            queries = q[group.rows].view(group.batch, group.q_len, self.num_heads, self.head_dim).transpose(1, 2)
+            keys = k_cache[group.gather].transpose(1, 2)  # [batch, kv_heads, ctx, head_dim]
+            values = v_cache[group.gather].transpose(1, 2)
+            mask = group.masks[window]
+            result = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None and group.q_len > 1,
+                scale=self.scaling,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+            out[group.rows] = result.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        return out

@@ -1,0 +1,164 @@
+"""The ``native`` backend: Llama-family checkpoints on tierserve's paged KV arena."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.config import Settings
+from tierserve.core.hookspecs import hookimpl
+from tierserve.core.scheduler import ScheduledChunk
+
+# torch, transformers and the model load when a backend is built, so listing
+# plugins or validating settings stays fast.
+if TYPE_CHECKING:
+    import torch
+
+    from tierserve.plugins.backends.llama import PagedBatch
+
+
+def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, single file or sharded (``*.safetensors.index.json``)."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {directory}; the native backend reads safetensors only "
+            "(convert the checkpoint, or set model.backend = \"transformers\")"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(directory / name), framework="pt") as handle:
+            for key in handle.keys():
+                state[key] = handle.get_tensor(key)
+    return state
+
+
+class NativeBackend(ModelBackend):
+    """Loads a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory and runs it paged."""
+
+    paged = True
+
+    def __init__(self, settings: Settings) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+        from tierserve.core.devices import resolve_device, resolve_dtype
+        from tierserve.plugins.backends.llama import PagedLlama
+
+        model = settings.model
+        self.path = resolve_model_path(model.path)
+        self.device = resolve_device(model.device)
+        self.dtype = resolve_dtype(model.dtype, self.device)
+        self.config = AutoConfig.from_pretrained(self.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.model = PagedLlama(self.config, load_safetensors(self.path), self.device, self.dtype)
+        self.vocab_size = self.config.vocab_size
+        self.max_model_len = min(
+            model.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
+        eos = load_generation_eos_ids(self.path)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), "native")
+        self.block_size = settings.kv_cache.block_size
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_bytes_per_block(block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.model.allocate_kv_cache(num_blocks, block_size)
+
+    def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
+        import torch
+
+        with torch.inference_mode():
+            return self.model.forward(self._build_batch(chunks))
+
+    def _build_batch(self, chunks: Seq[ScheduledChunk]) -> PagedBatch:
+        import torch
+
+        from tierserve.plugins.backends.llama import AttentionGroup, PagedBatch
+
+        device, bs = self.device, self.block_size
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.seq.num_computed_tokens > 0]
+        decode_ids = {id(c) for c in decodes}
+        prefills = [c for c in chunks if id(c) not in decode_ids]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        last_row: dict[int, int] = {}
+        for chunk in ordered:
+            start = chunk.seq.num_computed_tokens
+            input_ids.extend(chunk.seq.token_ids[start : start + chunk.num_tokens])
+            positions.extend(range(start, start + chunk.num_tokens))
+            last_row[id(chunk)] = len(input_ids) - 1
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        groups: list[AttentionGroup] = []
+        slot_parts: list[torch.Tensor] = []
+        windows = self.model.windows
+
+        if decodes:
+            tables = [c.seq.block_table for c in decodes]
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            ctx = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
+            max_ctx = int(ctx.max())
+            pos = torch.arange(max_ctx)
+            gather = table[:, pos // bs] * bs + pos % bs  # [B, max_ctx]
+            slot_parts.append(gather[torch.arange(len(decodes)), ctx - 1])
+            valid = pos[None, :] < ctx[:, None]
+            masks: dict[int | None, torch.Tensor | None] = {}
+            for window in windows:
+                keep = valid if window is None else valid & (pos[None, :] > (ctx[:, None] - 1) - window)
+                masks[window] = None if bool(keep.all()) else keep[:, None, None, :].to(device)
+            groups.append(AttentionGroup(slice(0, len(decodes)), gather.to(device), masks, len(decodes), 1))
+
+        row = len(decodes)
+        for chunk in prefills:
+            start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
+            table = torch.tensor(chunk.seq.block_table, dtype=torch.long)
+            pos = torch.arange(start + n)
+            slots = table[pos // bs] * bs + pos % bs
+            slot_parts.append(slots[start:])
+            q_pos = torch.arange(start, start + n)
+            causal = pos[None, :] <= q_pos[:, None]
+            masks = {}
+            for window in windows:
+                if window is None:
+                    keep = causal
+                else:
+                    keep = causal & (pos[None, :] > q_pos[:, None] - window)
+                plain = window is None and start == 0
+                masks[window] = None if plain else keep[None, None].to(device)
+            groups.append(AttentionGroup(slice(row, row + n), slots[None].to(device), masks, 1, n))
+            row += n
+
+        sample_rows = [last_row[id(c)] for c in chunks if c.samples]
+        return PagedBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=positions_t.to(device),
+            slot_mapping=torch.cat(slot_parts).to(device),
+            groups=groups,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        )
+
+    def close(self) -> None:
+        self.model.k_cache.clear()
+        self.model.v_cache.clear()
+
+
+@hookimpl
+def register_backends(register):
+    register("native", NativeBackend, description="Llama/Mistral/Qwen2/Qwen3 on the paged KV arena (fast path)")

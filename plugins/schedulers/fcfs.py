@@ -1,0 +1,122 @@
+"""FCFS: continuous batching with chunked prefill and recompute preemption, first come first served."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any
+
+from tierserve.core.hookspecs import hookimpl
+from tierserve.core.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
+from tierserve.core.sequence import Sequence, SequenceStatus
+
+
+class FCFSScheduler(Scheduler):
+    """Continuous batching in arrival order.
+
+    Each step: sequences that are decoding get one token each first (so a long
+    prefill never starves them), then running prefills continue in chunks,
+    then waiting sequences are admitted while the token budget, the sequence
+    cap and free blocks allow. When a running sequence needs a block and none
+    is free, the last-admitted running sequence is preempted: its blocks are
+    freed and it goes back to the front of the queue, to be recomputed from
+    its prompt plus what it already generated.
+    """
+
+    def __init__(self, settings, kv) -> None:
+        super().__init__(settings, kv)
+        self._waiting: list[tuple[Any, Sequence]] = []  # heap by order key
+        self._running: list[Sequence] = []
+        self._counter = itertools.count()
+
+    def order_key(self, seq: Sequence) -> Any:
+        """Lower runs first; preemption takes the highest. Subclasses change the policy here."""
+        return (seq.arrival_time, seq.seq_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(self, seq: Sequence) -> None:
+        if len(self._waiting) >= self.settings.max_waiting_requests:
+            raise QueueFullError(
+                f"{len(self._waiting)} requests are waiting (max_waiting_requests = "
+                f"{self.settings.max_waiting_requests}); retry later"
+            )
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (self.order_key(seq), next(self._counter), seq))
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            for i, entry in enumerate(self._waiting):
+                if entry[-1] is seq:
+                    self._waiting[i] = self._waiting[-1]
+                    self._waiting.pop()
+                    heapq.heapify(self._waiting)
+                    break
+        self.kv.free(seq.block_table)
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        self._running.remove(seq)
+        self.kv.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._push_waiting(seq)
+        output.preempted.append(seq)
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
+        """Allocate slots for ``seq``, preempting lower-priority running sequences; False if ``seq`` itself had to go."""
+        target = seq.num_computed_tokens + num_tokens
+        while not self.kv.allocate_slots(seq.block_table, target):
+            victim = max(self._running, key=self.order_key)
+            self._preempt(victim, output)
+            if victim is seq:
+                return False
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.settings.max_num_batched_tokens
+        self._running.sort(key=self.order_key)
+        decoding = [s for s in self._running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self._running if s.num_uncomputed_tokens > 1]
+
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if self._allocate_or_preempt(seq, num_tokens, output):
+                output.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+        # a preemption victim may have been scheduled before it was chosen
+        output.chunks = [c for c in output.chunks if c.seq.status is SequenceStatus.RUNNING]
+        budget = self.settings.max_num_batched_tokens - output.num_tokens
+
+        if not output.preempted:
+            while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
+                seq = self._waiting[0][-1]
+                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                if not self.kv.allocate_slots(seq.block_table, seq.num_computed_tokens + num_tokens):
+                    break
+                heapq.heappop(self._waiting)
+                seq.status = SequenceStatus.RUNNING
+                self._running.append(seq)
+                output.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+        return output
+
+
+@hookimpl
+def register_schedulers(register):
+    register("fcfs", FCFSScheduler, description="continuous batching, first come first served")

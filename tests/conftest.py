@@ -1,0 +1,38 @@
+"""Shared test helpers: temporary installed plugin distributions."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def install_fake_plugin(tmp_path, monkeypatch):
+    """Write a real installed distribution (dist-info + module) onto sys.path.
+
+    ``install_fake_plugin(dist, module, source, entry_point=None)`` returns the
+    site folder; importlib.metadata finds its ``tierserve`` entry point exactly
+    as it finds one that pip installed.
+    """
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    installed: list[str] = []
+
+    def install(dist: str, module: str, source: str, entry_point: str | None = None) -> Path:
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+        info = site / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+        (info / "entry_points.txt").write_text(f"[tierserve]\n{entry_point or module} = {module}\n")
+        installed.append(module)
+        return site
+
+    yield install
+    for module in installed:
+        sys.modules.pop(module, None)

@@ -1,0 +1,64 @@
+"""Building tiny checkpoints and engines for tests, and the Hugging Face reference output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tierserve.core.builtin_models import write_checkpoint
+from tierserve.core.config import load_settings
+from tierserve.core.engine import Engine
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "café, naïve, 日本語 and 🙂",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read. "
+    "Every morning she walked to the old library at the edge of the town, where the librarian "
+    "kept a shelf of books nobody else ever asked for.",
+    "1 2 3 4 5 6 7 8 9 10",
+    "Q: What is the capital of France?\nA:",
+    "x",
+]
+
+
+def build_checkpoint(root: Path, name: str, architecture: str, **overrides) -> Path:
+    return write_checkpoint(root / name, architecture, seed=1, **overrides)
+
+
+def make_engine(path: Path, backend: str = "native", **settings) -> Engine:
+    overrides = {("model", "path"): str(path), ("model", "backend"): backend, ("model", "device"): "cpu"}
+    for dotted, value in settings.items():
+        section, key = dotted.split("__")
+        overrides[(section, key)] = value
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    return Engine.from_settings(loaded.settings, loaded.plugins)
+
+
+def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """``generate(do_sample=False)`` one prompt at a time, never stopping early."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.inference_mode():
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        outputs.append(generated[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+def assert_pool_released(engine: Engine) -> None:
+    engine.pool.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert not engine.scheduler.has_unfinished

@@ -1,0 +1,92 @@
+"""The tierserve command as a user runs it (the installed console script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TIERSERVE = str(Path(sys.executable).parent / "tierserve")
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_")}
+    full_env.update(env or {})
+    return subprocess.run([TIERSERVE, *args], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_plugins_json_lists_the_four_policies_with_their_plugin():
+    result = run("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    owners = {
+        name: plugin["name"]
+        for plugin in payload["plugins"]
+        for name in plugin["components"].get("eviction_policies", [])
+    }
+    assert owners == {
+        "lru": "tierserve.plugins.eviction.lru",
+        "lfu": "tierserve.plugins.eviction.lfu",
+        "adaptive": "tierserve.plugins.eviction.adaptive",
+        "clock": "tierserve.plugins.eviction.clock",
+    }
+    for plugin in payload["plugins"]:
+        assert plugin["version"] and plugin["source"] == "builtin"
+        if plugin["name"] in owners.values():
+            assert plugin["hooks"] == ["register_eviction_policies"]
+    assert payload["failures"] == []
+
+
+def test_plugins_text_output():
+    result = run("plugins")
+    assert result.returncode == 0
+    assert "tierserve.plugins.eviction.adaptive" in result.stdout
+    assert "eviction_policies: adaptive" in result.stdout
+
+
+def test_config_show_production_prints_values_with_sources():
+    result = run("config", "show", "--preset", "production")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "[kv_cache]" in lines
+    policy = next(line for line in lines if line.startswith("eviction_policy"))
+    assert '"adaptive"' in policy and "preset production" in policy
+    port = next(line for line in lines if line.startswith("shutdown_grace_seconds"))
+    assert port.endswith("# default")
+
+
+def test_config_show_json_with_env_and_set():
+    result = run(
+        "config",
+        "show",
+        "--json",
+        "--set",
+        "kv_cache.l1_capacity=1234",
+        env={"TIERSERVE_SERVER__PORT": "9001"},
+    )
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["kv_cache"]["l1_capacity"] == {"value": 1234, "source": "command line"}
+    assert shown["server"]["port"] == {"value": 9001, "source": "environment variable TIERSERVE_SERVER__PORT"}
+
+
+def test_bad_config_exits_2_with_message(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[kv_cache]\neviction_policy = "lru2"\n')
+    result = run("config", "show", "--config", str(bad))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "available: adaptive, clock, lfu, lru; did you mean 'lru'?" in result.stderr
+    assert str(bad) in result.stderr
+
+
+def test_serve_validates_settings_and_does_not_pretend_to_serve(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nport = -1\n")
+    result = run("serve", "--config", str(bad))
+    assert result.returncode == 2 and "server.port = -1" in result.stderr
+    result = run("serve", "--port", "8123")
+    assert result.returncode != 0
+    assert "no engine or HTTP server yet" in result.stderr

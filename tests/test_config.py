@@ -1,0 +1,173 @@
+"""Settings: presets, layering, provenance, and errors that name key, value and source."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tierserve.core.config import load_settings, preset_names
+from tierserve.core.errors import ConfigError
+
+# The original design's keys, exactly as DESIGN.md shows them.
+ORIGINAL_DESIGN_TOML = """
+[kv_cache]
+l1_capacity = 5000
+l2_capacity = 50000
+max_memory_bytes = 1000000000
+eviction_policy = "Adaptive"      # case-insensitive registry name
+ttl_seconds = 3600
+[speculative]
+beam_width = 6
+temperature = 0.8
+top_k = 40
+top_p = 0.9
+[sliding_window]
+window_size = 512
+window_overlap = 64
+use_flash_attention = true
+[monitoring]
+enabled = true
+collection_interval_seconds = 30
+detailed_profiling = true
+"""
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    def write(text: str, name: str = "config.toml"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+def test_original_design_keys_load_unchanged(toml_file):
+    path = toml_file(ORIGINAL_DESIGN_TOML)
+    loaded = load_settings(preset=None, config_file=path, environ={})
+    s = loaded.settings
+    assert (s.kv_cache.l1_capacity, s.kv_cache.l2_capacity, s.kv_cache.max_memory_bytes) == (5000, 50000, 10**9)
+    assert s.kv_cache.eviction_policy == "adaptive"
+    assert s.kv_cache.ttl_seconds == 3600
+    assert (s.speculative.beam_width, s.speculative.temperature, s.speculative.top_k, s.speculative.top_p) == (
+        6,
+        0.8,
+        40,
+        0.9,
+    )
+    assert (s.sliding_window.window_size, s.sliding_window.window_overlap) == (512, 64)
+    assert s.sliding_window.use_flash_attention is True
+    assert s.monitoring.detailed_profiling is True
+    assert loaded.source_of("kv_cache", "l1_capacity") == f"config file {path}"
+    assert loaded.source_of("server", "port") == "default"
+
+
+def test_presets_ship_and_differ():
+    assert {"development", "production"} <= set(preset_names())
+    dev = load_settings("development", environ={}).settings
+    prod = load_settings("production", environ={}).settings
+    assert prod.kv_cache.l1_capacity > dev.kv_cache.l1_capacity
+    assert prod.kv_cache.l2_capacity > dev.kv_cache.l2_capacity
+    assert prod.kv_cache.persistence is True and dev.kv_cache.persistence is False
+    assert prod.logging.format == "json" and dev.logging.format == "console"
+    assert dev.model.path == "builtin:tiny"
+    assert prod.monitoring.enabled
+
+
+def test_unknown_policy_lists_available_names_and_suggests(toml_file):
+    path = toml_file('[kv_cache]\neviction_policy = "lru2"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings("development", config_file=path, environ={})
+    message = str(info.value)
+    assert "kv_cache.eviction_policy" in message
+    assert "'lru2'" in message
+    assert str(path) in message
+    assert "available: adaptive, clock, lfu, lru" in message
+    assert "did you mean 'lru'?" in message
+
+
+def test_wrong_type_names_key_value_and_file(toml_file):
+    path = toml_file('[kv_cache]\nl1_capacity = "lots"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings("development", config_file=path, environ={})
+    message = str(info.value)
+    assert "kv_cache.l1_capacity = 'lots'" in message
+    assert f"config file {path}" in message
+    assert "integer" in message
+
+
+def test_unknown_key_is_named_with_file_and_suggestion(toml_file):
+    path = toml_file("[kv_cache]\nl1_capacty = 10\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings("development", config_file=path, environ={})
+    assert "unknown key kv_cache.l1_capacty" in str(info.value)
+    assert str(path) in str(info.value)
+    assert "did you mean 'l1_capacity'?" in str(info.value)
+
+
+def test_unknown_section_and_bad_toml(toml_file):
+    with pytest.raises(ConfigError, match=r"unknown section \[kv_cach\].*did you mean 'kv_cache'"):
+        load_settings(None, config_file=toml_file("[kv_cach]\nblock_size = 8\n"), environ={})
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_settings(None, config_file=toml_file("[kv_cache\n"), environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(None, config_file="/nonexistent/tierserve.toml", environ={})
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="unknown preset 'prod'.*development.*production.*did you mean 'production'"):
+        load_settings("prod", environ={})
+
+
+def test_cross_field_rule_names_section_and_source(toml_file):
+    path = toml_file("[sliding_window]\nwindow_size = 64\nwindow_overlap = 64\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, config_file=path, environ={})
+    assert "[sliding_window]" in str(info.value)
+    assert str(path) in str(info.value)
+    assert "window_overlap (64) must be smaller than window_size (64)" in str(info.value)
+
+
+def test_sources_layer_in_order_preset_file_env_cli(toml_file):
+    path = toml_file("[kv_cache]\nl1_capacity = 111\nl2_capacity = 222\nblock_size = 8\n")
+    environ = {"TIERSERVE_KV_CACHE__L2_CAPACITY": "333", "TIERSERVE_KV_CACHE__BLOCK_SIZE": "32"}
+    loaded = load_settings(
+        "production", config_file=path, environ=environ, overrides={("kv_cache", "block_size"): 64}
+    )
+    s = loaded.settings.kv_cache
+    assert (s.l1_capacity, s.l2_capacity, s.block_size) == (111, 333, 64)
+    assert s.max_memory_bytes == 1_000_000_000  # from the preset
+    assert loaded.source_of("kv_cache", "max_memory_bytes").startswith("preset production")
+    assert loaded.source_of("kv_cache", "l1_capacity") == f"config file {path}"
+    assert loaded.source_of("kv_cache", "l2_capacity") == "environment variable TIERSERVE_KV_CACHE__L2_CAPACITY"
+    assert loaded.source_of("kv_cache", "block_size") == "command line"
+
+
+def test_environment_errors_name_the_variable():
+    with pytest.raises(ConfigError, match="TIERSERVE_SERVER__PORT"):
+        load_settings(None, environ={"TIERSERVE_SERVER__PORT": "99999"})
+    with pytest.raises(ConfigError, match="unknown key server.prot in environment variable TIERSERVE_SERVER__PROT"):
+        load_settings(None, environ={"TIERSERVE_SERVER__PROT": "1"})
+    loaded = load_settings(None, environ={"TIERSERVE_AUTH__API_KEYS": '["k1", "k2"]'})
+    assert loaded.settings.auth.api_keys == ["k1", "k2"]
+
+
+def test_plugin_allowlist_variable_is_not_a_settings_section(install_fake_plugin, toml_file):
+    install_fake_plugin(
+        "tierserve-mru",
+        "tierserve_mru_config",
+        """
+        from tierserve.core import hookimpl
+        @hookimpl
+        def register_eviction_policies(register):
+            register("mru", object)
+        """,
+    )
+    path = toml_file('[kv_cache]\neviction_policy = "MRU"\n')
+    assert load_settings(None, config_file=path, environ={}).settings.kv_cache.eviction_policy == "mru"
+    with pytest.raises(ConfigError, match="unknown eviction policy 'MRU'"):
+        load_settings(None, config_file=path, environ={"TIERSERVE_PLUGINS": ""})
+    blocked = toml_file('[plugins]\nenabled = []\n[kv_cache]\neviction_policy = "mru"\n', "blocked.toml")
+    with pytest.raises(ConfigError, match="unknown eviction policy"):
+        load_settings(None, config_file=blocked, environ={})

@@ -1,0 +1,164 @@
+"""What a caller of the engine observes: sampling, stops, limits, aborts, back-pressure, chat."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
+from tierserve.core.engine import RequestError
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.scheduler import QueueFullError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", "llama")
+
+
+@pytest.fixture
+def engine(tiny):
+    engine = make_engine(tiny)
+    yield engine
+    engine.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(engine):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    [alone] = engine.generate([PROMPTS[1]], params)
+    [again] = engine.generate([PROMPTS[1]], params)
+    others = [SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True, seed=s) for s in range(5)]
+    batch = engine.generate(PROMPTS[:5] + [PROMPTS[1]], others + [params])
+    assert alone.token_ids == again.token_ids == batch[-1].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = {tuple(engine.generate([PROMPTS[1]], unseeded)[0].token_ids) for _ in range(3)}
+    assert len(runs) > 1  # without a seed, sampling really is random
+    assert_pool_released(engine)
+
+
+def test_stop_token_and_stop_string(engine):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [full] = engine.generate([PROMPTS[4]], greedy)
+    stop_token = full.token_ids[3]
+    first = full.token_ids.index(stop_token)
+    [stopped] = engine.generate(
+        [PROMPTS[4]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_token])
+    )
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full.token_ids[: first + 1]
+
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop and len(text) > 6
+    expected = text[: text.index(stop)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    [by_string] = engine.generate([PROMPTS[4]], params)
+    assert by_string.finish_reason == "stop"
+    assert by_string.text == expected
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    assert_pool_released(engine)
+
+
+def test_logprobs_of_chosen_and_top_tokens(engine):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    [result] = engine.generate([PROMPTS[0]], params)
+    assert len(result.logprobs) == 5
+    for step, token in zip(result.logprobs, result.token_ids):
+        assert step.token_id == token
+        assert len(step.top_logprobs) == 3
+        assert step.top_logprobs[0][0] == token  # greedy picks the most likely token
+        assert step.logprob == pytest.approx(step.top_logprobs[0][1])
+        assert step.logprob <= 0
+
+
+def test_limits_are_reported_with_the_field(engine):
+    limit = engine.backend.max_model_len
+    with pytest.raises(RequestError, match="max_tokens.*context length"):
+        engine.submit([5] * 10, SamplingParams(max_tokens=limit))
+    with pytest.raises(RequestError, match="prompt"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        engine.encode_prompt([10**9])
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+
+
+def test_queue_full_is_back_pressure_and_loses_nothing(tiny):
+    engine = make_engine(tiny, scheduler__max_waiting_requests=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    admitted = [engine.submit(engine.encode_prompt(p), params) for p in PROMPTS[:2]]
+    with pytest.raises(QueueFullError):
+        engine.submit(engine.encode_prompt(PROMPTS[2]), params)
+    outputs = {}
+    while engine.has_work():
+        engine.step()
+    for request_id, stream in admitted:
+        tokens = []
+        while True:
+            out = stream.get(timeout=1)
+            tokens += out.token_ids
+            if out.finished:
+                break
+        outputs[request_id] = tokens
+    assert all(len(tokens) == 4 for tokens in outputs.values())
+    assert_pool_released(engine)
+
+
+def test_abort_mid_stream_frees_blocks(engine):
+    engine.start()
+
+    async def consume_a_little() -> int:
+        seen = 0
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        async for output in engine.add_request(PROMPTS[4], params):
+            seen += len(output.token_ids)
+            if seen >= 3:
+                break  # the client goes away
+        return seen
+
+    async def run_both():
+        short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        complete = []
+
+        async def full():
+            async for output in engine.add_request(PROMPTS[1], short):
+                complete.extend(output.token_ids)
+
+        seen, _ = await asyncio.gather(consume_a_little(), full())
+        return seen, complete
+
+    seen, complete = asyncio.run(run_both())
+    assert seen >= 3 and len(complete) == 8
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    engine.shutdown()
+    assert engine.stats.requests_aborted == 1
+    assert_pool_released(engine)
+
+
+def test_priority_scheduler_serves_urgent_requests_first(tiny):
+    engine = make_engine(tiny, scheduler__name="priority", scheduler__max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    low = engine.submit(engine.encode_prompt(PROMPTS[0]), params, priority=5)
+    high = engine.submit(engine.encode_prompt(PROMPTS[1]), params, priority=0)
+    order = []
+    while engine.has_work():
+        engine.step()
+        for request_id, stream in (low, high):
+            try:
+                while True:
+                    if stream.get(timeout=0).finished:
+                        order.append(request_id)
+            except Exception:
+                pass
+    assert order == [high[0], low[0]]
+
+
+def test_chat_messages_use_the_checkpoint_template(engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    ids = engine.encode_prompt(messages=messages)
+    text = engine.tokenizer.decode(ids)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"

@@ -1,0 +1,82 @@
+"""The example plugin package, installed with pip as a user would, then used by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+EXAMPLE = REPO_ROOT / "examples" / "tierserve-example-plugin"
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory):
+    """pip-install the example plugin into its own folder (not the test environment)."""
+    site = tmp_path_factory.mktemp("example-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(EXAMPLE)],
+        check=True,
+        timeout=300,
+    )
+    return site
+
+
+def run_with_plugin(site, args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_")}
+    full_env["PYTHONPATH"] = str(site)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=120, cwd=site
+    )
+
+
+def test_installed_plugin_is_listed(plugin_site):
+    result = run_with_plugin(plugin_site, ["-m", "tierserve.core.cli", "plugins", "--json"])
+    assert result.returncode == 0, result.stderr
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    example = plugins["tierserve-example-plugin"]
+    assert example["version"] == "0.1.0"
+    assert example["components"] == {"eviction_policies": ["fifo"]}
+    assert example["source"] == "entry point tierserve_example_plugin"
+
+
+def test_allowlist_can_exclude_it(plugin_site):
+    result = run_with_plugin(
+        plugin_site, ["-m", "tierserve.core.cli", "plugins", "--json"], env={"TIERSERVE_PLUGINS": ""}
+    )
+    assert "tierserve-example-plugin" not in result.stdout
+
+
+def test_selected_by_name_from_toml_and_exercised(plugin_site, tmp_path):
+    config = tmp_path / "fifo.toml"
+    config.write_text('[kv_cache]\neviction_policy = "FIFO"\nl1_capacity = 3\n')
+    script = textwrap.dedent(
+        f"""
+        import json
+        from tierserve.core.config import load_settings
+        loaded = load_settings(None, config_file={str(config)!r}, environ={{}})
+        name = loaded.settings.kv_cache.eviction_policy
+        component = loaded.plugins.registry("eviction_policies").get(name)
+        policy = component.factory(loaded.settings.kv_cache.l1_capacity)
+        for key in "abcd":
+            policy.insert(key)
+        policy.touch("a")          # FIFO ignores hits
+        policy.pin("b")            # pinned entries are never victims
+        victims = [policy.evict(), policy.evict(), policy.evict()]
+        print(json.dumps({{"name": name, "plugin": component.plugin, "victims": victims}}))
+        """
+    )
+    result = run_with_plugin(plugin_site, ["-c", script])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "name": "fifo",
+        "plugin": "tierserve-example-plugin",
+        "victims": ["a", "c", "d"],
+    }

@@ -1,0 +1,50 @@
+"""A normal (non-editable) install carries every sub-package, the presets and the console script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+from tests.conftest import REPO_ROOT
+
+
+def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path), str(REPO_ROOT)],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    [wheel] = tmp_path.glob("tierserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in (
+        "tierserve/core/hookspecs.py",
+        "tierserve/core/plugins.py",
+        "tierserve/cache/eviction.py",
+        "tierserve/plugins/eviction/adaptive.py",
+        "tierserve/configs/production.toml",
+        "tierserve/configs/development.toml",
+    ):
+        assert required in names, required
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "tierserve = tierserve.core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {k: v for k, v in env.items() if not k.startswith("TIERSERVE_")}
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import tierserve.core, tierserve.plugins.eviction.lru as m; print(m.__file__);"
+         "from tierserve.core.config import load_settings;"
+         "print(load_settings('production').settings.kv_cache.eviction_policy)"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    module_file, policy = result.stdout.split()
+    assert module_file.startswith(str(site))
+    assert policy == "adaptive"

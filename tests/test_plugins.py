@@ -1,0 +1,156 @@
+"""The plugin manager: built-ins, entry points, allowlist, failures, registries."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierserve.core.errors import DuplicateComponentError, UnknownComponentError
+from tierserve.core.plugins import BUILTIN_PLUGINS, load_plugins
+from tierserve.core.registry import Registry
+
+GOOD_PLUGIN = """
+from tierserve.core import hookimpl
+
+class MruPolicy:
+    def __init__(self, capacity):
+        self.capacity = capacity
+
+@hookimpl
+def register_eviction_policies(register):
+    register("mru", MruPolicy, description="most recently used")
+"""
+
+
+def test_builtin_policies_are_registered_by_their_plugins():
+    manager = load_plugins(allowlist=[])
+    registry = manager.registry("eviction_policies")
+    assert registry.names() == ["adaptive", "clock", "lfu", "lru"]
+    assert registry.get("LRU").plugin == "tierserve.plugins.eviction.lru"
+    assert registry.get("Adaptive").plugin == "tierserve.plugins.eviction.adaptive"
+    assert [p.name for p in manager.plugins()] == list(BUILTIN_PLUGINS)
+    assert all(p.source == "builtin" for p in manager.plugins())
+    assert manager.failures == []
+
+
+def test_entry_point_plugin_is_loaded_and_introspectable(install_fake_plugin):
+    install_fake_plugin("tierserve-mru", "tierserve_mru_ok", GOOD_PLUGIN)
+    manager = load_plugins(allowlist=None)
+    component = manager.registry("eviction_policies").get("mru")
+    assert component.plugin == "tierserve-mru"
+    assert component.metadata == {"description": "most recently used"}
+    info = {p.name: p for p in manager.plugins()}["tierserve-mru"]
+    assert info.version == "1.2.3"
+    assert info.hooks == ["register_eviction_policies"]
+    assert info.components == {"eviction_policies": ["mru"]}
+
+
+def test_allowlist_filters_outside_plugins(install_fake_plugin):
+    install_fake_plugin("tierserve-mru", "tierserve_mru_allow", GOOD_PLUGIN)
+    assert "mru" not in load_plugins(allowlist=[]).registry("eviction_policies")
+    assert "mru" not in load_plugins(allowlist=["something-else"]).registry("eviction_policies")
+    assert "mru" in load_plugins(allowlist=["tierserve-mru"]).registry("eviction_policies")
+
+
+def test_allowlist_comes_from_environment(install_fake_plugin, monkeypatch):
+    install_fake_plugin("tierserve-mru", "tierserve_mru_env", GOOD_PLUGIN)
+    monkeypatch.setenv("TIERSERVE_PLUGINS", "")
+    assert "mru" not in load_plugins().registry("eviction_policies")
+    monkeypatch.setenv("TIERSERVE_PLUGINS", "other, tierserve-mru")
+    assert "mru" in load_plugins().registry("eviction_policies")
+    monkeypatch.delenv("TIERSERVE_PLUGINS")
+    assert "mru" in load_plugins().registry("eviction_policies")
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("raise ImportError('no module named torch_xla')", "torch_xla"),
+        (
+            "from tierserve.core import hookimpl\n"
+            "@hookimpl\n"
+            "def register_eviction_polices(register):\n"
+            "    pass\n",
+            "register_eviction_polices",
+        ),
+        (
+            "from tierserve.core import hookimpl\n"
+            "@hookimpl\n"
+            "def register_eviction_policies(register):\n"
+            "    raise RuntimeError('boom in registration')\n",
+            "boom in registration",
+        ),
+    ],
+    ids=["import-error", "misspelled-hook", "raises-in-hook"],
+)
+def test_broken_plugin_is_reported_not_fatal(install_fake_plugin, source, expected):
+    install_fake_plugin("tierserve-broken", f"tierserve_broken_{abs(hash(source))}", source)
+    install_fake_plugin("tierserve-mru", "tierserve_mru_beside_broken", GOOD_PLUGIN)
+    manager = load_plugins(allowlist=None)
+    assert [f.name for f in manager.failures] == ["tierserve-broken"]
+    assert expected in manager.failures[0].error
+    assert "tierserve-broken" not in {p.name for p in manager.plugins()}
+    assert manager.registry("eviction_policies").names() == ["adaptive", "clock", "lfu", "lru", "mru"]
+
+
+def test_duplicate_name_fails_the_second_plugin_naming_both(install_fake_plugin):
+    install_fake_plugin(
+        "tierserve-fake-lru",
+        "tierserve_fake_lru",
+        """
+        from tierserve.core import hookimpl
+        @hookimpl
+        def register_eviction_policies(register):
+            register("mine", object)
+            register("LRU", object)
+        """,
+    )
+    manager = load_plugins(allowlist=None)
+    [failure] = manager.failures
+    assert "tierserve.plugins.eviction.lru" in failure.error
+    assert "tierserve-fake-lru" in failure.error
+    registry = manager.registry("eviction_policies")
+    assert registry.get("lru").plugin == "tierserve.plugins.eviction.lru"
+    # the failed plugin's other components are withdrawn too
+    assert "mine" not in registry
+
+
+def test_registry_rejects_duplicates_and_suggests_names():
+    registry = Registry("eviction policy")
+    registry.add("lru", object, "plugin-a")
+    with pytest.raises(DuplicateComponentError, match="plugin-a.*plugin-b"):
+        registry.add("Lru", object, "plugin-b")
+    registry.add("lfu", object, "plugin-a")
+    with pytest.raises(UnknownComponentError) as info:
+        registry.get("lru2")
+    assert info.value.available == ["lfu", "lru"]
+    assert info.value.suggestion == "lru"
+    assert "available: lfu, lru" in str(info.value)
+    with pytest.raises(UnknownComponentError, match=r"\(none registered\)"):
+        Registry("backend").get("native")
+
+
+def test_lifecycle_hooks_run_and_a_failing_one_does_not_stop_others(install_fake_plugin):
+    install_fake_plugin(
+        "tierserve-life-a",
+        "tierserve_life_a",
+        """
+        from tierserve.core import hookimpl
+        @hookimpl
+        def on_startup(engine):
+            raise RuntimeError("startup failed")
+        """,
+    )
+    install_fake_plugin(
+        "tierserve-life-b",
+        "tierserve_life_b",
+        """
+        from tierserve.core import hookimpl
+        @hookimpl
+        def on_startup(engine):
+            engine.append("b started")
+        """,
+    )
+    manager = load_plugins(allowlist=None)
+    events: list[str] = []
+    manager.call_lifecycle("on_startup", events)
+    assert events == ["b started"]
