@@ -14,9 +14,16 @@ plain free list.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from tierserve.cache.eviction import EvictionPolicy
+
+if TYPE_CHECKING:
+    from tierserve.cache.store import TieredStore
+    from tierserve.core.sequence import Sequence
 
 
 class OutOfBlocksError(RuntimeError):
@@ -27,7 +34,9 @@ class OutOfBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: bytes | None = None
+    block_hash: bytes | None = None  # set while the block is registered in the prefix cache
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 class BlockPool:
@@ -41,7 +50,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_free = policy  # block ids with a hash and ref_count 0
+        self.cached: dict[bytes, int] = {}  # block hash -> block id (in use or cached-free)
         self.evictions = 0
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,8 +77,9 @@ class BlockPool:
                 block = self.blocks[self._free.popleft()]
             else:
                 block = self.blocks[self._cached_free.evict()]
-                self._on_evict(block)
-                block.block_hash = None
+                if self.on_evict is not None:
+                    self.on_evict(block)  # write-back to the tier below before the data is overwritten
+                self._forget(block)
                 self.evictions += 1
             block.ref_count = 1
             allocated.append(block.block_id)
@@ -96,8 +108,38 @@ class BlockPool:
                 else:
                     self._cached_free.insert(block_id, 1)
 
-    def _on_evict(self, block: Block) -> None:
-        """Called when a cached-free block loses its content; the prefix cache overrides this."""
+    def register(self, block_id: int, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool:
+        """Publish an in-use, fully computed block under its hash; False if that hash is already cached."""
+        block = self.blocks[block_id]
+        if block_hash in self.cached or block.block_hash is not None:
+            return False
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
+        self.cached[block_hash] = block_id
+        return True
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block with this hash and exactly these tokens (guards against collisions)."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def uncache(self, block_hash: bytes) -> bool:
+        """Withdraw a hash from the prefix cache; a cached-free block becomes plain free."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return False
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._cached_free.remove(block_id)
+            self._free.append(block_id)
+        self._forget(block)
+        return True
+
+    def _forget(self, block: Block) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) == block.block_id:
+            del self.cached[block.block_hash]
+        block.block_hash = block.parent_hash = block.token_ids = None
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + cached-free + in-use == total and every count is sane."""
@@ -109,6 +151,8 @@ class BlockPool:
         assert len(free) + len(cached) + len(in_use) == self.num_blocks, (
             f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
         )
+        for block_hash, block_id in self.cached.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"cached map points at block {block_id} wrongly"
         for block in self.blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
             if block.block_id in cached:
@@ -118,10 +162,11 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Per-sequence block tables on top of a ``BlockPool``."""
+    """Per-sequence block tables on top of a ``BlockPool``, with prefix reuse when a store is attached."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, store: TieredStore | None = None) -> None:
         self.pool = pool
+        self.store = store
         self.block_size = pool.block_size
 
     def blocks_needed(self, num_tokens: int, num_held: int) -> int:
@@ -136,7 +181,22 @@ class KVCacheManager:
             block_table.extend(self.pool.allocate(needed))
         return True
 
+    def match_prefix(self, seq: Sequence) -> None:
+        """Start a sequence that holds no blocks from its longest cached prefix (no-op without a store)."""
+        if self.store is not None and not seq.block_table and seq.num_computed_tokens == 0:
+            self.store.match_prefix(seq)
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed blocks to the prefix cache."""
+        if self.store is not None:
+            self.store.register_computed(seq)
+
     def free(self, block_table: list[int]) -> None:
         """Release a sequence's blocks, tail first so shared prefix blocks stay cached longest."""
         self.pool.free(list(reversed(block_table)))
         block_table.clear()
+
+    def reset(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and forget its progress (preemption, or a failed admission)."""
+        self.free(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_registered_blocks = 0

@@ -55,6 +55,15 @@ class ModelBackend(ABC):
         chunk order: the logits after each such chunk's last token.
         """
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """CPU copy of whole arena blocks, ``[n, layers, 2, block_size, kv_heads, head_dim]``
+        (paged backends; this is what the cache tiers store)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no paged KV arena")
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Copy ``data`` (as ``read_blocks`` returns it) into arena blocks (paged backends)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no paged KV arena")
+
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished, aborted or preempted)."""
 

@@ -558,7 +558,7 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
             "num_hidden_layers": 12,
             "num_attention_heads": 12,
             "num_key_value_heads": 4,
-            "max_position_embeddings": 2048,
+            "max_position_embeddings": 4096,
             "initializer_range": 0.02,
         },
     },

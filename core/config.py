@@ -75,15 +75,21 @@ class KVCacheSettings(Section):
 
     block_size: int = Field(16, gt=0)
     l1_capacity: int = Field(5000, gt=0, description="blocks in the L1 pool")
-    l2_capacity: int = Field(50000, ge=0, description="blocks held in L2 host memory")
+    l1_max_bytes: int | None = Field(None, gt=0, description="size L1 by bytes instead (overrides l1_capacity)")
+    l2_capacity: int = Field(50000, ge=0, description="blocks held in L2 host memory; 0 disables L2")
     max_memory_bytes: int = Field(1_000_000_000, ge=0, description="byte bound of L2")
     eviction_policy: str = "adaptive"
+    l2_tier: str = "memory"
+    l3_tier: str = "disk"
+    l2_eviction_policy: str | None = None
+    l3_eviction_policy: str | None = None
     ttl_seconds: float | None = Field(3600, ge=0, description="0 or unset: entries never expire")
     enable_prefix_caching: bool = True
+    disk_path: str | None = Field(None, description="L3 directory; unset disables L3")
+    max_disk_bytes: int = Field(10 * 1024**3, ge=0)
     persistence: bool = False
-    l3_path: str | None = None
-    l3_max_bytes: int = Field(10 * 1024**3, ge=0)
     compression_level: int = Field(3, ge=1, le=22)
+    l3_write_queue: int = Field(256, gt=0, description="pending L3 writes before new ones are dropped")
     warm_prompts: list[str] = Field(default_factory=list)
     warm_prompts_file: str | None = None
 
@@ -175,6 +181,10 @@ COMPONENT_KEYS: dict[tuple[str, str], str] = {
     ("model", "backend"): "backends",
     ("scheduler", "name"): "schedulers",
     ("kv_cache", "eviction_policy"): "eviction_policies",
+    ("kv_cache", "l2_eviction_policy"): "eviction_policies",
+    ("kv_cache", "l3_eviction_policy"): "eviction_policies",
+    ("kv_cache", "l2_tier"): "cache_tiers",
+    ("kv_cache", "l3_tier"): "cache_tiers",
     ("speculative", "method"): "speculators",
 }
 

@@ -21,7 +21,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from concurrent.futures import Future
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ import structlog
 import torch
 
 from tierserve.cache.block_pool import BlockPool, KVCacheManager
+from tierserve.cache.store import TieredStore
 from tierserve.core.backend import ModelBackend
 from tierserve.core.config import Settings
 from tierserve.core.detokenizer import IncrementalDetokenizer
@@ -43,6 +46,19 @@ log = structlog.get_logger(__name__)
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked; the message names the field."""
+
+
+def read_warm_prompts(path: str) -> list[str]:
+    """Prompts to warm at start-up: a JSON list of strings, or one prompt per non-empty line."""
+    import json
+
+    text = Path(path).expanduser().read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        prompts = json.loads(text)
+        if not all(isinstance(p, str) for p in prompts):
+            raise RequestError(f"kv_cache.warm_prompts_file: {path} must hold a JSON list of strings")
+        return prompts
+    return [line for line in text.splitlines() if line.strip()]
 
 
 @dataclass(slots=True)
@@ -134,18 +150,21 @@ class Engine:
         scheduler: Scheduler,
         pool: BlockPool,
         plugins: PluginManager,
+        store: TieredStore | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
         self.scheduler = scheduler
         self.pool = pool
         self.plugins = plugins
+        self.store = store
         self.tokenizer = backend.tokenizer
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._incoming: deque[RequestState] = deque()
         self._aborts: deque[str] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._seq_ids = itertools.count()
         self._rng = random.Random()
         self._wakeup = threading.Event()
@@ -162,12 +181,21 @@ class Engine:
         backend: ModelBackend = backend_factory(settings)
         kv = settings.kv_cache
         num_blocks = kv.l1_capacity
-        policy = plugins.registry("eviction_policies").get(kv.eviction_policy).factory(num_blocks)
-        pool = BlockPool(num_blocks, kv.block_size, policy)
+        block_bytes = backend.kv_bytes_per_block(kv.block_size)
+        if kv.l1_max_bytes is not None and block_bytes:
+            num_blocks = max(1, kv.l1_max_bytes // block_bytes)
+        policies = plugins.registry("eviction_policies")
+        pool = BlockPool(num_blocks, kv.block_size, policies.get(kv.eviction_policy).factory(num_blocks))
         backend.allocate_kv_cache(num_blocks, kv.block_size)
+        store = cls._build_store(settings, plugins, backend, pool)
         scheduler_factory = plugins.registry("schedulers").get(settings.scheduler.name).factory
-        scheduler = scheduler_factory(settings.scheduler, KVCacheManager(pool))
-        engine = cls(settings, backend, scheduler, pool, plugins)
+        scheduler = scheduler_factory(settings.scheduler, KVCacheManager(pool, store))
+        engine = cls(settings, backend, scheduler, pool, plugins, store)
+        warm = list(kv.warm_prompts)
+        if kv.warm_prompts_file:
+            warm += read_warm_prompts(kv.warm_prompts_file)
+        if warm:
+            engine.warm(warm)
         log.info(
             "engine_ready",
             model=str(getattr(backend, "path", settings.model.path)),
@@ -175,8 +203,27 @@ class Engine:
             dtype=str(backend.dtype),
             kv_blocks=num_blocks,
             block_size=kv.block_size,
+            prefix_cache=store is not None,
+            tiers=sorted(store.tiers_by_name) if store else [],
         )
         return engine
+
+    @staticmethod
+    def _build_store(settings: Settings, plugins: PluginManager, backend: ModelBackend, pool: BlockPool):
+        """The tiered prefix store, or None when prefix caching is off or the backend is not paged."""
+        kv = settings.kv_cache
+        if not kv.enable_prefix_caching or not backend.paged:
+            return None
+        policies = plugins.registry("eviction_policies")
+        tiers = plugins.registry("cache_tiers")
+        l2 = l3 = None
+        if kv.l2_capacity > 0 and kv.max_memory_bytes > 0:
+            policy = policies.get(kv.l2_eviction_policy or kv.eviction_policy).factory
+            l2 = tiers.get(kv.l2_tier).factory(kv, policy, backend.fingerprint)
+        if kv.disk_path:
+            policy = policies.get(kv.l3_eviction_policy or kv.eviction_policy).factory
+            l3 = tiers.get(kv.l3_tier).factory(kv, policy, backend.fingerprint)
+        return TieredStore(pool, backend, backend.fingerprint, l2, l3, write_through=kv.persistence)
 
     # ---- requests -----------------------------------------------------------
 
@@ -203,6 +250,7 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
@@ -243,6 +291,7 @@ class Engine:
             params=params,
             priority=priority,
             generator=self._make_generator(params),
+            cache_salt=cache_salt,
         )
         state = RequestState(
             seq=seq,
@@ -276,11 +325,17 @@ class Engine:
         messages: Seq[dict[str, Any]] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; leaving the loop early (client gone) aborts it."""
         ids = self.encode_prompt(prompt, messages)
         request_id, stream = self.submit(
-            ids, params or SamplingParams(), request_id=request_id, priority=priority, loop=asyncio.get_running_loop()
+            ids,
+            params or SamplingParams(),
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            loop=asyncio.get_running_loop(),
         )
         finished = False
         try:
@@ -300,10 +355,62 @@ class Engine:
     # ---- the step -------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._incoming or self._aborts or self.scheduler.has_unfinished)
+        return bool(self._incoming or self._aborts or self._commands or self.scheduler.has_unfinished)
+
+    # ---- cache management (runs on the step thread, between steps) ---------------------
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` between steps on the step thread (inline when no thread runs) and return its result."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        self._commands.append((fn, future))
+        self._wakeup.set()
+        return future.result()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def warm(self, prompts: Seq[str | Seq[int]], cache_salt: str | None = None) -> int:
+        """Prefill ``prompts`` and keep their KV in the cache tiers; returns the tokens now cached."""
+        if self.store is None:
+            raise RequestError("warm: prefix caching is off (kv_cache.enable_prefix_caching) or the backend is not paged")
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        ids = [self.encode_prompt(p) for p in prompts]
+        submitted = [self.submit(i, params, cache_salt=cache_salt) for i in ids]
+        for _, stream in submitted:
+            while not self._next_output(stream).finished:
+                pass
+        self._call(self.store.flush)
+        return sum((len(i) // self.pool.block_size) * self.pool.block_size for i in ids)
+
+    def clear_cache(self, tier: str = "all") -> dict[str, int]:
+        """Drop cached prefixes of ``l1``, ``l2``, ``l3`` or ``all`` tiers; safe while requests run."""
+        if self.store is None:
+            return {}
+        return self._call(lambda: self.store.clear(tier))
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Per-tier and index statistics plus the engine's token counters, as plain data."""
+        def collect() -> dict[str, Any]:
+            snapshot = self.store.snapshot() if self.store is not None else {"tiers": {}}
+            snapshot["engine"] = {
+                "prompt_tokens": self.stats.prompt_tokens,
+                "generation_tokens": self.stats.generation_tokens,
+                "preemptions": self.stats.preemptions,
+            }
+            return snapshot
+
+        return self._call(collect)
 
     def step(self) -> int:
         """Run one scheduling + forward + sampling step; returns the number of tokens computed."""
+        self._run_commands()
         self._admit()
         self._apply_aborts()
         output = self.scheduler.schedule()
@@ -317,6 +424,7 @@ class Engine:
         sampling = [chunk for chunk in output.chunks if chunk.samples]
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.scheduler.kv.cache_computed(chunk.seq)
         if sampling:
             rows = [
                 SamplingRow(c.seq.params, c.seq.generator, c.seq.prompt_token_ids, c.seq.output_token_ids)
@@ -444,6 +552,14 @@ class Engine:
                 self.abort(request_id)
             self._admit()
             self._apply_aborts()
+        self._run_commands()
+
+    def close(self) -> None:
+        """Shut down, flush queued L3 writes and release the tiers and the model."""
+        self.shutdown()
+        if self.store is not None:
+            self.store.close()
+        self.backend.close()
 
     def generate(
         self,

@@ -91,12 +91,15 @@ def register_speculators(register: Register) -> None:
 
 @hookspec
 def register_cache_tiers(register: Register) -> None:
-    """Register KV cache tiers (storage below the live block pool).
+    """Register KV cache tiers (storage below the live L1 block pool).
 
-    ``factory(settings, policy)`` returns a tier: a bounded key/value store
-    of encoded KV chunks that evicts with the given eviction policy. Tiers
-    are ordered by ``[kv_cache]`` settings, e.g. ``"memory"`` (L2) and
-    ``"disk"`` (L3).
+    ``factory(settings, policy_factory, fingerprint)`` returns a
+    ``tierserve.cache.tier.CacheTier``: a bounded, thread-safe map from block
+    hash to ``CacheEntry`` that evicts with ``policy_factory(capacity)`` (the
+    policy named in ``[kv_cache]``) and never returns a corrupt or foreign
+    entry. ``settings`` is the ``[kv_cache]`` section; ``fingerprint``
+    identifies the model. Built-in: ``"memory"`` (L2, host RAM) and
+    ``"disk"`` (L3, persistent, zstd-compressed).
     """
 
 

@@ -38,6 +38,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierserve.plugins.schedulers.priority",
     "tierserve.plugins.backends.native",
     "tierserve.plugins.backends.hf_transformers",
+    "tierserve.plugins.tiers.memory",
+    "tierserve.plugins.tiers.disk",
 )
 
 # registry kind -> (register hook, human name used in messages)

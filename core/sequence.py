@@ -49,6 +49,9 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
 
     @property
     def num_tokens(self) -> int:

@@ -161,6 +161,23 @@ class PagedLlama:
         self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
 
+    def read_blocks(self, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+        """CPU copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` of whole blocks."""
+        shape = (-1, block_size, self.num_kv_heads, self.head_dim)
+        per_layer = [
+            torch.stack([k.view(shape)[block_ids], v.view(shape)[block_ids]], dim=1)
+            for k, v in zip(self.k_cache, self.v_cache)
+        ]
+        return torch.stack(per_layer, dim=1).to("cpu")
+
+    def write_blocks(self, block_ids: torch.Tensor, block_size: int, data: torch.Tensor) -> None:
+        """Copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` into whole blocks."""
+        shape = (-1, block_size, self.num_kv_heads, self.head_dim)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+            k.view(shape).index_copy_(0, block_ids, data[:, layer, 0])
+            v.view(shape).index_copy_(0, block_ids, data[:, layer, 1])
+
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """Logits (float32) for ``batch.sample_rows``; KV of every token is written to the arena."""
         cos = self.cos[batch.positions].unsqueeze(1)

@@ -79,6 +79,18 @@ class NativeBackend(ModelBackend):
         self.block_size = block_size
         self.model.allocate_kv_cache(num_blocks, block_size)
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        import torch
+
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.model.read_blocks(ids, self.block_size)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        import torch
+
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.model.write_blocks(ids, self.block_size, data)
+
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         import torch
 

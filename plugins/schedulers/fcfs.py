@@ -67,8 +67,7 @@ class FCFSScheduler(Scheduler):
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self._running.remove(seq)
-        self.kv.free(seq.block_table)
-        seq.num_computed_tokens = 0
+        self.kv.reset(seq)
         seq.num_preemptions += 1
         self._push_waiting(seq)
         output.preempted.append(seq)
@@ -106,8 +105,10 @@ class FCFSScheduler(Scheduler):
         if not output.preempted:
             while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
                 seq = self._waiting[0][-1]
+                self.kv.match_prefix(seq)  # cached prefix blocks are shared, not recomputed
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if not self.kv.allocate_slots(seq.block_table, seq.num_computed_tokens + num_tokens):
+                    self.kv.reset(seq)  # the matched blocks stay cached for the next try
                     break
                 heapq.heappop(self._waiting)
                 seq.status = SequenceStatus.RUNNING

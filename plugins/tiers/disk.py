@@ -1,0 +1,506 @@
+"""L3: KV blocks on local disk, one zstd file per block, written in the background; registers the "disk" tier.
+
+The directory is a ``diskcache.Cache`` (SQLite index + one value file per
+entry, keyed by the block hash in hex, tagged with the parent hash). This
+tier keeps its own index and eviction policy over it, so lookups and
+eviction choices never touch SQLite; diskcache's own culling is off.
+
+    put ──► bounded queue (full: drop) ──► writer thread: encode, write, index, evict
+    get ──► queued? ──► indexed? ──► read file ──► decode (corrupt: delete, miss)
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import diskcache
+import structlog
+
+from tierserve.cache.codec import CorruptEntryError, KVCodec
+from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.core.errors import TierserveError
+from tierserve.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from tierserve.cache.eviction import EvictionPolicy
+    from tierserve.core.config import KVCacheSettings
+
+log = structlog.get_logger(__name__)
+
+_UNBOUNDED = 2**63 - 1  # policy capacity when max_disk_bytes is 0 (no byte bound)
+_DISKCACHE_SIZE_LIMIT = 2**62  # diskcache must never cull on its own; this tier's policy bounds the bytes
+
+
+@dataclass(slots=True)
+class _Stored:
+    """What the index knows of one entry on disk, without reading it."""
+
+    size: int  # bytes on disk
+    raw: int  # tensor bytes; after a restart, the on-disk size until the entry is first read
+    parent: bytes | None
+    created: float  # entry.created; after a restart, diskcache's store time until first read
+
+
+class _BytesOnlyDisk(diskcache.Disk):
+    """Reads values as bytes only: a value stored any other way (a pickle) is refused, not loaded."""
+
+    def fetch(self, mode, filename, value, read):
+        if mode != diskcache.core.MODE_BINARY:
+            raise CorruptEntryError(f"value stored in diskcache mode {mode}, not as a file of bytes")
+        return super().fetch(mode, filename, value, read)
+
+
+class DiskTier(CacheTier):
+    """A persistent (or spill-only) tier in ``settings.disk_path``, bounded by ``max_disk_bytes``.
+
+    ``put`` only enqueues: one writer thread encodes and writes, so callers
+    never wait on the disk. A put that finds the queue
+    (``l3_write_queue`` entries) full is dropped and counted; queued entries
+    are already visible to ``contains``/``get``. A key already on disk is not
+    rewritten (keys are content hashes, the bytes would be the same): it
+    counts as a use. Evicted entries are deleted, not returned (there is no
+    tier below).
+
+    With ``persistence`` off the directory's entries are deleted at start; with
+    it on, the index is rebuilt from what is there. Disk faults (full, read
+    only, a missing, truncated, damaged or foreign file) are logged and
+    counted, never raised: a bad entry is deleted and reads as a miss.
+    ``max_disk_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self, settings: KVCacheSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
+    ) -> None:
+        super().__init__()
+        if not settings.disk_path:
+            raise TierserveError(
+                "the disk tier needs a directory: set [kv_cache] disk_path, "
+                "or leave the disk tier out to run without L3"
+            )
+        self.directory = Path(settings.disk_path).expanduser()
+        self.fingerprint = fingerprint
+        self.persistent = settings.persistence
+        self.max_bytes = settings.max_disk_bytes
+        self.ttl = settings.ttl_seconds or None
+        self.codec = KVCodec(fingerprint, settings.compression_level)
+        self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
+        self._index: dict[bytes, _Stored] = {}
+        self._pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
+        self._pinned: set[bytes] = set()
+        self._stored_bytes = 0
+        self._raw_bytes = 0
+        self._queue: queue.Queue[CacheEntry | None] = queue.Queue(maxsize=settings.l3_write_queue)
+        self._unwritten = 0  # puts accepted and not yet finished by the writer
+        self._drained = threading.Condition(self.lock)
+        self._closed = False
+        try:
+            self._cache = diskcache.Cache(
+                str(self.directory),
+                disk=_BytesOnlyDisk,
+                eviction_policy="none",
+                disk_min_file_size=0,
+                size_limit=_DISKCACHE_SIZE_LIMIT,
+            )
+        except Exception as exc:
+            raise TierserveError(
+                f"cannot open the L3 cache directory {str(self.directory)!r} ([kv_cache] disk_path): {exc}; "
+                "point disk_path at a writable directory"
+            ) from exc
+        if self.persistent:
+            self._rebuild()
+        else:
+            self._cache.clear()
+        self._writer = threading.Thread(target=self._write_loop, name="tierserve-l3-writer", daemon=True)
+        self._writer.start()
+
+    # ---- CacheTier ---------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        with self.lock:
+            pending = self._pending.get(key)
+            if pending is not None:
+                return not self._expire_pending_if_old(pending)
+            stored = self._index.get(key)
+            return stored is not None and not self._expire_if_old(key, stored)
+
+    def get(self, key: bytes) -> CacheEntry | None:
+        start = time.perf_counter()
+        entry = self._lookup(key)
+        with self.lock:
+            if entry is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+            self.stats.get_seconds += time.perf_counter() - start
+        return entry
+
+    def put(self, entry: CacheEntry) -> list[CacheEntry]:
+        start = time.perf_counter()
+        with self.lock:
+            self.stats.puts += 1
+            key = entry.key
+            if key in self._index and key not in self._pending:
+                self.policy.touch(key)
+            elif self._closed:
+                self.stats.dropped_writes += 1
+                log.warning("kv_disk_write_after_close", key=key.hex())
+            else:
+                try:
+                    self._queue.put_nowait(entry)
+                except queue.Full:
+                    self.stats.dropped_writes += 1
+                    log.debug("kv_disk_write_dropped", key=key.hex(), reason="write queue full")
+                else:
+                    self._pending[key] = entry
+                    self._unwritten += 1
+            self.stats.put_seconds += time.perf_counter() - start
+        return []
+
+    def remove(self, key: bytes) -> None:
+        with self.lock:
+            self._pending.pop(key, None)
+            self._pinned.discard(key)
+            if key in self._index:
+                self._unindex(key)
+                self._delete_file(key)
+
+    def clear(self) -> int:
+        with self.lock:
+            removed = len(self._index.keys() | self._pending.keys())
+            for key in list(self._index):
+                self._unindex(key)
+            self._pending.clear()
+            self._pinned.clear()
+            try:
+                self._cache.clear()
+            except Exception as exc:
+                log.warning("kv_disk_clear_failed", directory=str(self.directory), error=repr(exc))
+            return removed
+
+    def keys(self) -> Iterator[bytes]:
+        with self.lock:
+            return iter(list(self._index.keys() | self._pending.keys()))
+
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent hash of ``key``; ``None`` also when ``key`` is not stored."""
+        with self.lock:
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending.parent
+            stored = self._index.get(key)
+            return stored.parent if stored is not None else None
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._index.keys() | self._pending.keys())
+
+    @property
+    def bytes_used(self) -> int:
+        return self._stored_bytes
+
+    def pin(self, key: bytes) -> None:
+        """Protect ``key`` from eviction and expiry (a queued key once written); a key not stored is ignored."""
+        with self.lock:
+            if key in self._index:
+                self.policy.pin(key)
+                self._pinned.add(key)
+            elif key in self._pending:
+                self._pinned.add(key)
+
+    def unpin(self, key: bytes) -> None:
+        with self.lock:
+            self._pinned.discard(key)
+            if key in self._index:
+                self.policy.unpin(key)
+
+    def flush(self, timeout: float | None = None) -> None:
+        with self._drained:
+            if not self._drained.wait_for(lambda: self._unwritten == 0, timeout):
+                log.warning("kv_disk_flush_timeout", unwritten=self._unwritten, timeout=timeout)
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer and close the directory; later puts are dropped."""
+        with self.lock:
+            if self._closed:
+                return
+        self.flush()
+        with self.lock:
+            self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        self._cache.close()
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless the index, the policy and the counters agree."""
+        with self.lock:
+            problems = []
+            if set(self.policy) != set(self._index):
+                problems.append("policy keys differ from indexed keys")
+            sizes = sum(stored.size for stored in self._index.values())
+            if self.policy.total_size != sizes or self._stored_bytes != sizes:
+                problems.append(f"sizes disagree: policy {self.policy.total_size}, index {sizes}")
+            if self._raw_bytes != sum(stored.raw for stored in self._index.values()):
+                problems.append("raw byte count is not the sum of raw sizes")
+            if (self.stats.stored_bytes, self.stats.raw_bytes) != (self._stored_bytes, self._raw_bytes):
+                problems.append("stats bytes differ from bytes held")
+            if not self._pinned <= self._index.keys() | self._pending.keys():
+                problems.append("a pinned key is not stored")
+            if problems:
+                raise AssertionError(f"{self.name} tier: " + "; ".join(problems))
+
+    # ---- reading -----------------------------------------------------------
+
+    def _lookup(self, key: bytes) -> CacheEntry | None:
+        with self.lock:
+            pending = self._pending.get(key)
+            if pending is not None:
+                # a new record around the queued tensor: the caller may reassign fields before it is written
+                return None if self._expire_pending_if_old(pending) else replace(pending)
+            stored = self._index.get(key)
+            if stored is None or self._expire_if_old(key, stored):
+                return None
+            # Read under the lock: an evicted entry leaves the index before its
+            # file is deleted, so a file read here is never one being deleted.
+            try:
+                data = self._cache.get(key.hex(), default=None)
+            except Exception as exc:
+                data, reason = None, f"unreadable: {exc!r}"
+            else:
+                reason = "value file or row missing"
+            if not isinstance(data, bytes):
+                self._drop_corrupt(key, reason)
+                return None
+        try:
+            entry = self.codec.decode(data, expected_key=key)
+        except CorruptEntryError as exc:
+            with self.lock:
+                if self._index.get(key) is stored:
+                    self._drop_corrupt(key, str(exc))
+            return None
+        with self.lock:
+            if self._index.get(key) is not stored:
+                return entry  # removed while being decoded; what was read was intact
+            self._raw_bytes += entry.nbytes - stored.raw
+            stored.raw = entry.nbytes
+            stored.created = entry.created
+            self._sync_byte_stats()
+            if self._expire_if_old(key, stored):
+                return None
+            self.policy.touch(key)
+        return entry
+
+    def _drop_corrupt(self, key: bytes, reason: str) -> None:
+        self.stats.corrupt += 1
+        self.note_removed(key)
+        log.warning("kv_disk_corrupt_entry", key=key.hex(), reason=reason, directory=str(self.directory))
+        self._unindex(key)
+        self._delete_file(key)
+
+    # ---- writing (the writer thread) ---------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            entry = self._queue.get()
+            if entry is None:
+                return
+            try:
+                self._write(entry)
+            except Exception:
+                log.exception("kv_disk_write_failed", key=entry.key.hex())
+                with self.lock:
+                    self.stats.write_errors += 1
+                self.note_removed(entry.key)
+            finally:
+                with self.lock:
+                    if self._pending.get(entry.key) is entry:
+                        del self._pending[entry.key]
+                    self._unwritten -= 1
+                    self._drained.notify_all()
+
+    def _write(self, entry: CacheEntry) -> None:
+        key = entry.key
+        with self.lock:
+            if self._pending.get(key) is not entry:
+                return  # removed, cleared or put again while queued
+        data = self.codec.encode(entry)
+        if self.max_bytes and len(data) > self.max_bytes:
+            with self.lock:
+                self.stats.dropped_writes += 1
+            self.note_removed(key)
+            log.warning("kv_disk_entry_too_large", key=key.hex(), size=len(data), max_disk_bytes=self.max_bytes)
+            return
+        try:
+            self._cache.set(key.hex(), data, tag=entry.parent.hex() if entry.parent else None, retry=True)
+        except Exception as exc:
+            with self.lock:
+                self.stats.write_errors += 1
+            self.note_removed(key)
+            log.warning(
+                "kv_disk_write_failed",
+                key=key.hex(),
+                error=repr(exc),
+                errno=getattr(exc, "errno", None),
+                directory=str(self.directory),
+            )
+            return
+        with self.lock:
+            if self._pending.get(key) is not entry:
+                if key not in self._pending:  # removed or cleared while being written
+                    self._delete_file(key)
+                return  # else a newer put of the key is queued and will be written
+            del self._pending[key]
+            if key in self._index:
+                self._unindex(key, keep_pin=True)
+            self._index_entry(key, _Stored(len(data), entry.nbytes, entry.parent, entry.created))
+            victims = self._evict_over_bound()
+            if self._over_bound() and key in self._index and key not in self._pinned:
+                # Everything else is pinned: the newcomer is the one that goes.
+                self._unindex(key)
+                self.stats.evictions += 1
+                victims.append(key)
+        for victim in victims:
+            self._delete_file(victim)
+            self.note_removed(victim)
+
+    # ---- index (callers hold self.lock, except during __init__) ------------
+
+    def _index_entry(self, key: bytes, stored: _Stored) -> None:
+        self._index[key] = stored
+        self.policy.insert(key, stored.size)
+        if key in self._pinned:
+            self.policy.pin(key)
+        self._stored_bytes += stored.size
+        self._raw_bytes += stored.raw
+        self._sync_byte_stats()
+
+    def _unindex(self, key: bytes, keep_pin: bool = False) -> None:
+        stored = self._index.pop(key)
+        self.policy.remove(key)
+        if not keep_pin:
+            self._pinned.discard(key)
+        self._stored_bytes -= stored.size
+        self._raw_bytes -= stored.raw
+        self._sync_byte_stats()
+
+    def _over_bound(self) -> bool:
+        return bool(self.max_bytes) and self._stored_bytes > self.max_bytes
+
+    def _evict_over_bound(self) -> list[bytes]:
+        """Drop victims from the index until the bound holds; the caller deletes their files."""
+        victims = []
+        while self._over_bound():
+            victim = self.policy.evict()
+            if victim is None:
+                break
+            stored = self._index.pop(victim)
+            self._stored_bytes -= stored.size
+            self._raw_bytes -= stored.raw
+            self.stats.evictions += 1
+            victims.append(victim)
+        self._sync_byte_stats()
+        return victims
+
+    def _expired(self, created: float) -> bool:
+        return self.ttl is not None and time.time() - created > self.ttl
+
+    def _expire_if_old(self, key: bytes, stored: _Stored) -> bool:
+        if not self._expired(stored.created) or key in self._pinned:
+            return False
+        self._unindex(key)
+        self._delete_file(key)
+        self.stats.expirations += 1
+        self.note_removed(key)
+        return True
+
+    def _expire_pending_if_old(self, entry: CacheEntry) -> bool:
+        if not self._expired(entry.created) or entry.key in self._pinned:
+            return False
+        del self._pending[entry.key]  # the writer skips an entry no longer pending
+        self.stats.expirations += 1
+        self.note_removed(entry.key)
+        return True
+
+    def _delete_file(self, key: bytes) -> None:
+        try:
+            self._cache.delete(key.hex())
+        except Exception as exc:
+            log.warning("kv_disk_delete_failed", key=key.hex(), error=repr(exc), directory=str(self.directory))
+
+    def _sync_byte_stats(self) -> None:
+        self.stats.stored_bytes = self._stored_bytes
+        self.stats.raw_bytes = self._raw_bytes
+
+    # ---- start-up ------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Index what a previous run left, oldest first, then apply TTL and the byte bound."""
+        try:
+            rows = self._rows_from_sql()
+        except Exception as exc:
+            log.warning("kv_disk_index_sql_failed", error=repr(exc), fallback="diskcache iteration")
+            rows = list(self._rows_from_api())
+        skipped = 0
+        for hexkey, tag, size, store_time in rows:
+            try:
+                key = bytes.fromhex(hexkey)
+                parent = bytes.fromhex(tag) if tag else None
+            except (TypeError, ValueError):
+                key = parent = None
+            if key is None or key.hex() != hexkey:
+                skipped += 1  # not written by this tier; leave it alone
+                continue
+            if self._expired(store_time):
+                self._delete_file(key)
+                self.stats.expirations += 1
+                continue
+            self._index_entry(key, _Stored(size, size, parent, store_time))
+        for victim in self._evict_over_bound():
+            self._delete_file(victim)
+        log.info(
+            "kv_disk_index_rebuilt",
+            directory=str(self.directory),
+            entries=len(self._index),
+            bytes=self._stored_bytes,
+            skipped=skipped,
+        )
+
+    def _rows_from_sql(self) -> list[tuple[object, object, int, float]]:
+        # diskcache's table, read directly: one query instead of one per key.
+        return self._cache._sql(
+            "SELECT key, tag, size, store_time FROM Cache WHERE raw = 1 ORDER BY store_time"
+        ).fetchall()
+
+    def _rows_from_api(self) -> Iterable[tuple[object, object, int, float]]:
+        rows = []
+        for hexkey in self._cache.iterkeys():
+            try:
+                handle, tag = self._cache.get(hexkey, default=None, read=True, tag=True)
+                if handle is None:
+                    continue
+                with handle:
+                    info = os.fstat(handle.fileno())
+            except Exception as exc:
+                log.warning("kv_disk_corrupt_entry", key=str(hexkey), reason=f"unreadable: {exc!r}")
+                self.stats.corrupt += 1
+                try:
+                    self._cache.delete(hexkey)
+                except Exception:
+                    pass  # already logged as corrupt; a delete that fails leaves an unindexed file
+                continue
+            rows.append((hexkey, tag, info.st_size, info.st_mtime))
+        rows.sort(key=lambda row: row[3])
+        return rows
+
+
+@hookimpl
+def register_cache_tiers(register):
+    register("disk", DiskTier, description="L3: local disk, zstd-compressed, persistent across restarts")

@@ -1,0 +1,192 @@
+"""L2: KV blocks in host RAM, bounded by entry count and bytes; registers the "memory" tier."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from tierserve.cache.eviction import EvictionPolicy
+    from tierserve.core.config import KVCacheSettings
+
+
+class MemoryTier(CacheTier):
+    """Holds ``CacheEntry`` objects as given (no copy, no encoding).
+
+    Bounds: ``l2_capacity`` entries (0 stores nothing) and ``max_memory_bytes``
+    bytes of tensors (0: no byte bound). The policy orders entries by bytes,
+    or by count when there is no byte bound. ``put`` evicts until both bounds
+    hold and returns what it evicted, for demotion; an entry that cannot fit
+    (bigger than the tier, or everything else is pinned) is returned without
+    being kept.
+
+    Entries older than ``ttl_seconds`` (None or 0: never) are deleted when a
+    lookup sees them. Pinned entries are neither evicted nor expired: they are
+    being read or still have cached children.
+
+    ``get`` returns a new ``CacheEntry`` around the stored ``kv`` tensor (not a
+    copy of it): callers may reassign its fields but must not write into ``kv``.
+    """
+
+    name = "memory"
+
+    def __init__(
+        self, settings: KVCacheSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
+    ) -> None:
+        super().__init__()
+        self.fingerprint = fingerprint
+        self.max_entries = settings.l2_capacity
+        self.max_bytes = settings.max_memory_bytes
+        self.ttl = settings.ttl_seconds or None
+        self._by_bytes = self.max_bytes > 0
+        self.policy = policy_factory(self.max_bytes if self._by_bytes else max(self.max_entries, 1))
+        self._entries: dict[bytes, CacheEntry] = {}
+        self._bytes = 0
+
+    def contains(self, key: bytes) -> bool:
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry is not None and not self._expire_if_old(entry)
+
+    def get(self, key: bytes) -> CacheEntry | None:
+        start = time.perf_counter()
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None or self._expire_if_old(entry):
+                self.stats.misses += 1
+                entry = None
+            else:
+                self.policy.touch(key)
+                self.stats.hits += 1
+                entry = replace(entry)
+            self.stats.get_seconds += time.perf_counter() - start
+            return entry
+
+    def put(self, entry: CacheEntry) -> list[CacheEntry]:
+        start = time.perf_counter()
+        with self.lock:
+            self.stats.puts += 1
+            evicted = self._store(entry)
+            self._sync_byte_stats()
+            self.stats.put_seconds += time.perf_counter() - start
+            return evicted
+
+    def remove(self, key: bytes) -> None:
+        with self.lock:
+            if key in self._entries:
+                self._forget(key)
+                self.policy.remove(key)
+                self._sync_byte_stats()
+
+    def clear(self) -> int:
+        with self.lock:
+            removed = len(self._entries)
+            for key in list(self._entries):
+                self._forget(key)
+                self.policy.remove(key)
+            self._sync_byte_stats()
+            return removed
+
+    def keys(self) -> Iterator[bytes]:
+        with self.lock:
+            return iter(list(self._entries))
+
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent hash of ``key``; ``None`` also when ``key`` is not stored."""
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry.parent if entry is not None else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def pin(self, key: bytes) -> None:
+        """Protect ``key`` from eviction and expiry; a key not stored is ignored."""
+        with self.lock:
+            if key in self._entries:
+                self.policy.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        with self.lock:
+            if key in self._entries:
+                self.policy.unpin(key)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless the entries, the policy and the counters agree."""
+        with self.lock:
+            problems = []
+            if set(self.policy) != set(self._entries):
+                problems.append("policy keys differ from stored keys")
+            if self._bytes != sum(entry.nbytes for entry in self._entries.values()):
+                problems.append(f"byte count {self._bytes} is not the sum of entry sizes")
+            if self.policy.total_size != sum(map(self._size, self._entries.values())):
+                problems.append("policy sizes differ from entry sizes")
+            if self.stats.stored_bytes != self._bytes or self.stats.raw_bytes != self._bytes:
+                problems.append("stats bytes differ from bytes held")
+            if problems:
+                raise AssertionError(f"{self.name} tier: " + "; ".join(problems))
+
+    # ---- internals (callers hold self.lock) --------------------------------
+
+    def _store(self, entry: CacheEntry) -> list[CacheEntry]:
+        if self.max_entries == 0 or (self._by_bytes and entry.nbytes > self.max_bytes):
+            return [entry]
+        key = entry.key
+        if key in self._entries:
+            self._forget(key)
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+        self.policy.insert(key, self._size(entry))  # re-inserting a tracked key resizes and touches it
+
+        evicted: list[CacheEntry] = []
+        while self._over_bounds():
+            victim = self.policy.evict()
+            if victim is None:
+                break
+            evicted.append(self._forget(victim))
+            self.stats.evictions += 1
+        if self._over_bounds() and key in self._entries and not self.policy.is_pinned(key):
+            # Everything else is pinned: the newcomer is the one that goes down a tier.
+            self.policy.remove(key)
+            evicted.append(self._forget(key))
+            self.stats.evictions += 1
+        return evicted
+
+    def _over_bounds(self) -> bool:
+        return len(self._entries) > self.max_entries or (self._by_bytes and self._bytes > self.max_bytes)
+
+    def _size(self, entry: CacheEntry) -> int:
+        return entry.nbytes if self._by_bytes else 1
+
+    def _forget(self, key: bytes) -> CacheEntry:
+        """Drop the data of ``key``; the caller settles the policy."""
+        entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes
+        return entry
+
+    def _expire_if_old(self, entry: CacheEntry) -> bool:
+        if self.ttl is None or time.time() - entry.created <= self.ttl or self.policy.is_pinned(entry.key):
+            return False
+        self._forget(entry.key)
+        self.policy.remove(entry.key)
+        self.stats.expirations += 1
+        self.note_removed(entry.key)
+        self._sync_byte_stats()
+        return True
+
+    def _sync_byte_stats(self) -> None:
+        self.stats.stored_bytes = self.stats.raw_bytes = self._bytes
+
+
+@hookimpl
+def register_cache_tiers(register):
+    register("memory", MemoryTier, description="L2: host RAM, bounded by entries and bytes")
