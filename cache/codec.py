@@ -18,15 +18,17 @@ Every field is little-endian; ``decode`` checks each one and raises
     | 8      | u64           | raw length: tensor bytes before compression   |
     | 8      | u64           | compressed length: bytes after the header     |
     | 16     | blake2b-16    | checksum of every header byte above, then of  |
-    |        |               | the raw (uncompressed) tensor bytes           |
+    |        |               | the compressed payload below                  |
     +--------+---------------+-----------------------------------------------+
     | C      | zstd frame    | the tensor's bytes, C-contiguous, in the host |
     |        |               | byte order (little-endian on every supported  |
     |        |               | host); bfloat16 is carried bit for bit        |
     +--------+---------------+-----------------------------------------------+
 
-The checksum covers the header too, so a flipped bit in the token ids, the
-parent or ``created`` is caught, not just one in the tensor.
+The checksum covers the header and every payload byte, so any flipped bit is
+caught before decompression (a zstd frame has bits whose change would not alter
+the decoded data, and the entry must still not pass as intact); the zstd
+frame's own content checksum then guards the decompressed tensor.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import zstandard
 from tierserve.cache.tier import CacheEntry
 
 MAGIC = b"TSKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _DTYPE_BY_CODE: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
 _CODE_BY_DTYPE: dict[torch.dtype, int] = {dtype: code for code, dtype in _DTYPE_BY_CODE.items()}
@@ -141,7 +143,7 @@ class KVCodec:
             header += _TRAILER.pack(entry.created, raw.nbytes, len(payload))
         except struct.error as exc:
             raise ValueError(f"cannot encode entry {entry.key.hex()}: {exc}") from exc
-        return b"".join((header, _checksum(header, raw), payload))
+        return b"".join((header, _checksum(header, payload), payload))
 
     def decode(self, data: bytes, expected_key: bytes | None = None) -> CacheEntry:
         """The entry held in ``data``.
@@ -189,9 +191,10 @@ class KVCodec:
             raise CorruptEntryError(f"truncated payload: {left} of {compressed_length} bytes")
         if left > compressed_length:
             raise CorruptEntryError(f"{left - compressed_length} bytes of trailing garbage")
-        raw = self._decompress(reader.data[reader.pos :], raw_length)
-        if _checksum(reader.data[:header_end], raw) != checksum:
+        payload = reader.data[reader.pos :]
+        if _checksum(reader.data[:header_end], payload) != checksum:
             raise CorruptEntryError("checksum mismatch")
+        raw = self._decompress(payload, raw_length)
 
         if raw_length:
             kv = torch.frombuffer(raw, dtype=dtype).reshape(shape)
@@ -229,7 +232,7 @@ class KVCodec:
         return decompressor
 
 
-def _checksum(header: bytes | memoryview, raw: object) -> bytes:
+def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
     digest = hashlib.blake2b(header, digest_size=_CHECKSUM_SIZE)
-    digest.update(raw)  # type: ignore[arg-type]  # any buffer: numpy array, bytearray
+    digest.update(payload)
     return digest.digest()

@@ -103,6 +103,8 @@ class TieredStore:
         Fills ``seq.block_table`` with shared or promoted blocks and advances
         ``num_computed_tokens``/``num_cached_tokens``; only the rest is prefilled.
         """
+        if not seq.use_prefix_cache:
+            return
         started = time.perf_counter()
         self._sync_removed()
         bs = self.block_size
@@ -143,7 +145,9 @@ class TieredStore:
         if cached:
             self.stats.prefix_matches += 1
         self.stats.cached_tokens += cached
-        self.stats.lookup_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.lookup_seconds += elapsed
+        seq.cache_lookup_seconds += elapsed
 
     def _fetch_below(self, key: bytes, tokens: tuple[int, ...]) -> tuple[int, CacheEntry] | None:
         tiers = self.index.tiers_of(key)
@@ -181,7 +185,7 @@ class TieredStore:
     def register_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed blocks (and write them through to L3)."""
         full = seq.num_computed_tokens // self.block_size
-        if full <= seq.num_registered_blocks:
+        if full <= seq.num_registered_blocks or not seq.use_prefix_cache:
             return
         self._sync_removed()
         bs = self.block_size

@@ -64,6 +64,18 @@ class ModelBackend(ABC):
         """Copy ``data`` (as ``read_blocks`` returns it) into arena blocks (paged backends)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no paged KV arena")
 
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Embedding vectors: each input's final hidden states (after the model's final norm),
+        mean-pooled over all its tokens and L2-normalised.
+
+        Each input attends only to itself; nothing is read from or written to
+        the KV arena or any per-sequence cache. Returns float32 ``[n, hidden_size]``.
+        """
+        raise NotImplementedError(
+            f"the {type(self).__name__} backend cannot compute embeddings; "
+            "serve the model with model.backend = \"native\" or \"transformers\""
+        )
+
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished, aborted or preempted)."""
 

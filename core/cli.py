@@ -40,11 +40,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     manager = load_plugins()
     plugins = manager.plugins()
     if args.json:
-        payload = {
-            "plugins": [p.as_dict() for p in plugins],
-            "failures": [f.as_dict() for f in manager.failures],
-        }
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(manager.as_dict(), indent=2))
         return 0
     for plugin in plugins:
         print(f"{plugin.name} {plugin.version} ({plugin.source})")
@@ -81,13 +77,120 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ("server", "port"): args.port,
         ("model", "path"): args.model,
     }
-    _settings_from(args, flags)  # validates every source before anything else happens
-    print(
-        "error: this build of tierserve has no engine or HTTP server yet; "
-        "'tierserve serve' only validated the settings (see 'tierserve config show').",
-        file=sys.stderr,
+    loaded = _settings_from(args, flags)  # every source validated before the model loads
+    import uvicorn
+
+    from tierserve.core.logs import configure_logging
+    from tierserve.server.app import create_app
+
+    settings = loaded.settings
+    configure_logging(settings.logging)
+    app = create_app(loaded)
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_config=None,  # uvicorn's loggers go through tierserve's structlog handler
+        timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
     )
-    return 2
+    return 0
+
+
+DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
+
+
+def _call_server(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """One JSON request to a running server; an HTTP error or an unreachable server becomes a TierserveError."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    base = (args.url or os.environ.get("TIERSERVE_URL") or DEFAULT_SERVER_URL).rstrip("/")
+    api_key = args.api_key or os.environ.get("TIERSERVE_API_KEY")
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(f"{base}{path}", data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            message = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace").strip() or exc.reason
+        raise TierserveError(f"{method} {base}{path}: HTTP {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TierserveError(
+            f"cannot reach the server at {base} ({reason}); is 'tierserve serve' running? "
+            "Point --url (or TIERSERVE_URL) at it."
+        ) from None
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    print(json.dumps(_call_server(args, "GET", "/v1/cache/stats"), indent=2))
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    tiers = args.tiers or ["all"]
+    body = {"tiers": "all" if "all" in tiers else tiers}
+    print(json.dumps(_call_server(args, "POST", "/v1/cache/clear", body), indent=2))
+    return 0
+
+
+def cmd_cache_warm(args: argparse.Namespace) -> int:
+    prompts = list(args.prompts)
+    if args.file:
+        from tierserve.core.engine import read_warm_prompts
+
+        try:
+            prompts += read_warm_prompts(args.file)
+        except (OSError, ValueError) as exc:
+            raise TierserveError(f"--file {args.file}: {exc}") from None
+    if not prompts:
+        raise TierserveError("nothing to warm: give prompts as arguments or --file FILE (a JSON list, or one prompt per line)")
+    body: dict[str, Any] = {"prompts": prompts}
+    if args.cache_salt:
+        body["cache_salt"] = args.cache_salt
+    print(json.dumps(_call_server(args, "POST", "/v1/cache/warm", body), indent=2))
+    return 0
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help=f"server base URL (default: $TIERSERVE_URL or {DEFAULT_SERVER_URL})")
+    parser.add_argument("--api-key", help="API key, sent as a bearer token (default: $TIERSERVE_API_KEY)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
+
+
+def _add_cache_commands(commands: Any) -> None:
+    cache = commands.add_parser("cache", help="inspect and manage a running server's KV cache")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True)
+    stats = cache_commands.add_parser("stats", help="cache statistics, alerts and trends (GET /v1/cache/stats)")
+    _add_server_arguments(stats)
+    stats.set_defaults(handler=cmd_cache_stats)
+    clear = cache_commands.add_parser("clear", help="drop cached prefixes (POST /v1/cache/clear; admin key)")
+    _add_server_arguments(clear)
+    clear.add_argument(
+        "--tier",
+        dest="tiers",
+        action="append",
+        choices=["l1", "l2", "l3", "all"],
+        help="tier to clear (repeatable; default: all)",
+    )
+    clear.set_defaults(handler=cmd_cache_clear)
+    warm = cache_commands.add_parser("warm", help="prefill prompts into the cache (POST /v1/cache/warm; admin key)")
+    _add_server_arguments(warm)
+    warm.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to warm")
+    warm.add_argument("--file", help="more prompts: a JSON list of strings, or one prompt per line")
+    warm.add_argument("--cache-salt", help="warm under this cache salt (the one requests will send)")
+    warm.set_defaults(handler=cmd_cache_warm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="bind port (server.port)")
     serve.add_argument("--model", help="checkpoint directory or builtin:NAME (model.path)")
     serve.set_defaults(handler=cmd_serve)
+
+    _add_cache_commands(commands)
     return parser
 
 

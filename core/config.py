@@ -40,6 +40,10 @@ class ServerSettings(Section):
     served_model_name: str | None = None
     max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
+    rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
+    public_health: bool = True
+    public_metrics: bool = True
+    retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
 
 
 class ModelSettings(Section):
@@ -131,6 +135,11 @@ class MonitoringSettings(Section):
     collection_interval_seconds: float = Field(30, gt=0)
     detailed_profiling: bool = False
     prometheus: bool = True
+    trend_samples: int = Field(120, gt=0, description="samples kept for /v1/cache/stats trends")
+    alert_hit_rate_below: float | None = Field(None, ge=0, le=1)
+    alert_memory_bytes_above: int | None = Field(None, gt=0)
+    alert_dropped_writes_above: int | None = Field(0, ge=0)
+    alert_queue_fraction_above: float | None = Field(0.9, gt=0, le=1)
 
 
 class PluginSettings(Section):

@@ -81,6 +81,18 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    timings: RequestTimings | None = None  # on the final output only
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Measured per request (seconds, monotonic clock) for the server's performance report."""
+
+    queued: float  # arrival -> first scheduled
+    cache_lookup: float  # time spent finding and loading cached prefix blocks
+    inference: float  # first scheduled -> finished
+    time_to_first_token: float | None
+    peak_kv_bytes: int
 
 
 @dataclass(slots=True)
@@ -251,6 +263,7 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        use_prefix_cache: bool = True,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
@@ -292,6 +305,7 @@ class Engine:
             priority=priority,
             generator=self._make_generator(params),
             cache_salt=cache_salt,
+            use_prefix_cache=use_prefix_cache,
         )
         state = RequestState(
             seq=seq,
@@ -326,6 +340,7 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        use_prefix_cache: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; leaving the loop early (client gone) aborts it."""
         ids = self.encode_prompt(prompt, messages)
@@ -335,6 +350,7 @@ class Engine:
             request_id=request_id,
             priority=priority,
             cache_salt=cache_salt,
+            use_prefix_cache=use_prefix_cache,
             loop=asyncio.get_running_loop(),
         )
         finished = False
@@ -408,6 +424,50 @@ class Engine:
 
         return self._call(collect)
 
+    def embed(self, inputs: Seq[str | Seq[int]]) -> tuple[torch.Tensor, int]:
+        """Mean-pooled, L2-normalised final hidden states of each input, and the tokens they took.
+
+        Inputs are texts or token ids; each is embedded on its own (no KV is
+        read or cached). The backend runs between steps on the step thread, in
+        batches of at most ``scheduler.max_num_batched_tokens`` tokens, so a large
+        request delays running generations by at most about one step per batch.
+
+        Returns:
+            ``(vectors, prompt_tokens)``: float32 ``[len(inputs), hidden_size]`` on
+            the CPU, and the number of tokens across all inputs.
+
+        Raises:
+            RequestError: an input that is empty, holds invalid token ids, or is
+                longer than the model's context length.
+        """
+        if not inputs:
+            raise RequestError("input: must hold at least one text or list of token ids")
+        token_ids: list[list[int]] = []
+        for index, item in enumerate(inputs):
+            try:
+                ids = self.encode_prompt(item)
+            except RequestError as exc:  # encode_prompt names the field "prompt"
+                raise RequestError(f"input: item {index}: {str(exc).partition(': ')[2]}") from None
+            if not ids:
+                raise RequestError(f"input: item {index} is empty; send at least one token of text")
+            if len(ids) > self.backend.max_model_len:
+                raise RequestError(
+                    f"input: item {index} has {len(ids)} tokens, which exceeds the model's context length "
+                    f"{self.backend.max_model_len}; shorten or split it"
+                )
+            token_ids.append(ids)
+        budget = self.settings.scheduler.max_num_batched_tokens
+        batches: list[list[list[int]]] = []
+        room = 0
+        for ids in token_ids:
+            if len(ids) > room:
+                batches.append([])
+                room = budget
+            batches[-1].append(ids)
+            room -= len(ids)
+        vectors = [self._call(lambda batch=batch: self.backend.embed(batch).cpu()) for batch in batches]
+        return torch.cat(vectors), sum(len(ids) for ids in token_ids)
+
     def step(self) -> int:
         """Run one scheduling + forward + sampling step; returns the number of tokens computed."""
         self._run_commands()
@@ -420,6 +480,12 @@ class Engine:
         if not output.chunks:
             return 0
         self.stats.steps += 1
+        now = time.monotonic()
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
         logits = self.backend.forward(output.chunks)
         sampling = [chunk for chunk in output.chunks if chunk.samples]
         for chunk in output.chunks:
@@ -489,6 +555,17 @@ class Engine:
 
     def _output(self, state, text, token_ids, reason, logprobs) -> RequestOutput:
         seq = state.seq
+        timings = None
+        if reason is not None:
+            now = time.monotonic()
+            scheduled = seq.first_scheduled_time or now
+            timings = RequestTimings(
+                queued=scheduled - seq.arrival_time,
+                cache_lookup=seq.cache_lookup_seconds,
+                inference=now - scheduled,
+                time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+                peak_kv_bytes=seq.peak_blocks * self.backend.kv_bytes_per_block(self.pool.block_size),
+            )
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
@@ -499,6 +576,7 @@ class Engine:
             completion_tokens=seq.num_output_tokens,
             cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
+            timings=timings,
         )
 
     def _finish(self, state: RequestState, reason: FinishReason, text: str, token_ids=(), logprobs=None) -> None:

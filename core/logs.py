@@ -51,6 +51,11 @@ def configure_logging(settings: LoggingSettings | None = None, stream: TextIO | 
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(settings.level.upper())
+    # uvicorn may have given its loggers their own handlers; send them through ours instead
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "litestar"):
+        logger = logging.getLogger(name)
+        logger.handlers = []
+        logger.propagate = True
 
 
 def new_request_id() -> str:

@@ -145,6 +145,13 @@ class PluginManager:
         """Every loaded plugin, built-ins first, in load order."""
         return list(self._info.values())
 
+    def as_dict(self) -> dict[str, list[dict[str, Any]]]:
+        """``{"plugins": [...], "failures": [...]}``: what ``tierserve plugins --json`` and ``/v1/plugins`` show."""
+        return {
+            "plugins": [plugin.as_dict() for plugin in self.plugins()],
+            "failures": [failure.as_dict() for failure in self.failures],
+        }
+
     def call_lifecycle(self, hook_name: str, engine: Any) -> None:
         """Call ``on_startup``/``on_shutdown`` on each plugin; one failure does not stop the rest."""
         caller = getattr(self.pm.hook, hook_name)

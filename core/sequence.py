@@ -50,6 +50,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     cache_salt: str | None = None
+    use_prefix_cache: bool = True  # False: neither reuse cached blocks nor publish this sequence's
+    first_scheduled_time: float | None = None
+    cache_lookup_seconds: float = 0.0
+    peak_blocks: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
 

@@ -1,0 +1,1 @@
+"""The HTTP server: Litestar app factory, routes by concern, errors, auth, metrics."""

@@ -82,11 +82,46 @@ def test_bad_config_exits_2_with_message(tmp_path):
     assert str(bad) in result.stderr
 
 
-def test_serve_validates_settings_and_does_not_pretend_to_serve(tmp_path):
+def test_serve_validates_settings_before_loading_anything(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[server]\nport = -1\n")
     result = run("serve", "--config", str(bad))
     assert result.returncode == 2 and "server.port = -1" in result.stderr
-    result = run("serve", "--port", "8123")
-    assert result.returncode != 0
-    assert "no engine or HTTP server yet" in result.stderr
+    result = run("serve", "--set", 'kv_cache.eviction_policy="lru2"')
+    assert result.returncode == 2 and "did you mean 'lru'" in result.stderr
+
+
+def test_serve_runs_the_embedded_model_and_stops_cleanly(tmp_path):
+    import signal
+    import time
+
+    import httpx
+
+    from tests.server_helpers import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_")}
+    env["TIERSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    process = subprocess.Popen(
+        [TIERSERVE, "serve", "--preset", "development", "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("server never became ready")
+        reply = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert "Traceback" not in output

@@ -78,6 +78,28 @@ class TransformersBackend(ModelBackend):
             return torch.empty(0, self.vocab_size, device=self.device)
         return torch.stack(logits)
 
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """One forward per input (no padding, so absolute-position models such as GPT-2
+        see the positions they were trained on), mean-pooling ``hidden_states[-1]``.
+
+        That entry is the model's ``last_hidden_state``: after the final norm for
+        Llama/Mistral/Qwen (``norm``), GPT-2 (``ln_f``) and OPT (``final_layer_norm``).
+        Caveats: OPT checkpoints with ``project_out`` (``word_embed_proj_dim !=
+        hidden_size``, e.g. opt-350m) return the projected, narrower width; post-LN
+        models have no separate final norm (their last layer already ends in one).
+        """
+        import torch
+        import torch.nn.functional as F
+
+        pooled = []
+        with torch.inference_mode():
+            for ids in token_ids:
+                out = self.model(
+                    input_ids=torch.tensor([ids], device=self.device), use_cache=False, output_hidden_states=True
+                )
+                pooled.append(out.hidden_states[-1][0].float().mean(0))
+        return F.normalize(torch.stack(pooled), dim=-1)
+
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.seq_id, None)
 

@@ -12,6 +12,7 @@ attends on its own (a chunk starting mid-prompt sees the cached prefix).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,9 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# attend(layer_index, layer, q, k, v) -> attention output shaped like q
+Attend = Callable[[int, "LayerWeights", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -178,11 +182,11 @@ class PagedLlama:
             k.view(shape).index_copy_(0, block_ids, data[:, layer, 0])
             v.view(shape).index_copy_(0, block_ids, data[:, layer, 1])
 
-    def forward(self, batch: PagedBatch) -> torch.Tensor:
-        """Logits (float32) for ``batch.sample_rows``; KV of every token is written to the arena."""
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
-        hidden = self.embed[batch.input_ids]
+    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder stack over a flat token batch; ``attend(layer_index, layer, q, k, v)`` supplies attention."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        hidden = self.embed[input_ids]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         tokens = hidden.shape[0]
@@ -197,16 +201,69 @@ class PagedLlama:
                 k = rms_norm(k, layer.k_norm, self.eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache.index_copy_(0, batch.slot_mapping, k)
-            v_cache.index_copy_(0, batch.slot_mapping, v)
-            attn = self._attend(q, k_cache, v_cache, batch.groups, layer.sliding_window)
+            attn = attend(index, layer, q, k, v)
             hidden = hidden + F.linear(attn.reshape(tokens, q_size), layer.o_proj, layer.o_bias)
             x = rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + F.linear(self.act(gate) * up, layer.down)
+        return hidden
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        """Logits (float32) for ``batch.sample_rows``; KV of every token is written to the arena."""
+
+        def paged_attention(index, layer, q, k, v):
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
+            return self._attend(q, k_cache, v_cache, batch.groups, layer.sliding_window)
+
+        hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention)
         last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)
         return F.linear(last, self.lm_head).float()
+
+    def final_hidden_states(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Hidden states after the final norm, ``[len, hidden]`` per token id sequence.
+
+        The layer math of ``forward``, but each sequence attends causally to its
+        own keys and values only: the KV arena is neither read nor written, so
+        this can run between steps without disturbing cached or running sequences.
+        """
+        lengths = [len(s) for s in sequences]
+        input_ids = torch.cat(sequences).to(self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        masks: list[dict[int | None, torch.Tensor | None]] = []
+        for n in lengths:
+            pos = torch.arange(n)
+            by_window: dict[int | None, torch.Tensor | None] = {}
+            for window in self.windows:
+                if window is None or n <= window:
+                    by_window[window] = None  # plain causal
+                else:
+                    keep = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+                    by_window[window] = keep[None, None].to(self.device)
+            masks.append(by_window)
+
+        def own_attention(index, layer, q, k, v):
+            attn = torch.empty_like(q)
+            start = 0
+            for n, by_window in zip(lengths, masks):
+                rows = slice(start, start + n)
+                mask = by_window[layer.sliding_window]
+                result = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1)[None],
+                    k[rows].transpose(0, 1)[None],
+                    v[rows].transpose(0, 1)[None],
+                    attn_mask=mask,
+                    is_causal=mask is None and n > 1,
+                    scale=self.scaling,
+                    enable_gqa=self.num_kv_heads != self.num_heads,
+                )
+                attn[rows] = result[0].transpose(0, 1)
+                start += n
+            return attn
+
+        hidden = self._run_layers(input_ids, positions, own_attention)
+        return list(rms_norm(hidden, self.norm, self.eps).split(lengths))
 
     def _attend(self, q, k_cache, v_cache, groups: list[AttentionGroup], window: int | None) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -97,6 +97,15 @@ class NativeBackend(ModelBackend):
         with torch.inference_mode():
             return self.model.forward(self._build_batch(chunks))
 
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        import torch
+        import torch.nn.functional as F
+
+        with torch.inference_mode():
+            sequences = [torch.tensor(ids, dtype=torch.long) for ids in token_ids]
+            hidden = self.model.final_hidden_states(sequences)
+            return F.normalize(torch.stack([h.float().mean(0) for h in hidden]), dim=-1)
+
     def _build_batch(self, chunks: Seq[ScheduledChunk]) -> PagedBatch:
         import torch
 

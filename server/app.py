@@ -1,0 +1,95 @@
+"""``create_app(settings)``: the Litestar app, composed from route modules grouped by concern.
+
+Each module in ``ROUTE_MODULES`` exposes ``ROUTES`` (Litestar handlers) and
+may expose ``MIDDLEWARE`` and ``setup(state)`` / ``teardown(state)`` for its
+own background work; plugins add handlers through the ``register_routes`` hook. The engine is
+built on a background thread at start-up, so ``/health/live`` answers at once
+and ``/health/ready`` turns 200 when the model is loaded and warmed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from litestar import Litestar
+from litestar.middleware.rate_limit import RateLimitConfig
+from litestar.openapi import OpenAPIConfig
+
+from tierserve.core import __version__
+from tierserve.core.config import LoadedSettings, Settings
+from tierserve.core.plugins import PluginManager, load_plugins
+from tierserve.server.auth import auth_guard
+from tierserve.server.errors import EXCEPTION_HANDLERS
+from tierserve.server.state import ServerState
+
+ROUTE_MODULES: tuple[str, ...] = (
+    "tierserve.server.openai_routes",
+    "tierserve.server.embedding_routes",
+    "tierserve.server.cache_routes",
+    "tierserve.server.health_routes",
+    "tierserve.server.metrics_routes",
+    "tierserve.server.plugin_routes",
+)
+
+
+def _rate_limit_identity(request) -> str:
+    header = request.headers.get("authorization", "")
+    return header or (request.client.host if request.client else "unknown")
+
+
+def create_app(
+    settings: Settings | LoadedSettings,
+    *,
+    engine: Any | None = None,
+    plugins: PluginManager | None = None,
+    load_in_background: bool = True,
+) -> Litestar:
+    """Build the app. ``engine`` may be given (tests share one); otherwise it is built from ``settings``."""
+    if isinstance(settings, LoadedSettings):
+        plugins = plugins or settings.plugins
+        settings = settings.settings
+    plugins = plugins or load_plugins()
+    state = ServerState(settings=settings, plugins=plugins, engine=engine, owns_engine=engine is None)
+    modules = [importlib.import_module(name) for name in ROUTE_MODULES]
+    handlers: list[Any] = [handler for module in modules for handler in module.ROUTES]
+    handlers += [component.factory for component in plugins.registry("routes")]
+
+    def on_startup(app: Litestar) -> None:
+        app.state.tierserve = state
+        for module in modules:
+            if hasattr(module, "setup"):
+                module.setup(state)
+        if load_in_background:
+            state.start_loading()
+        else:
+            state.load()
+
+    def on_shutdown(app: Litestar) -> None:
+        for module in modules:
+            if hasattr(module, "teardown"):
+                module.teardown(state)
+        state.close()
+
+    middleware: list[Any] = [m for module in modules for m in getattr(module, "MIDDLEWARE", [])]
+    if settings.server.rate_limit_per_minute:
+        limit = RateLimitConfig(
+            rate_limit=("minute", settings.server.rate_limit_per_minute),
+            identifier_for_request=_rate_limit_identity,
+            exclude=["/health", "/metrics"],
+        )
+        middleware.append(limit.middleware)
+
+    app = Litestar(
+        route_handlers=handlers,
+        on_startup=[on_startup],
+        on_shutdown=[on_shutdown],
+        guards=[auth_guard],
+        exception_handlers=EXCEPTION_HANDLERS,
+        middleware=middleware,
+        request_max_body_size=settings.server.max_request_bytes,
+        openapi_config=OpenAPIConfig(title="tierserve", version=__version__, path="/docs"),
+        debug=False,
+    )
+    app.state.tierserve = state
+    return app

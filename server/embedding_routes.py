@@ -1,0 +1,77 @@
+"""``POST /v1/embeddings`` (OpenAI-compatible): mean-pooled, L2-normalised final hidden states."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any, Literal
+
+from litestar import Request, post
+from litestar.params import JSONBody
+
+from tierserve.server.errors import APIError
+from tierserve.server.openai_routes import check_model
+from tierserve.server.schemas import Body
+from tierserve.server.state import ready_engine, state_of
+
+
+class EmbeddingRequest(Body):
+    """OpenAI's embeddings request; ``user`` and unknown fields are accepted and ignored."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+MAX_INPUTS = 2048  # OpenAI's limit per request
+
+
+def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """One text, or one list of token ids, becomes a batch of one."""
+    items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else list(value)
+    if not items or any(len(item) == 0 for item in items):
+        raise APIError(
+            400,
+            "input: must not be empty; send a string, a list of strings, a list of token ids, "
+            "or a list of such lists, each with at least one character or token",
+            param="input",
+        )
+    if len(items) > MAX_INPUTS:
+        raise APIError(400, f"input: {len(items)} items; send at most {MAX_INPUTS} per request", param="input")
+    return items
+
+
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> dict[str, Any]:
+    """Embed each input on its own; vectors come back in input order."""
+    state = state_of(request)
+    check_model(state, data.model)
+    inputs = _inputs(data.input)
+    engine = ready_engine(request)
+    vectors, prompt_tokens = await asyncio.to_thread(engine.embed, inputs)
+    hidden = vectors.shape[1]
+    if data.dimensions is not None and data.dimensions != hidden:
+        raise APIError(
+            400,
+            f"dimensions: this model's embeddings have {hidden} dimensions, not {data.dimensions}; "
+            "omit dimensions or set it to the hidden size",
+            param="dimensions",
+        )
+    if data.encoding_format == "base64":
+        # OpenAI's encoding: the raw little-endian float32 bytes of the vector.
+        encoded: list[Any] = [
+            base64.b64encode(row.numpy().astype("<f4").tobytes()).decode("ascii") for row in vectors
+        ]
+    else:
+        encoded = vectors.tolist()
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+        "model": state.model_name,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+
+
+ROUTES = [embeddings]

@@ -1,0 +1,107 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, never a traceback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from tierserve.core.engine import RequestError
+from tierserve.core.scheduler import QueueFullError
+
+log = structlog.get_logger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error response; raise it from any handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param=None, code=None, headers=None) -> Response:
+    return Response(error_body(status, message, param, code), status_code=status, headers=headers or {})
+
+
+def param_of(message: str) -> str | None:
+    """``"max_tokens: ..."`` -> ``"max_tokens"`` (engine and sampling errors lead with the field)."""
+    head, sep, _ = message.partition(":")
+    return head.strip() if sep and head.strip().replace("_", "").replace(".", "").isalnum() else None
+
+
+def handle_api_error(_: Request, exc: APIError) -> Response:
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+
+def handle_request_error(_: Request, exc: ValueError) -> Response:
+    message = str(exc)
+    return error_response(400, message, param_of(message), "invalid_value")
+
+
+def handle_queue_full(request: Request, exc: QueueFullError) -> Response:
+    retry = str(request.app.state.tierserve.settings.server.retry_after_seconds)
+    return error_response(503, str(exc), None, "queue_full", {"Retry-After": retry})
+
+
+def handle_validation(_: Request, exc: ValidationException) -> Response:
+    details = exc.extra if isinstance(exc.extra, list) else []
+    param = None
+    parts = []
+    for item in details:
+        if isinstance(item, dict):
+            key = item.get("key")
+            param = param or key
+            parts.append(f"{key}: {item.get('message')}" if key else str(item.get("message")))
+    message = "; ".join(parts) or exc.detail or "invalid request"
+    return error_response(400, message, param, "invalid_request")
+
+
+def handle_http(_: Request, exc: HTTPException) -> Response:
+    headers = dict(exc.headers or {})
+    return error_response(exc.status_code, exc.detail or "error", None, None, headers)
+
+
+def handle_internal(request: Request, exc: Exception) -> Response:
+    log.exception("request_failed", path=request.url.path)
+    return error_response(500, "internal server error; the server logged the details", None, "internal_error")
+
+
+EXCEPTION_HANDLERS = {
+    APIError: handle_api_error,
+    RequestError: handle_request_error,
+    QueueFullError: handle_queue_full,
+    ValidationException: handle_validation,
+    HTTPException: handle_http,
+    Exception: handle_internal,
+}

@@ -1,0 +1,83 @@
+"""What the app holds: settings, plugins, the engine (loaded in the background) and readiness."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from tierserve.core.config import Settings
+from tierserve.core.plugins import PluginManager
+
+if TYPE_CHECKING:
+    from litestar import Request
+
+    from tierserve.core.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    plugins: PluginManager
+    engine: Engine | None = None
+    ready: bool = False
+    load_error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    active_requests: int = 0
+    extras: dict[str, object] = field(default_factory=dict)  # per-concern state (metrics, monitor, ...)
+    owns_engine: bool = True  # False when the caller passed an engine in (it outlives the app)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.server.served_model_name or self.settings.model.path
+
+    def load(self) -> None:
+        """Build and start the engine (on a background thread at start-up); ready when done."""
+        from tierserve.core.engine import Engine
+
+        try:
+            if self.engine is None:
+                self.engine = Engine.from_settings(self.settings, self.plugins)
+            self.engine.start()
+            self.plugins.call_lifecycle("on_startup", self.engine)
+            self.ready = True
+            log.info("server_ready", model=self.model_name)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine_load_failed")
+
+    def start_loading(self) -> threading.Thread:
+        thread = threading.Thread(target=self.load, name="tierserve-load", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Stop serving: in-flight requests are aborted (their blocks freed), queued L3 writes flushed."""
+        if self.engine is None:
+            return
+        self.plugins.call_lifecycle("on_shutdown", self.engine)
+        if self.owns_engine:
+            self.engine.close()
+        else:
+            self.engine.shutdown()
+        self.ready = False
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.tierserve
+
+
+def ready_engine(request: Request) -> Engine:
+    """The engine, or a 503 (with Retry-After) while it is still loading."""
+    from tierserve.server.errors import APIError
+
+    state = state_of(request)
+    if not state.ready or state.engine is None:
+        message = f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
+        raise APIError(503, message, code="not_ready", headers={"Retry-After": "5"})
+    return state.engine

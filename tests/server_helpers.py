@@ -1,0 +1,46 @@
+"""A real uvicorn server on a loopback port, in a thread, around an app built by ``create_app``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from tierserve.server.app import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(settings, engine=None, plugins=None, ready_timeout: float = 120.0) -> Iterator[str]:
+    """Serve ``create_app(settings, engine=...)`` on 127.0.0.1; yields the base URL once /health/ready is 200."""
+    app = create_app(settings, engine=engine, plugins=plugins)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise TimeoutError(f"server on {base} not ready after {ready_timeout}s")
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,432 @@
+"""Operating a running server: health probes, Prometheus metrics, cache stats/clear/warm, plugins, request ids, the cache CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import structlog
+from litestar import Litestar, get
+from litestar.response import Stream
+from litestar.testing import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
+from tests.server_helpers import running_server
+from tierserve.core.config import LoggingSettings, load_settings
+from tierserve.core.logs import configure_logging
+from tierserve.core.plugins import load_plugins
+from tierserve.server import metrics_routes
+from tierserve.server.app import create_app
+from tierserve.server.metrics_routes import RequestMetrics, request_middleware
+from tierserve.server.state import ServerState
+
+BLOCK = 4
+METRIC_NAMES = [
+    "tierserve_requests_total",
+    "tierserve_request_seconds",
+    "tierserve_time_to_first_token_seconds",
+    "tierserve_time_per_output_token_seconds",
+    "tierserve_e2e_request_latency_seconds",
+    "tierserve_prompt_tokens_total",
+    "tierserve_generation_tokens_total",
+    "tierserve_cached_prompt_tokens_total",
+    "tierserve_request_outcomes_total",
+    "tierserve_requests_running",
+    "tierserve_requests_waiting",
+    "tierserve_active_http_requests",
+    "tierserve_cache_hits_total",  # the engine's cache collector, registered alongside
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    return tmp_path_factory.mktemp("l3")
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, disk):
+    engine = make_engine(
+        checkpoint,
+        kv_cache__block_size=BLOCK,
+        kv_cache__l1_capacity=512,
+        kv_cache__disk_path=str(disk),
+        kv_cache__persistence=True,
+    )
+    yield engine
+    engine.close()
+
+
+def settings_for(checkpoint, disk, extra: dict | None = None):
+    overrides = {
+        ("model", "path"): str(checkpoint),
+        ("model", "device"): "cpu",
+        ("kv_cache", "block_size"): BLOCK,
+        ("kv_cache", "disk_path"): str(disk),
+        ("kv_cache", "persistence"): True,
+        ("monitoring", "collection_interval_seconds"): 0.2,
+    }
+    overrides.update(extra or {})
+    return load_settings(None, environ={}, overrides=overrides)
+
+
+@pytest.fixture
+def server(checkpoint, disk, engine):
+    """One server per test: every server stops the shared engine's step thread when it exits."""
+    with running_server(settings_for(checkpoint, disk), engine=engine) as base:
+        yield base
+
+
+@pytest.fixture
+def json_logs():
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    stream = io.StringIO()
+    configure_logging(LoggingSettings(format="json"), stream=stream)
+    yield stream
+    root.handlers, root.level = handlers, level
+    structlog.reset_defaults()
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_")}
+    full_env.update(env or {})
+    command = [sys.executable, "-m", "tierserve.core.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=60)
+
+
+def stats(base: str, **kwargs) -> dict:
+    response = httpx.get(f"{base}/v1/cache/stats", timeout=30, **kwargs)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# ---- health -----------------------------------------------------------------------------
+
+
+def test_health_probes_when_ready(server, engine):
+    health = httpx.get(f"{server}/health")
+    assert health.status_code == 200
+    body = health.json()
+    assert body["status"] == "ok" and body["version"] and body["uptime_seconds"] >= 0
+    assert body["memory"]["rss_bytes"] > 10 * 1024 * 1024
+    assert body["memory"]["kv_blocks_total"] == engine.pool.num_blocks == 512
+    assert 0 < body["memory"]["kv_blocks_free"] <= 512
+    assert body["active_requests"] == 1  # this one
+    assert body["components"] == {
+        "engine": "ready",
+        "backend": "native",
+        "scheduler": "fcfs",
+        "cache_tiers": ["l1", "l2", "l3"],
+        "load_error": None,
+    }
+    assert httpx.get(f"{server}/health/ready").json() == {"status": "ready"}
+    assert httpx.get(f"{server}/health/live").json() == {"status": "alive"}
+
+
+def test_health_while_loading_and_after_a_failed_load(checkpoint, disk, engine, tmp_path, monkeypatch):
+    started = threading.Event()
+    proceed = threading.Event()
+    real_start = engine.start
+
+    def slow_start():
+        started.set()
+        proceed.wait(30)
+        real_start()
+
+    monkeypatch.setattr(engine, "start", slow_start)
+    with TestClient(create_app(settings_for(checkpoint, disk), engine=engine)) as client:
+        assert started.wait(30)
+        assert client.get("/health/live").status_code == 200
+        loading = client.get("/health")
+        assert loading.status_code == 200 and loading.json()["status"] == "loading"
+        assert loading.json()["components"]["engine"] == "loading"
+        not_ready = client.get("/health/ready")
+        assert not_ready.status_code == 503 and not_ready.headers["retry-after"] == "5"
+        assert not_ready.json()["error"]["code"] == "not_ready" and "loading" in not_ready.json()["error"]["message"]
+        assert client.get("/v1/cache/stats").status_code == 503
+        proceed.set()
+        deadline = time.monotonic() + 30
+        while client.get("/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    missing = settings_for(tmp_path / "no-such-checkpoint", disk)
+    with TestClient(create_app(missing)) as client:
+        deadline = time.monotonic() + 30
+        while (health := client.get("/health")).json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert health.json()["components"]["engine"] == "failed" and health.json()["components"]["load_error"]
+        ready = client.get("/health/ready")
+        assert ready.status_code == 503 and "failed to load" in ready.json()["error"]["message"]
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def test_metrics_exposition_counts_requests(server):
+    assert httpx.get(f"{server}/v1/plugins").status_code == 200
+    assert httpx.get(f"{server}/v1/plugins").status_code == 200
+    response = httpx.get(f"{server}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = response.text
+    for name in METRIC_NAMES:
+        assert f"\n{name}" in text, name
+    assert 'tierserve_requests_total{endpoint="/v1/plugins",status="200"} 2.0' in text
+    assert 'tierserve_request_seconds_count{endpoint="/v1/plugins"} 2.0' in text
+    assert "tierserve_active_http_requests 1.0" in text  # the scrape itself
+    assert 'tierserve_request_outcomes_total{outcome="abort"} 0.0' in text
+
+
+def test_request_metrics_api():
+    metrics = RequestMetrics(CollectorRegistry())
+    metrics.observe_request("/v1/completions", 200, 0.5)
+    metrics.observe_ttft(0.02)
+    metrics.observe_tpot(0.01)
+    metrics.observe_e2e(0.3)
+    metrics.count_tokens(prompt=10, generated=5, cached=8)
+    metrics.count_outcome("success")
+    text = generate_latest(metrics.registry).decode()
+    for line in (
+        'tierserve_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+        "tierserve_time_to_first_token_seconds_count 1.0",
+        "tierserve_time_per_output_token_seconds_sum 0.01",
+        "tierserve_e2e_request_latency_seconds_count 1.0",
+        "tierserve_prompt_tokens_total 10.0",
+        "tierserve_generation_tokens_total 5.0",
+        "tierserve_cached_prompt_tokens_total 8.0",
+        'tierserve_request_outcomes_total{outcome="success"} 1.0',
+    ):
+        assert line in text
+    with pytest.raises(ValueError, match="allowed: success, abort, error"):
+        metrics.count_outcome("finished")
+
+
+# ---- cache stats / warm / clear --------------------------------------------------------------------
+
+
+def test_cache_stats_shape_and_hits_after_warming(server, engine):
+    before = stats(server)
+    assert set(before) == {"cache_manager", "overall", "alerts", "trends"}
+    manager = before["cache_manager"]
+    assert set(manager["kv_cache"]["tiers"]) == {"l1", "l2", "l3"}
+    assert manager["speculation"]["enabled"] is False and manager["speculation"]["note"]
+    assert manager["sliding_window"] == {
+        "enabled": False, "windows_slid": 0, "tokens_dropped": 0, "note": manager["sliding_window"]["note"]
+    }
+    assert set(manager["radix_tree"]) == {"cached_blocks", "active_prefixes", "avg_prefix_tokens", "prefix_matches", "lookups"}
+
+    prompt = PROMPTS[4]
+    ids = engine.encode_prompt(prompt)
+    warmed = httpx.post(f"{server}/v1/cache/warm", json={"prompts": [prompt], "extra": "ignored"}, timeout=60)
+    assert warmed.status_code == 200, warmed.text
+    tokens = len(ids) // BLOCK * BLOCK
+    assert warmed.json() == {"warmed": 1, "tokens": tokens, "blocks": tokens // BLOCK}
+
+    [result] = engine.generate([prompt + " And then"])
+    assert result.cached_tokens >= tokens - BLOCK
+    after = stats(server)
+    kv, old = after["cache_manager"]["kv_cache"], before["cache_manager"]["kv_cache"]
+    assert kv["l1_hits"] >= old["l1_hits"] + tokens // BLOCK - 1
+    assert kv["hits"] == kv["l1_hits"] + kv["l2_hits"] + kv["l3_hits"] > old["hits"]
+    assert kv["tiers"]["l3"]["entries"] >= tokens // BLOCK  # written through (persistence)
+    assert after["cache_manager"]["radix_tree"]["cached_blocks"] > 0
+    overall = after["overall"]
+    assert overall["cached_tokens"] >= before["overall"]["cached_tokens"] + result.cached_tokens
+    assert overall["token_hit_rate"] == round(overall["cached_tokens"] / overall["prompt_tokens"], 4)
+
+    # L1 dropped: the same prompt is now served from L3 (write-through) and promoted back
+    cleared = httpx.post(f"{server}/v1/cache/clear", json={"tiers": ["l1"]})
+    assert cleared.status_code == 200 and cleared.json()["cleared"]["l1"] > 0
+    engine.generate([prompt])
+    final = stats(server)["cache_manager"]["kv_cache"]
+    assert final["l3_hits"] > kv["l3_hits"] and final["promotions"]["l3"] > kv["promotions"]["l3"]
+
+
+def test_warm_chat_messages_and_validation(server):
+    messages = [[{"role": "user", "content": "Tell me about the library at the edge of the town."}]]
+    warmed = httpx.post(f"{server}/v1/cache/warm", json={"messages": messages}, timeout=60)
+    assert warmed.status_code == 200 and warmed.json()["warmed"] == 1 and warmed.json()["blocks"] > 0
+    for body, param in (
+        ({}, "prompts"),
+        ({"prompts": []}, "prompts"),
+        ({"prompts": "not a list"}, "prompts"),
+        ({"messages": [[{"role": "user"}]]}, "messages"),
+    ):
+        response = httpx.post(f"{server}/v1/cache/warm", json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"].startswith(param), (body, error)
+
+
+def test_clear_tiers_and_unknown_tier(server):
+    everything = httpx.post(f"{server}/v1/cache/clear")
+    assert everything.status_code == 200 and set(everything.json()["cleared"]) == {"l1", "l2", "l3"}
+    assert stats(server)["cache_manager"]["kv_cache"]["tiers"]["l3"]["entries"] == 0
+    for body, bad in (({"tiers": ["l1", "l4"]}, "'l4'"), ({"tiers": []}, "empty list"), ({"tiers": "some"}, "'some'")):
+        response = httpx.post(f"{server}/v1/cache/clear", json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["param"] == "tiers" and error["type"] == "invalid_request_error", error
+        assert bad in error["message"] and 'l1, l2, l3, or "all"' in error["message"]
+    assert httpx.post(f"{server}/v1/cache/clear", json={"tiers": "l2"}).json() == {"cleared": {"l2": 0}}
+
+
+def test_trends_sampled_and_hit_rate_alert(checkpoint, disk, engine):
+    settings = settings_for(checkpoint, disk, {("monitoring", "alert_hit_rate_below"): 0.99})
+    with running_server(settings, engine=engine) as base:
+        engine.generate(["a prompt nobody has sent before, long enough to fill several blocks"])
+        deadline = time.monotonic() + 10
+        while len((body := stats(base))["trends"]) < 2:
+            assert time.monotonic() < deadline, "no trend samples"
+            time.sleep(0.1)
+    sample = body["trends"][-1]
+    assert set(sample) == {
+        "timestamp", "hit_rate", "memory_bytes", "cached_tokens", "requests_running", "requests_waiting", "dropped_writes"
+    }
+    assert body["trends"][0]["timestamp"] < sample["timestamp"]
+    [alert] = body["alerts"]
+    assert alert["name"] == "low_hit_rate" and alert["threshold"] == 0.99
+    assert alert["value"] == body["cache_manager"]["kv_cache"]["hit_rate"] < 0.99 and alert["message"]
+
+
+def test_queue_alert_with_waiting_requests(checkpoint, disk, tmp_path):
+    small = make_engine(checkpoint, scheduler__max_num_seqs=1, scheduler__max_waiting_requests=10, kv_cache__block_size=BLOCK)
+    settings = settings_for(checkpoint, disk, {("monitoring", "alert_queue_fraction_above"): 0.1})
+    try:
+        with running_server(settings, engine=small) as base:
+            from tierserve.core.sampling_params import SamplingParams
+
+            params = SamplingParams(max_tokens=64, ignore_eos=True)
+            for prompt in PROMPTS[:5]:
+                small.submit(small.encode_prompt(prompt), params)
+            deadline = time.monotonic() + 10
+            while not (alerts := stats(base)["alerts"]):
+                assert time.monotonic() < deadline, "no queue alert"
+                time.sleep(0.02)
+    finally:
+        small.close()
+    [alert] = alerts
+    assert alert["name"] == "queue_full" and alert["threshold"] == 1.0 and alert["value"] > 1
+
+
+# ---- auth, plugins, request ids ----------------------------------------------------------------------
+
+
+def test_admin_key_needed_for_clear_and_warm(checkpoint, disk, engine):
+    settings = settings_for(checkpoint, disk, {("auth", "api_keys"): ["user"], ("auth", "admin_api_keys"): ["admin"]})
+    with running_server(settings, engine=engine) as base:
+        for path, body in (("/v1/cache/clear", {"tiers": ["l2"]}), ("/v1/cache/warm", {"prompts": ["Hello there, world"]})):
+            assert httpx.post(f"{base}{path}", json=body).status_code == 401
+            forbidden = httpx.post(f"{base}{path}", json=body, headers={"Authorization": "Bearer user"})
+            assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
+            allowed = httpx.post(f"{base}{path}", json=body, headers={"Authorization": "Bearer admin"}, timeout=60)
+            assert allowed.status_code == 200, allowed.text
+        assert httpx.get(f"{base}/v1/cache/stats").status_code == 401
+        stats(base, headers={"Authorization": "Bearer user"})
+        assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+
+        denied = cli("cache", "warm", "Hello", "--url", base, env={"TIERSERVE_API_KEY": "user"})
+        assert denied.returncode == 2 and "HTTP 403" in denied.stderr and "admin API key" in denied.stderr
+        ok = cli("cache", "clear", "--tier", "l2", "--url", base, "--api-key", "admin")
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout) == {"cleared": {"l2": 0}}
+
+
+def test_plugins_route_matches_the_cli(server):
+    response = httpx.get(f"{server}/v1/plugins")
+    assert response.status_code == 200
+    body = response.json()
+    expected = load_plugins()
+    assert body["plugins"] == [plugin.as_dict() for plugin in expected.plugins()]
+    assert body["failures"] == []
+    names = {plugin["name"] for plugin in body["plugins"]}
+    assert {"tierserve.plugins.eviction.lru", "tierserve.plugins.schedulers.fcfs"} <= names
+    assert all(plugin["source"] == "builtin" for plugin in body["plugins"])
+
+
+def test_request_id_echoed_and_in_access_log(server, json_logs):
+    given = httpx.get(f"{server}/v1/cache/stats", headers={"x-request-id": "trace-abc-123"})
+    assert given.headers["x-request-id"] == "trace-abc-123"
+    fresh = httpx.get(f"{server}/v1/cache/stats").headers["x-request-id"]
+    assert fresh.startswith("req-")
+    deadline = time.monotonic() + 5
+    while True:
+        records = [json.loads(line) for line in json_logs.getvalue().splitlines() if line.startswith("{")]
+        access = {r["request_id"]: r for r in records if r["event"] == "http_request"}
+        if fresh in access or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    line = access["trace-abc-123"]
+    assert line["method"] == "GET" and line["path"] == "/v1/cache/stats" and line["status"] == 200
+    assert line["duration_ms"] >= 0 and line["level"] == "info"
+    assert access[fresh]["path"] == "/v1/cache/stats"
+
+
+def test_middleware_times_a_stream_to_its_last_chunk(checkpoint):
+    @get("/stream")
+    async def stream() -> Stream:
+        async def chunks():
+            for index in range(3):
+                await asyncio.sleep(0.05)
+                yield f"data: {index}\n\n"
+
+        return Stream(chunks(), media_type="text/event-stream", status_code=201)
+
+    loaded = load_settings(None, environ={}, overrides={("model", "path"): str(checkpoint)})
+    state = ServerState(settings=loaded.settings, plugins=loaded.plugins)
+    metrics_routes.setup(state)
+    app = Litestar([stream], middleware=[request_middleware])
+    app.state.tierserve = state
+    with TestClient(app) as client:
+        response = client.get("/stream")
+    assert response.status_code == 201 and response.text.count("data:") == 3
+    assert response.headers["x-request-id"].startswith("req-")
+    text = generate_latest(state.extras["metrics"].registry).decode()
+    assert 'tierserve_requests_total{endpoint="/stream",status="201"} 1.0' in text
+    prefix = 'tierserve_request_seconds_sum{endpoint="/stream"}'
+    [seconds] = [line.split()[-1] for line in text.splitlines() if line.startswith(prefix)]
+    assert float(seconds) >= 0.15  # the whole stream, not just the response start
+    assert state.active_requests == 0
+
+
+# ---- the cache CLI ---------------------------------------------------------------------------------------
+
+
+def test_cache_cli_against_a_running_server(server, tmp_path):
+    shown = cli("cache", "stats", env={"TIERSERVE_URL": server})
+    assert shown.returncode == 0, shown.stderr
+    assert set(json.loads(shown.stdout)["cache_manager"]) == {"kv_cache", "radix_tree", "speculation", "sliding_window"}
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The first prompt from a file, long enough\n\nThe second prompt from a file, also long\n")
+    warmed = cli("cache", "warm", "One more prompt given as an argument", "--file", str(prompts), "--url", server)
+    assert warmed.returncode == 0, warmed.stderr
+    result = json.loads(warmed.stdout)
+    assert result["warmed"] == 3 and result["blocks"] == result["tokens"] // BLOCK > 0
+
+    cleared = cli("cache", "clear", "--tier", "l1", "--tier", "l3", "--url", server)
+    assert cleared.returncode == 0, cleared.stderr
+    assert set(json.loads(cleared.stdout)["cleared"]) == {"l1", "l3"}
+
+    nothing = cli("cache", "warm", "--url", server)
+    assert nothing.returncode == 2 and "nothing to warm" in nothing.stderr
+    unreachable = cli("cache", "stats", "--url", "http://127.0.0.1:9")
+    assert unreachable.returncode == 2 and "cannot reach the server" in unreachable.stderr
