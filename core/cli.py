@@ -91,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=settings.server.host,
         port=settings.server.port,
         log_config=None,  # uvicorn's loggers go through tierserve's structlog handler
+        access_log=False,  # tierserve logs each request itself, with its request id and timings
         timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
     )
     return 0

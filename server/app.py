@@ -90,6 +90,7 @@ def create_app(
         request_max_body_size=settings.server.max_request_bytes,
         openapi_config=OpenAPIConfig(title="tierserve", version=__version__, path="/docs"),
         debug=False,
+        logging_config=None,  # tierserve.core.logs configures logging; Litestar must not replace it
     )
     app.state.tierserve = state
     return app
