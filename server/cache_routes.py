@@ -19,6 +19,7 @@ from litestar.params import JSONBody
 from pydantic import BaseModel, ConfigDict
 
 from tierserve.server.errors import APIError
+from tierserve.server.openai_routes import remember_prefix
 from tierserve.server.state import ServerState, ready_engine, state_of
 
 if TYPE_CHECKING:
@@ -209,6 +210,7 @@ class WarmRequest(BaseModel):
     prompts: list[str] | None = None
     messages: list[list[Message]] | None = None
     cache_salt: str | None = None
+    cache_key: str | None = None  # name the (single) warmed prompt for /v1/cached/* requests
 
 
 @get("/v1/cache/stats")
@@ -254,11 +256,17 @@ async def cache_warm(request: Request, data: JSONBody[WarmRequest]) -> dict[str,
         raise APIError(400, message, param="prompts", code="invalid_value")
     conversations = [[m.model_dump() for m in conversation] for conversation in data.messages or []]
     prompts: list[Any] = list(data.prompts or [])
+    if data.cache_key is not None and len(prompts) + len(conversations) != 1:
+        message = "cache_key: names one prefix; give exactly one prompt (or one conversation) with it"
+        raise APIError(400, message, param="cache_key", code="invalid_value")
     batch = engine.settings.scheduler.max_num_seqs  # in batches, so a long list never fills the waiting queue
 
     def warm() -> int:
-        # chat templates are applied here, off the event loop; warm() takes token ids as they are
-        items = prompts + [engine.encode_prompt(None, conversation) for conversation in conversations]
+        # chat templates and tokenisation happen here, off the event loop
+        items = [engine.encode_prompt(p) for p in prompts]
+        items += [engine.encode_prompt(None, conversation) for conversation in conversations]
+        if data.cache_key is not None:
+            remember_prefix(state_of(request), data.cache_key, items[0])
         return sum(engine.warm(items[i : i + batch], cache_salt=data.cache_salt) for i in range(0, len(items), batch))
 
     tokens = await asyncio.to_thread(warm)

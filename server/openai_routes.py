@@ -90,21 +90,27 @@ def chat_prompt(engine: Engine, body: ChatRequest) -> list[int]:
 
 
 def named_prefixes(state: ServerState) -> OrderedDict[str, list[int]]:
+    """``cache_key`` -> prefix token ids, most recently used last (kept in memory, bounded)."""
     return state.extras.setdefault("named_prefixes", OrderedDict())
+
+
+def remember_prefix(state: ServerState, key: str, token_ids: list[int]) -> None:
+    table = named_prefixes(state)
+    table[key] = list(token_ids)
+    table.move_to_end(key)
+    while len(table) > NAMED_PREFIXES_MAX:
+        table.popitem(last=False)
 
 
 def apply_cache_key(state: ServerState, key: str | None, prompts: list[list[int]]) -> list[list[int]]:
     """A known key prepends its prefix; an unknown one names this request's first prompt as the prefix."""
     if key is None:
         return prompts
-    table = named_prefixes(state)
-    prefix = table.get(key)
+    prefix = named_prefixes(state).get(key)
     if prefix is None:
-        table[key] = list(prompts[0])
-        while len(table) > NAMED_PREFIXES_MAX:
-            table.popitem(last=False)
+        remember_prefix(state, key, prompts[0])
         return prompts
-    table.move_to_end(key)
+    named_prefixes(state).move_to_end(key)
     return [prefix + p for p in prompts]
 
 
@@ -137,6 +143,9 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
+        if body.echo and logprobs is not None:
+            raise APIError(400, "echo: prompt logprobs are not computed; use echo without logprobs",
+                           param="echo", code="unsupported")
     params: list[SamplingParams] = []
     for ids in prompts:
         if len(ids) >= limit:
@@ -398,6 +407,9 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
     engine = state.engine
     submitted = submit_all(engine, job, asyncio.get_running_loop())
     choices = [Choice(index=i, prompt_index=i // job.n) for i in range(len(submitted))]
+    if not chat and body.echo:  # the prompt's text comes first, as OpenAI's echo does
+        for choice in choices:
+            choice.text.append(engine.tokenizer.decode(job.prompts[choice.prompt_index]))
     if not body.stream:
         first_token_at = None
         async for index, output in merged(engine, submitted):
@@ -418,6 +430,12 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
     offsets = [0] * len(choices)
     completed = False
     try:
+        for choice in choices:
+            if choice.text:  # echo: the prompt's text goes out first
+                offsets[choice.index] = len(choice.text[0])
+                echoed = {"index": choice.index, "text": choice.text[0], "logprobs": None, "finish_reason": None}
+                yield sse({"id": job.id, "object": kind, "created": created, "model": state.model_name,
+                           "choices": [echoed]})
         async for index, output in merged(engine, submitted):
             if first_token_at is None and output.token_ids:
                 first_token_at = time.perf_counter()

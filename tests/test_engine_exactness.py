@@ -12,6 +12,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 CHECKPOINTS = {
     "llama": ("llama", {}),
+    "llama-sharded-safetensors": ("llama", {"max_shard_size": "100KB"}),
     "llama-tied-linear-rope": ("llama", {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),

@@ -235,3 +235,28 @@ def test_hundred_concurrent_streams_all_complete(server):
     for i, text, _ in results:
         if i in expected:
             assert text == expected[i]
+
+
+def test_echo_prepends_the_prompt(server):
+    base = server[0]
+    body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    echoed = httpx.post(f"{base}/v1/completions", json={**body, "echo": True}, timeout=60).json()["choices"][0]["text"]
+    assert echoed == "Hello there" + plain
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "echo": True, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == echoed
+    bad = httpx.post(f"{base}/v1/completions", json={**body, "echo": True, "logprobs": 1}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+
+
+def test_warm_under_a_cache_key_then_reference_it(server):
+    base = server[0]
+    context = "A manual for the espresso machine: descale monthly, use filtered water, purge the wand. " * 3
+    warmed = httpx.post(f"{base}/v1/cache/warm", json={"prompts": [context], "cache_key": "manual"}, timeout=60).json()
+    assert warmed["tokens"] > 0
+    reply = httpx.post(f"{base}/v1/cached/completions",
+                       json={"prompt": " How often to descale?", "cache_key": "manual", "max_tokens": 3}, timeout=60).json()
+    assert reply["cache_stats"]["cache_used"] and reply["usage"]["cached_tokens"] >= warmed["tokens"] - 16
+    two = httpx.post(f"{base}/v1/cache/warm", json={"prompts": ["a", "b"], "cache_key": "x"}, timeout=60)
+    assert two.status_code == 400 and two.json()["error"]["param"] == "cache_key"
