@@ -196,6 +196,13 @@ class KVCacheManager:
         self.pool.free(list(reversed(block_table)))
         block_table.clear()
 
+    def trim(self, block_table: list[int], num_tokens: int) -> None:
+        """Free trailing blocks that ``num_tokens`` tokens no longer need (rejected drafts)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(block_table) > keep:
+            self.pool.free(list(reversed(block_table[keep:])))
+            del block_table[keep:]
+
     def reset(self, seq: Sequence) -> None:
         """Free a sequence's blocks and forget its progress (preemption, or a failed admission)."""
         self.free(seq.block_table)

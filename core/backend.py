@@ -51,8 +51,9 @@ class ModelBackend(ABC):
         Each chunk covers ``seq.token_ids[seq.num_computed_tokens :
         seq.num_computed_tokens + chunk.num_tokens]``; its KV is written to the
         slots of ``seq.block_table`` (already allocated). Returns a float tensor
-        of shape ``[number of chunks whose .samples is True, vocab_size]`` in
-        chunk order: the logits after each such chunk's last token.
+        of ``chunk.num_logits`` rows per chunk, in chunk order: for a chunk
+        that samples, the logits after its last ``num_draft + 1`` tokens
+        (just the last token's when it carries no drafts).
         """
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

@@ -103,6 +103,9 @@ class SpeculativeSettings(Section):
 
     method: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
+    adaptive: bool = True  # shrink k when drafts are rejected, grow it back when they are accepted
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
     draft_model: str | None = None
     beam_width: int = Field(4, ge=1, le=16)
     temperature: float = Field(0.8, ge=0)

@@ -38,7 +38,8 @@ from tierserve.core.detokenizer import IncrementalDetokenizer
 from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.core.scheduler import QueueFullError, Scheduler
+from tierserve.core.scheduler import QueueFullError, ScheduledChunk, Scheduler
+from tierserve.core.speculation import Proposal, SpeculationStats, Speculator, verify
 from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
 
 log = structlog.get_logger(__name__)
@@ -93,6 +94,7 @@ class RequestTimings:
     inference: float  # first scheduled -> finished
     time_to_first_token: float | None
     peak_kv_bytes: int
+    accepted_drafts: int = 0  # speculative draft tokens this request accepted
 
 
 @dataclass(slots=True)
@@ -163,6 +165,7 @@ class Engine:
         pool: BlockPool,
         plugins: PluginManager,
         store: TieredStore | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -170,6 +173,8 @@ class Engine:
         self.pool = pool
         self.plugins = plugins
         self.store = store
+        self.speculator = speculator
+        self.spec_stats = SpeculationStats()
         self.tokenizer = backend.tokenizer
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -202,7 +207,10 @@ class Engine:
         store = cls._build_store(settings, plugins, backend, pool)
         scheduler_factory = plugins.registry("schedulers").get(settings.scheduler.name).factory
         scheduler = scheduler_factory(settings.scheduler, KVCacheManager(pool, store))
-        engine = cls(settings, backend, scheduler, pool, plugins, store)
+        speculator = None
+        if settings.speculative.method:
+            speculator = plugins.registry("speculators").get(settings.speculative.method).factory(settings, backend)
+        engine = cls(settings, backend, scheduler, pool, plugins, store, speculator)
         warm = list(kv.warm_prompts)
         if kv.warm_prompts_file:
             warm += read_warm_prompts(kv.warm_prompts_file)
@@ -264,9 +272,13 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         use_prefix_cache: bool = True,
+        speculate: bool | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
+
+        ``speculate``: ``None`` follows the settings (on when ``[speculative] method``
+        is set); requests with penalties or logprobs decode without drafts.
 
         Raises:
             RequestError: empty prompt, or prompt + max_tokens beyond the context or KV capacity.
@@ -293,6 +305,10 @@ class Engine:
                 f"{waiting} requests are waiting (max_waiting_requests = "
                 f"{self.settings.scheduler.max_waiting_requests}); retry later"
             )
+        if speculate and self.speculator is None:
+            raise RequestError("enable_speculation: no speculator is configured ([speculative] method); allowed: false")
+        speculate = self.speculator is not None if speculate is None else speculate
+        speculate = speculate and not params.has_penalties and params.logprobs is None
         request_id = request_id or f"req-{next(self._seq_ids)}-{self._rng.getrandbits(32):08x}"
         if request_id in self._requests:
             raise RequestError(f"request_id: {request_id!r} is already in flight")
@@ -306,6 +322,8 @@ class Engine:
             generator=self._make_generator(params),
             cache_salt=cache_salt,
             use_prefix_cache=use_prefix_cache,
+            speculate=speculate,
+            spec_k=self.settings.speculative.num_speculative_tokens,
         )
         state = RequestState(
             seq=seq,
@@ -341,6 +359,7 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         use_prefix_cache: bool = True,
+        speculate: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; leaving the loop early (client gone) aborts it."""
         ids = self.encode_prompt(prompt, messages)
@@ -351,6 +370,7 @@ class Engine:
             priority=priority,
             cache_salt=cache_salt,
             use_prefix_cache=use_prefix_cache,
+            speculate=speculate,
             loop=asyncio.get_running_loop(),
         )
         finished = False
@@ -415,6 +435,11 @@ class Engine:
         """Per-tier and index statistics plus the engine's token counters, as plain data."""
         def collect() -> dict[str, Any]:
             snapshot = self.store.snapshot() if self.store is not None else {"tiers": {}}
+            snapshot["speculation"] = {
+                "enabled": self.speculator is not None,
+                "method": self.settings.speculative.method,
+                **self.spec_stats.as_dict(),
+            }
             snapshot["engine"] = {
                 "prompt_tokens": self.stats.prompt_tokens,
                 "generation_tokens": self.stats.generation_tokens,
@@ -468,15 +493,62 @@ class Engine:
         vectors = [self._call(lambda batch=batch: self.backend.embed(batch).cpu()) for batch in batches]
         return torch.cat(vectors), sum(len(ids) for ids in token_ids)
 
+    def beam_search(self, prompt: str | Seq[int], params: BeamSearchParams) -> list[BeamResult]:
+        """Beam search, equal to transformers' ``generate(num_beams=params.beam_width, do_sample=False)``.
+
+        The beams share the prompt's KV blocks (see ``core/beam_search.py``). The
+        whole search runs as one command between steps on the step thread, so a
+        beam request occupies the engine from prefill to its last token: running
+        generations pause meanwhile.
+
+        Returns:
+            ``params.num_return_sequences`` hypotheses, highest score first.
+
+        Raises:
+            RequestError: an empty prompt, a backend without a paged KV arena, or
+                prompt + max_tokens beyond the context length or beyond what the
+                whole KV cache can hold for ``beam_width`` beams.
+            QueueFullError: too few KV blocks are free now; retry later.
+        """
+        from tierserve.core.beam_search import beam_search_blocks, run_beam_search
+
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise RequestError("prompt: must contain at least one token")
+        if not self.backend.paged:
+            raise RequestError(
+                f"beam_width: beam search needs a paged KV arena, which the {self.settings.model.backend!r} "
+                'backend does not keep; serve the model with model.backend = "native"'
+            )
+        limit = self.backend.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context length ({limit})"
+            )
+        needed = beam_search_blocks(len(ids), params, self.pool.block_size)
+        if needed > self.pool.num_blocks:
+            raise RequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) over "
+                f"{params.beam_width} beams may need {needed} KV blocks, more than the cache holds "
+                f"({self.pool.num_blocks}); lower max_tokens or beam_width"
+            )
+        eos = self.backend.eos_token_ids
+        return self._call(lambda: run_beam_search(self, ids, params, eos))
+
     def step(self) -> int:
         """Run one scheduling + forward + sampling step; returns the number of tokens computed."""
         self._run_commands()
         self._admit()
         self._apply_aborts()
+        drafted = self._propose_drafts()
         output = self.scheduler.schedule()
         for seq in output.preempted:
             self.stats.preemptions += 1
             self.backend.release(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
+        self._settle_drafts(output.chunks, drafted)
         if not output.chunks:
             return 0
         self.stats.steps += 1
@@ -487,20 +559,107 @@ class Engine:
                 seq.first_scheduled_time = now
             seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
         logits = self.backend.forward(output.chunks)
-        sampling = [chunk for chunk in output.chunks if chunk.samples]
+        plain: list[tuple[ScheduledChunk, int]] = []  # (chunk, its logits row)
+        speculative: list[tuple[ScheduledChunk, int]] = []
+        row = 0
         for chunk in output.chunks:
+            rows_of_chunk, samples = chunk.num_logits, chunk.samples  # before the sequence advances
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.scheduler.kv.cache_computed(chunk.seq)
-        if sampling:
-            rows = [
-                SamplingRow(c.seq.params, c.seq.generator, c.seq.prompt_token_ids, c.seq.output_token_ids)
-                if c.seq.params.has_penalties
-                else SamplingRow(c.seq.params, c.seq.generator, [], [])
-                for c in sampling
-            ]
-            for chunk, sampled in zip(sampling, self.sampler(logits, rows)):
+            if chunk.num_draft:
+                speculative.append((chunk, row))
+            else:
+                self.scheduler.kv.cache_computed(chunk.seq)
+                if samples:
+                    plain.append((chunk, row))
+            row += rows_of_chunk
+        if plain:
+            rows = [self._sampling_row(c.seq) for c, _ in plain]
+            picked = logits[[r for _, r in plain]] if len(plain) != logits.shape[0] else logits
+            for (chunk, _), sampled in zip(plain, self.sampler(picked, rows)):
                 self._append_token(self._requests[chunk.seq.request_id], sampled)
+        for chunk, first in speculative:
+            self._accept_drafts(chunk, logits[first : first + chunk.num_draft + 1], drafted[chunk.seq.seq_id])
         return output.num_tokens
+
+    @staticmethod
+    def _sampling_row(seq: Sequence) -> SamplingRow:
+        if seq.params.has_penalties:
+            return SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
+        return SamplingRow(seq.params, seq.generator, [], [])
+
+    # ---- speculative decoding ----------------------------------------------------
+
+    def _propose_drafts(self) -> dict[int, Proposal]:
+        """Append drafts to the decoding sequences that speculate; the scheduler then schedules them."""
+        if self.speculator is None:
+            return {}
+        seqs, budgets = [], []
+        for state in self._requests.values():
+            seq = state.seq
+            if not seq.speculate or seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            room = min(
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.backend.max_model_len - seq.num_tokens - 1,
+            )
+            k = min(seq.spec_k, room)
+            if k > 0:
+                seqs.append(seq)
+                budgets.append(k)
+        if not seqs:
+            return {}
+        drafted = {}
+        for seq, proposal in zip(seqs, self.speculator.propose(seqs, budgets)):
+            if proposal.token_ids:
+                seq.token_ids.extend(proposal.token_ids)
+                drafted[seq.seq_id] = proposal
+        return drafted
+
+    def _settle_drafts(self, chunks: list[ScheduledChunk], drafted: dict[int, Proposal]) -> None:
+        """Mark fully scheduled drafts for verification; take back the others (budget cut, preempted)."""
+        if not drafted:
+            return
+        by_seq = {chunk.seq.seq_id: chunk for chunk in chunks}
+        seqs = {state.seq.seq_id: state.seq for state in self._requests.values()}
+        for seq_id, proposal in drafted.items():
+            seq = seqs[seq_id]
+            chunk = by_seq.get(seq_id)
+            if chunk is not None and chunk.num_tokens == seq.num_uncomputed_tokens:
+                chunk.num_draft = len(proposal.token_ids)
+                continue
+            del seq.token_ids[len(seq.token_ids) - len(proposal.token_ids) :]
+            if chunk is not None:
+                chunk.num_tokens = min(chunk.num_tokens, seq.num_uncomputed_tokens)
+            if seq.block_table:
+                self.scheduler.kv.trim(seq.block_table, seq.num_tokens)
+
+    def _accept_drafts(self, chunk: ScheduledChunk, logits, proposal: Proposal) -> None:
+        seq = chunk.seq
+        state = self._requests[seq.request_id]
+        k = chunk.num_draft
+        base = seq.num_tokens - k  # tokens before the drafts
+        emitted = verify(logits, proposal, self._sampling_row(seq), seq.params.greedy)
+        accepted = len(emitted) - 1
+        stats = self.spec_stats
+        stats.verifications += 1
+        stats.proposed += k
+        stats.accepted += accepted
+        stats.emitted += len(emitted)
+        seq.accepted_drafts += accepted
+        # forget the drafts; the accepted ones come back with their KV already in place
+        del seq.token_ids[base:]
+        seq.num_computed_tokens = base + accepted
+        self.scheduler.kv.trim(seq.block_table, base + accepted + 1)
+        if self.settings.speculative.adaptive:
+            limit = self.settings.speculative.num_speculative_tokens
+            seq.spec_k = min(limit, seq.spec_k + 1) if accepted == k else max(1, accepted)
+        for position, token in enumerate(emitted):
+            self._append_token(state, SampledToken(token, None, None))
+            if seq.is_finished:
+                if position < len(emitted) - 1:
+                    stats.early_stops += 1
+                return
+        self.scheduler.kv.cache_computed(seq)
 
     def _admit(self) -> None:
         while self._incoming:
@@ -565,6 +724,7 @@ class Engine:
                 inference=now - scheduled,
                 time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
                 peak_kv_bytes=seq.peak_blocks * self.backend.kv_bytes_per_block(self.pool.block_size),
+                accepted_drafts=seq.accepted_drafts,
             )
         return RequestOutput(
             request_id=seq.request_id,
@@ -584,6 +744,8 @@ class Engine:
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq)
             self.backend.release(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.stats.requests_finished += 1
@@ -637,6 +799,8 @@ class Engine:
         self.shutdown()
         if self.store is not None:
             self.store.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.backend.close()
 
     def generate(

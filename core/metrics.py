@@ -47,6 +47,17 @@ class EngineCollector(Collector):
         for tier, values in tiers.items():
             ratio.add_metric([tier], values["compression_ratio"])
         yield ratio
+        speculation = stats.get("speculation") or {}
+        for name, help_text in (
+            ("proposed", "Draft tokens proposed"),
+            ("accepted", "Draft tokens accepted"),
+            ("verifications", "Target forwards that verified drafts"),
+            ("early_stops", "Requests that stopped inside an accepted draft run"),
+        ):
+            yield CounterMetricFamily(f"tierserve_spec_{name}", help_text, value=speculation.get(name, 0))
+        yield GaugeMetricFamily(
+            "tierserve_spec_acceptance_rate", "Accepted / proposed draft tokens", value=speculation.get("acceptance_rate", 0.0)
+        )
         if not stats.get("index"):
             return
         for name, key, help_text in (

@@ -40,6 +40,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierserve.plugins.backends.hf_transformers",
     "tierserve.plugins.tiers.memory",
     "tierserve.plugins.tiers.disk",
+    "tierserve.plugins.speculation.ngram",
+    "tierserve.plugins.speculation.draft_model",
 )
 
 # registry kind -> (register hook, human name used in messages)

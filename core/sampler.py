@@ -166,6 +166,12 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], index: list[i
 
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Filter and draw one token per row of ``x`` (``[len(rows), vocab]``, float32, owned)."""
+    return _draw(filtered_probs(x, rows), rows)
+
+
+def filtered_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to float32 logits ``x``: the (unnormalised)
+    probabilities a sampled row draws from. Speculative verification compares these."""
     vocab, device = x.shape[1], x.device
     x = x / torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
 
@@ -199,7 +205,12 @@ def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(p > 0.0 for p in min_p):
         floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device).unsqueeze(1)
         probs = probs.masked_fill(probs < floor, 0.0)
-    return _draw(probs, rows)
+    return probs
+
+
+def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row of ``probs`` (need not be normalised), each from its row's generator."""
+    return _draw(probs, list(rows))
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -20,6 +20,12 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+    num_draft: int = 0  # the chunk's last num_draft tokens are speculative drafts to verify
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows the backend returns for this chunk: one per draft plus one, if it samples."""
+        return self.num_draft + 1 if self.samples else 0
 
     @property
     def samples(self) -> bool:

@@ -54,6 +54,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     cache_lookup_seconds: float = 0.0
     peak_blocks: int = 0
+    speculate: bool = False  # propose drafts for this sequence while it decodes
+    spec_k: int = 0  # current number of drafts per step (adapts to acceptance)
+    accepted_drafts: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
 

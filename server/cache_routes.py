@@ -163,13 +163,7 @@ def build_stats(state: ServerState, engine: Engine) -> dict[str, Any]:
                 "prefix_matches": stats.get("prefix_matches", 0),
                 "lookups": stats.get("lookups", 0),
             },
-            "speculation": {
-                "enabled": False,
-                "proposed": 0,
-                "accepted": 0,
-                "acceptance_rate": 0.0,
-                "note": NOT_IMPLEMENTED_NOTE.format("speculative decoding"),
-            },
+            "speculation": stats["speculation"],
             "sliding_window": {
                 "enabled": state.settings.sliding_window.enabled,
                 "windows_slid": 0,

@@ -119,13 +119,6 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
     check_model(state, body.model)
     engine = ready_engine(request)
     if cached:
-        if body.enable_speculation:
-            raise APIError(
-                400,
-                "enable_speculation: speculative decoding is not available in this build; allowed: false",
-                param="enable_speculation",
-                code="unsupported",
-            )
         if body.enable_sliding_window:
             raise APIError(
                 400,
@@ -202,6 +195,7 @@ def submit_all(engine: Engine, job: Job, loop: asyncio.AbstractEventLoop) -> lis
                     priority=body.priority,
                     cache_salt=body.cache_salt,
                     use_prefix_cache=use_cache,
+                    speculate=getattr(body, "enable_speculation", None),
                     loop=loop,
                 )
             )
@@ -325,7 +319,7 @@ def cache_report(engine: Engine, job: Job, choices: list[Choice]) -> dict[str, A
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
             "cache_hits": hits,
             "cache_misses": max(misses, 0),
-            "speculation_hits": 0,
+            "speculation_hits": sum(c.timings.accepted_drafts for c in choices if c.timings is not None),
             "prefix_matches": sum(1 for c in firsts if c.cached_tokens > 0),
             "window_reuse": 0,
         },

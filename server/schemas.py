@@ -63,7 +63,7 @@ class CachedFields(Body):
     """The knobs of the /v1/cached/* routes."""
 
     enable_caching: bool = True
-    enable_speculation: bool = False
+    enable_speculation: bool | None = None  # None: as [speculative] method says
     enable_sliding_window: bool = False
     cache_key: str | None = Field(None, min_length=1, max_length=256)
     request_id: str | None = Field(None, min_length=1, max_length=128)

@@ -72,11 +72,11 @@ class TransformersBackend(ModelBackend):
             ids = torch.tensor([seq.token_ids[start : start + chunk.num_tokens]], device=self.device)
             positions = torch.arange(start, start + chunk.num_tokens, device=self.device)[None]
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache})
-            if chunk.samples:
-                logits.append(out.logits[0, -1].float())
+            if chunk.num_logits:
+                logits.append(out.logits[0, -chunk.num_logits :].float())
         if not logits:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return torch.stack(logits)
+        return torch.cat(logits)
 
     def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
         """One forward per input (no padding, so absolute-position models such as GPT-2

@@ -45,7 +45,7 @@ class LayerWeights:
 class AttentionGroup:
     """Rows of the flattened batch that attend together, and what they read."""
 
-    rows: slice | torch.Tensor  # query rows in the flattened token batch
+    rows: slice | torch.Tensor  # query rows: a slice of batch * q_len rows, or [batch, q_len] indices (-1 = padding)
     gather: torch.Tensor  # [batch, ctx] slot indices of the keys
     masks: dict[int | None, torch.Tensor | None]  # sliding window -> bool mask [batch, 1, q, ctx]
     batch: int
@@ -268,7 +268,11 @@ class PagedLlama:
     def _attend(self, q, k_cache, v_cache, groups: list[AttentionGroup], window: int | None) -> torch.Tensor:
         out = torch.empty_like(q)
         for group in groups:
-            queries = q[group.rows].view(group.batch, group.q_len, self.num_heads, self.head_dim).transpose(1, 2)
+            padded = isinstance(group.rows, torch.Tensor)
+            if padded:
+                queries = q[group.rows.clamp(min=0)].transpose(1, 2)  # [batch, heads, q_len, head_dim]
+            else:
+                queries = q[group.rows].view(group.batch, group.q_len, self.num_heads, self.head_dim).transpose(1, 2)
             keys = k_cache[group.gather].transpose(1, 2)  # [batch, kv_heads, ctx, head_dim]
             values = v_cache[group.gather].transpose(1, 2)
             mask = group.masks[window]
@@ -281,5 +285,10 @@ class PagedLlama:
                 scale=self.scaling,
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )
-            out[group.rows] = result.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            result = result.transpose(1, 2)
+            if padded:
+                valid = group.rows >= 0
+                out[group.rows[valid]] = result[valid]
+            else:
+                out[group.rows] = result.reshape(-1, self.num_heads, self.head_dim)
         return out

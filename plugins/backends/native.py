@@ -42,6 +42,9 @@ def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+SHORT_CHUNK_TOKENS = 16  # chunks this short share one padded attention call
+
+
 class NativeBackend(ModelBackend):
     """Loads a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory and runs it paged."""
 
@@ -107,47 +110,61 @@ class NativeBackend(ModelBackend):
             return F.normalize(torch.stack([h.float().mean(0) for h in hidden]), dim=-1)
 
     def _build_batch(self, chunks: Seq[ScheduledChunk]) -> PagedBatch:
+        """Flatten the step's tokens; short chunks (decodes, draft verification, the last few
+        prompt tokens after a prefix hit) attend in one padded batch, long prefills one by one."""
         import torch
 
         from tierserve.plugins.backends.llama import AttentionGroup, PagedBatch
 
         device, bs = self.device, self.block_size
-        decodes = [c for c in chunks if c.num_tokens == 1 and c.seq.num_computed_tokens > 0]
-        decode_ids = {id(c) for c in decodes}
-        prefills = [c for c in chunks if id(c) not in decode_ids]
-        ordered = decodes + prefills
+        short = [c for c in chunks if c.num_tokens <= SHORT_CHUNK_TOKENS]
+        short_ids = {id(c) for c in short}
+        long = [c for c in chunks if id(c) not in short_ids]
 
         input_ids: list[int] = []
         positions: list[int] = []
-        last_row: dict[int, int] = {}
-        for chunk in ordered:
+        first_row: dict[int, int] = {}
+        for chunk in short + long:
             start = chunk.seq.num_computed_tokens
+            first_row[id(chunk)] = len(input_ids)
             input_ids.extend(chunk.seq.token_ids[start : start + chunk.num_tokens])
             positions.extend(range(start, start + chunk.num_tokens))
-            last_row[id(chunk)] = len(input_ids) - 1
-        positions_t = torch.tensor(positions, dtype=torch.long)
         groups: list[AttentionGroup] = []
         slot_parts: list[torch.Tensor] = []
         windows = self.model.windows
 
-        if decodes:
-            tables = [c.seq.block_table for c in decodes]
+        if short:
+            tables = [c.seq.block_table for c in short]
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-            ctx = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
-            max_ctx = int(ctx.max())
-            pos = torch.arange(max_ctx)
-            gather = table[:, pos // bs] * bs + pos % bs  # [B, max_ctx]
-            slot_parts.append(gather[torch.arange(len(decodes)), ctx - 1])
-            valid = pos[None, :] < ctx[:, None]
+            starts = torch.tensor([c.seq.num_computed_tokens for c in short], dtype=torch.long)
+            lengths = torch.tensor([c.num_tokens for c in short], dtype=torch.long)
+            ctx = starts + lengths
+            q_len = int(lengths.max())
+            pos = torch.arange(int(ctx.max()))
+            gather = table[:, pos // bs] * bs + pos % bs  # [B, max ctx]
+            offsets = torch.arange(q_len)
+            q_valid = offsets[None, :] < lengths[:, None]  # [B, Q]
+            q_pos = starts[:, None] + offsets[None, :]
+            new_slots = gather.gather(1, q_pos.clamp(max=gather.shape[1] - 1))
+            slot_parts.append(new_slots[q_valid])
+            causal = (pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
             masks: dict[int | None, torch.Tensor | None] = {}
             for window in windows:
-                keep = valid if window is None else valid & (pos[None, :] > (ctx[:, None] - 1) - window)
-                masks[window] = None if bool(keep.all()) else keep[:, None, None, :].to(device)
-            groups.append(AttentionGroup(slice(0, len(decodes)), gather.to(device), masks, len(decodes), 1))
+                keep = causal if window is None else causal & (pos[None, None, :] > q_pos[:, :, None] - window)
+                if q_len == 1 and bool(keep.all()):
+                    masks[window] = None  # equal-length decodes: nothing to mask
+                    continue
+                keep = keep.clone()
+                keep[:, :, 0] |= ~q_valid  # padding rows attend to something; their output is dropped
+                masks[window] = keep[:, None].to(device)
+            rows = torch.where(
+                q_valid, torch.tensor([first_row[id(c)] for c in short])[:, None] + offsets[None, :], -1
+            )
+            rows_index = slice(0, len(short)) if q_len == 1 else rows.to(device)
+            groups.append(AttentionGroup(rows_index, gather.to(device), masks, len(short), q_len))
 
-        row = len(decodes)
-        for chunk in prefills:
+        for chunk in long:
             start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
             table = torch.tensor(chunk.seq.block_table, dtype=torch.long)
             pos = torch.arange(start + n)
@@ -157,19 +174,19 @@ class NativeBackend(ModelBackend):
             causal = pos[None, :] <= q_pos[:, None]
             masks = {}
             for window in windows:
-                if window is None:
-                    keep = causal
-                else:
-                    keep = causal & (pos[None, :] > q_pos[:, None] - window)
-                plain = window is None and start == 0
-                masks[window] = None if plain else keep[None, None].to(device)
+                keep = causal if window is None else causal & (pos[None, :] > q_pos[:, None] - window)
+                masks[window] = None if window is None and start == 0 else keep[None, None].to(device)
+            row = first_row[id(chunk)]
             groups.append(AttentionGroup(slice(row, row + n), slots[None].to(device), masks, 1, n))
-            row += n
 
-        sample_rows = [last_row[id(c)] for c in chunks if c.samples]
+        sample_rows = [
+            row
+            for c in chunks
+            for row in range(first_row[id(c)] + c.num_tokens - c.num_logits, first_row[id(c)] + c.num_tokens)
+        ]
         return PagedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=positions_t.to(device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
             slot_mapping=torch.cat(slot_parts).to(device),
             groups=groups,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),

@@ -1,0 +1,1 @@
+"""Built-in speculators: ngram (prompt lookup) and draft_model."""

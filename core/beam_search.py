@@ -1,0 +1,345 @@
+"""Beam search on the paged KV arena: beams fork by sharing blocks, and copy a shared partial block on write.
+
+The selection rules are transformers' ``GenerationMixin._beam_search`` (5.24),
+replayed step for step on the backend's logits, so the result equals
+``generate(num_beams=k, do_sample=False, ...)`` wherever the logits agree.
+
+    prompt      [p0][p1][p2··]        p2 is partial; after the fork every beam holds p0, p1, p2
+    beam 0      [p0][p1][c0···]       p2 ref_count 3 > 1: copy it to c0, then write
+    beam 1      [p0][p1][c1···]       p2 ref_count 2 > 1: copy it to c1, then write
+    beam 2      [p0][p1][p2···]       p2 ref_count 1: the last holder writes in place
+
+A search runs as one engine command (``Engine._call``): it holds the step
+thread from prefill to its last step, so running generations pause meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.scheduler import QueueFullError, ScheduledChunk
+from tierserve.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from tierserve.core.engine import Engine
+
+# transformers marks impossible candidates by adding this, not -inf; the same constant keeps ties and order identical.
+_NEG = -1.0e9
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """What a beam request asks for; the names follow transformers' ``generate`` where they differ.
+
+    ``max_tokens`` is ``max_new_tokens``, ``min_tokens`` is ``min_new_tokens``
+    (eos is suppressed until that many tokens exist), ``beam_width`` is ``num_beams``.
+    ``length_penalty`` divides a finished hypothesis' summed log-probability by
+    (generated tokens, eos included) ** ``length_penalty``. ``early_stopping``:
+    ``True`` stops once ``beam_width`` hypotheses are finished; ``False`` stops
+    when the best running beam, scored at its current length, cannot beat the
+    worst finished one; ``"never"`` scores it at ``max_tokens`` instead (when
+    ``length_penalty > 0``).
+    """
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    min_tokens: int = 0
+
+    MAX_BEAM_WIDTH = 16
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError("field: got ..., allowed: ...")`` for any value out of range."""
+
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}")
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= self.MAX_BEAM_WIDTH:
+            raise bad("beam_width", f"1 to {self.MAX_BEAM_WIDTH}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if (
+            isinstance(self.length_penalty, bool)
+            or not isinstance(self.length_penalty, (int, float))
+            or not math.isfinite(self.length_penalty)
+        ):
+            raise bad("length_penalty", "a finite number (1 = average log-probability per token, 0 = none)")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise bad("early_stopping", 'true, false or "never"')
+        if not is_int(self.num_return_sequences) or not 1 <= self.num_return_sequences <= self.beam_width:
+            raise bad("num_return_sequences", f"1 to beam_width ({self.beam_width})")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"0 to max_tokens ({self.max_tokens})")
+
+
+@dataclass(slots=True)
+class BeamResult:
+    """One returned hypothesis: generated ids (eos included), its length-penalised score, and why it ended.
+
+    ``score`` is what transformers reports as ``sequences_scores``: the summed
+    log-probability divided by ``len(token_ids) ** length_penalty``.
+    ``finish_reason`` is ``"stop"`` when the last token is an eos, else ``"length"``.
+    """
+
+    token_ids: list[int]
+    score: float
+    finish_reason: str
+
+
+def beam_search_blocks(prompt_len: int, params: BeamSearchParams, block_size: int) -> int:
+    """The most KV blocks a search can hold at once.
+
+    Full prompt blocks are shared by every beam; each beam owns at most the
+    rest of the blocks of ``prompt_len + max_tokens - 1`` tokens (the last
+    token is returned, never fed back).
+    """
+    shared = prompt_len // block_size
+    per_beam = -(-(prompt_len + params.max_tokens - 1) // block_size) - shared
+    return shared + params.beam_width * per_beam
+
+
+def run_beam_search(
+    engine: Engine, prompt_ids: Seq[int], params: BeamSearchParams, eos_token_ids: Collection[int]
+) -> list[BeamResult]:
+    """Beam-search ``prompt_ids`` on the engine's backend and block pool; the best hypotheses, best first.
+
+    Call it on the step thread (``Engine.beam_search`` does): it allocates
+    from the pool the scheduler uses. Every block it takes is freed before it
+    returns or raises.
+
+    Args:
+        engine: supplies ``backend`` (paged), ``pool``, ``scheduler.kv`` and settings.
+        prompt_ids: the prompt, at least one token.
+        params: the request.
+        eos_token_ids: tokens that finish a hypothesis (transformers' ``eos_token_id``).
+
+    Returns:
+        ``params.num_return_sequences`` results, highest score first.
+
+    Raises:
+        QueueFullError: fewer free blocks than the search may need (running requests hold them).
+    """
+    if not prompt_ids:
+        raise ValueError("prompt: must contain at least one token")
+    needed = beam_search_blocks(len(prompt_ids), params, engine.pool.block_size)
+    if needed > engine.pool.num_free_blocks:
+        raise QueueFullError(
+            f"beam_width: {params.beam_width} beams over prompt ({len(prompt_ids)} tokens) + max_tokens "
+            f"({params.max_tokens}) may need {needed} KV blocks and {engine.pool.num_free_blocks} are free "
+            "now; retry later, or lower beam_width or max_tokens"
+        )
+    scorer = _BeamScorer(params, eos_token_ids)
+    beams = _ArenaBeams(engine, params)
+    try:
+        logits = beams.prefill(list(prompt_ids)).expand(params.beam_width, -1)
+        while True:
+            parents, tokens, done = scorer.step(logits)
+            if done:
+                return scorer.results()[: params.num_return_sequences]
+            beams.fork(parents, tokens)
+            logits = beams.forward()
+    finally:
+        beams.release()
+
+
+class _BeamScorer:
+    """transformers' beam bookkeeping for one prompt (batch size 1), on the logits of ``beam_width`` running beams.
+
+    Line references are to transformers 5.24 ``generation/utils.py``.
+    """
+
+    def __init__(self, params: BeamSearchParams, eos_token_ids: Collection[int]) -> None:
+        k = params.beam_width
+        self.k = k
+        self.max_tokens = params.max_tokens
+        self.min_tokens = params.min_tokens
+        self.length_penalty = params.length_penalty
+        # generate(num_beams=1) is greedy search, which ignores early_stopping; beam search with one
+        # beam and early_stopping False picks the same tokens.
+        self.early_stopping = params.early_stopping if k > 1 else False
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        self.keep = max(2, 1 + len(self.eos)) * k  # beams_to_keep (l. 3647)
+        self.top_k_mask = torch.arange(self.keep) < k  # top_num_beam_mask
+        self.num_generated = 0  # cur_len - decoder_prompt_len
+        self.running_scores = torch.full((k,), _NEG, dtype=torch.float32)
+        self.running_scores[0] = 0.0  # only the first copy of the prompt proposes tokens (l. 3694)
+        self.running_tokens: list[list[int]] = [[] for _ in range(k)]
+        self.finished_scores = torch.full((k,), _NEG, dtype=torch.float32)
+        self.finished_tokens: list[list[int]] = [[] for _ in range(k)]
+        self.is_finished = torch.zeros(k, dtype=torch.bool)
+        self.improvable = torch.tensor(True)  # is_early_stop_heuristic_unsatisfied
+
+    def step(self, logits: torch.Tensor) -> tuple[list[int], list[int], bool]:
+        """Score ``[beam_width, vocab]`` next-token logits of the running beams.
+
+        Returns ``(parents, tokens, done)``: the running beams of the next step
+        are ``running[parents[i]] + [tokens[i]]``, best first; ``done`` says the
+        search is over (then nothing needs computing for them).
+        """
+        log_probs = torch.log_softmax(logits.to(device="cpu", dtype=torch.float32), dim=-1)
+        if self.num_generated < self.min_tokens and len(self.eos):
+            # MinNewTokensLengthLogitsProcessor, applied to log-probabilities as generate does (l. 3749-3750)
+            log_probs = torch.where(torch.isin(torch.arange(log_probs.shape[-1]), self.eos), -math.inf, log_probs)
+        vocab = log_probs.shape[-1]
+        log_probs = (log_probs + self.running_scores[:, None]).reshape(-1)
+
+        # _get_top_k_continuations (l. 3444)
+        top_scores, top_indices = torch.topk(log_probs, k=self.keep)
+        parents = top_indices // vocab
+        tokens = top_indices % vocab
+        generated = self.num_generated + 1
+        candidates = [self.running_tokens[p] + [t] for p, t in zip(parents.tolist(), tokens.tolist())]
+        # EosTokenCriteria and MaxLengthCriteria on each candidate
+        hits = torch.isin(tokens, self.eos) | (generated >= self.max_tokens)
+
+        # _get_running_beams_for_next_iteration (l. 3501)
+        running_log_probs = top_scores + hits.to(torch.float32) * _NEG
+        next_indices = torch.topk(running_log_probs, k=self.k)[1]
+        next_scores = running_log_probs[next_indices]
+
+        # _update_finished_beams (l. 3523), with the heuristic of the previous step
+        just_finished = hits & self.top_k_mask
+        finished_scores = top_scores / (generated**self.length_penalty)
+        full = self.is_finished.all() & (self.early_stopping is True)
+        finished_scores += full.to(torch.float32) * _NEG
+        finished_scores += (~self.improvable).to(torch.float32) * _NEG
+        finished_scores += (~just_finished) * _NEG
+        merged_scores = torch.cat((self.finished_scores, finished_scores))
+        merged_tokens = self.finished_tokens + candidates
+        merged_finished = torch.cat((self.is_finished, just_finished))
+        keep = torch.topk(merged_scores, k=self.k)[1]
+        self.finished_scores = merged_scores[keep]
+        self.finished_tokens = [merged_tokens[i] for i in keep.tolist()]
+        self.is_finished = merged_finished[keep]
+
+        self.running_scores = next_scores
+        self.running_tokens = [candidates[i] for i in next_indices.tolist()]
+        self.num_generated = generated
+
+        # _check_early_stop_heuristic (l. 3375)
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_length = self.max_tokens
+        else:
+            best_length = generated
+        best_running = self.running_scores[:1] / (best_length**self.length_penalty)
+        worst_finished = torch.where(self.is_finished, torch.min(self.finished_scores), _NEG)
+        self.improvable = self.improvable & torch.any(best_running > worst_finished)
+
+        # _beam_search_has_unfinished_sequences (l. 3422)
+        all_done = bool(self.is_finished.all()) and self.early_stopping is True
+        done = not bool(self.improvable) or all_done or bool(hits.all())
+        return parents[next_indices].tolist(), tokens[next_indices].tolist(), done
+
+    def results(self) -> list[BeamResult]:
+        """The finished hypotheses, best first (generate's ``sequences[:num_return_sequences]``)."""
+        eos = set(self.eos.tolist())
+        return [
+            BeamResult(tokens, float(score), "stop" if tokens and tokens[-1] in eos else "length")
+            for tokens, score in zip(self.finished_tokens, self.finished_scores.tolist())
+        ]
+
+
+class _ArenaBeams:
+    """The running beams as private sequences on the arena: one prefill, then forks and one forward per step.
+
+    Every beam holds one reference to each block of its table; the sequences
+    never enter the scheduler.
+    """
+
+    def __init__(self, engine: Engine, params: BeamSearchParams) -> None:
+        self.engine = engine
+        self.backend = engine.backend
+        self.pool = engine.pool
+        self.kv = engine.scheduler.kv
+        self.width = params.beam_width
+        self.params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        self.running: list[Sequence] = []
+
+    def _sequence(self, token_ids: list[int], num_prompt_tokens: int) -> Sequence:
+        # ids from the engine's counter, so a backend keyed by seq_id never confuses a beam with a request
+        seq_id = next(self.engine._seq_ids)
+        return Sequence(seq_id, f"beam-{seq_id}", token_ids, num_prompt_tokens, self.params)
+
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Compute the prompt's KV once (in chunks of the scheduler's token budget); its next-token logits ``[1, vocab]``."""
+        seq = self._sequence(prompt_ids, len(prompt_ids))
+        self.running = [seq] * self.width  # every beam starts as the prompt
+        self._allocate(seq)
+        budget = self.engine.settings.scheduler.max_num_batched_tokens
+        logits = None
+        while seq.num_computed_tokens < seq.num_tokens:
+            n = min(budget, seq.num_tokens - seq.num_computed_tokens)
+            logits = self.backend.forward([ScheduledChunk(seq, n)])
+            seq.num_computed_tokens += n
+        return logits
+
+    def fork(self, parents: list[int], tokens: list[int]) -> None:
+        """Make ``running[parents[i]] + [tokens[i]]`` the running beams, sharing the parents' blocks."""
+        children = []
+        for parent_index, token in zip(parents, tokens):
+            parent = self.running[parent_index]
+            child = self._sequence(parent.token_ids + [token], parent.num_prompt_tokens)
+            child.block_table = list(parent.block_table)
+            child.num_computed_tokens = parent.num_computed_tokens
+            for block_id in child.block_table:
+                self.pool.share(block_id)
+            children.append(child)
+        previous, self.running = self.running, children
+        for seq in previous:
+            self._drop(seq)  # the prompt is listed once per beam; a second drop finds its table empty
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            self._make_writable(child, copies)
+        if copies:
+            sources, targets = zip(*copies)
+            self.backend.write_blocks(list(targets), self.backend.read_blocks(list(sources)))
+
+    def _make_writable(self, seq: Sequence, copies: list[tuple[int, int]]) -> None:
+        """Give ``seq`` a slot for its newest token: a fresh block, or its own copy of a shared partial one."""
+        position = seq.num_computed_tokens
+        if position % self.pool.block_size == 0:
+            self._allocate(seq)
+            return
+        last = seq.block_table[-1]
+        if self.pool.blocks[last].ref_count > 1:
+            # the block stays referenced by another beam until the forward, so it can be read after the swap
+            [copy] = self.pool.allocate(1)
+            self.pool.free([last])
+            seq.block_table[-1] = copy
+            copies.append((last, copy))
+
+    def _allocate(self, seq: Sequence) -> None:
+        if not self.kv.allocate_slots(seq.block_table, seq.num_tokens):
+            raise QueueFullError(f"beam search ran out of KV blocks ({self.pool.num_free_blocks} free); retry later")
+
+    def forward(self) -> torch.Tensor:
+        """One backend step over every running beam's newest token; logits ``[beam_width, vocab]``."""
+        chunks = [ScheduledChunk(seq, 1) for seq in self.running]
+        logits = self.backend.forward(chunks)
+        for seq in self.running:
+            seq.num_computed_tokens += 1
+        return logits
+
+    def _drop(self, seq: Sequence) -> None:
+        self.kv.free(seq.block_table)
+        self.backend.release(seq)
+
+    def release(self) -> None:
+        """Free every block the search still holds."""
+        for seq in self.running:
+            self._drop(seq)
+        self.running = []

@@ -1,0 +1,137 @@
+"""Speculative decoding: the speculator interface, and verification of drafts against the target.
+
+A speculator proposes up to ``k`` draft tokens for a decoding sequence. The
+engine appends them to the sequence, runs ONE target forward over the last
+real token plus the drafts (logits at every position), and keeps the longest
+valid run plus one token from the target:
+
+    greedy:  accept draft i while it equals the target's argmax at i; then emit
+             the target's argmax at the first mismatch (or after the last draft).
+    sampled: accept draft x with probability min(1, p(x)/q(x)); on rejection
+             emit a draw from normalise(max(0, p - q)) and stop; if all are
+             accepted, emit a draw from p at the end (speculative sampling,
+             Leviathan et al. 2023 / Chen et al. 2023), so the output
+             distribution equals sampling from p alone.
+
+``p`` is the target's filtered distribution (temperature, top-k/p, min-p);
+``q`` the draft's, or a point mass on the draft for deterministic proposers
+(n-gram lookup). KV written for rejected drafts is rolled back: the sequence
+forgets those positions, trailing blocks are freed, nothing is published.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierserve.core.backend import ModelBackend
+    from tierserve.core.config import Settings
+    from tierserve.core.sampler import SamplingRow
+    from tierserve.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Draft tokens for one sequence; ``probs[i]`` is the distribution draft ``i`` was drawn from
+    (``None``: proposed deterministically, a point mass)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Speculator(ABC):
+    """Proposes draft tokens (a plugin registered through ``register_speculators``).
+
+    Args:
+        settings: all settings (``[speculative]`` holds this speculator's knobs).
+        target: the target model's backend (its tokenizer, vocab, device).
+    """
+
+    def __init__(self, settings: Settings, target: ModelBackend) -> None:
+        self.settings = settings
+        self.target = target
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        """Up to ``num_tokens[i]`` drafts for each decoding sequence ``seqs[i]`` (may be empty).
+
+        ``seq.token_ids`` is the sequence's history; drafts continue it. Runs on the step thread."""
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (finished, aborted or preempted)."""
+
+    def close(self) -> None:
+        """Release models and memory."""
+
+
+@dataclass
+class SpeculationStats:
+    """Counters behind ``/v1/cache/stats`` and the ``tierserve_spec_*`` metrics."""
+
+    verifications: int = 0  # target forwards that checked drafts
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0  # accepted drafts + the target's own token
+    early_stops: int = 0  # a stop condition hit inside an accepted run
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "verifications": self.verifications,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "early_stops": self.early_stops,
+            "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else 0.0,
+            "mean_accepted_length": round(self.accepted / self.verifications, 4) if self.verifications else 0.0,
+        }
+
+
+def verify(logits: torch.Tensor, proposal: Proposal, row: SamplingRow, greedy: bool) -> list[int]:
+    """Tokens to emit: the accepted drafts, then one token of the target's.
+
+    Args:
+        logits: ``[len(drafts) + 1, vocab]`` target logits at the last real token and each draft.
+        proposal: the drafts (and their draft distributions, if any).
+        row: the sequence's sampling parameters and generator.
+        greedy: whether the request decodes greedily.
+    """
+    import torch
+
+    from tierserve.core.sampler import draw, filtered_probs
+
+    drafts = proposal.token_ids
+    if greedy:
+        targets = logits.argmax(dim=-1).tolist()
+        emitted = []
+        for draft, target in zip(drafts, targets):
+            if draft != target:
+                break
+            emitted.append(draft)
+        emitted.append(targets[len(emitted)])
+        return emitted
+
+    probs = filtered_probs(logits.to(torch.float32), [row] * logits.shape[0])
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    emitted = []
+    for index, draft in enumerate(drafts):
+        p = probs[index]
+        q_of_draft = float(proposal.probs[index, draft]) if proposal.probs is not None else 1.0
+        uniform = float(torch.rand(1, generator=row.generator, dtype=torch.float64, device=row.generator.device))
+        if q_of_draft > 0 and uniform < min(1.0, float(p[draft]) / q_of_draft):
+            emitted.append(draft)
+            continue
+        if proposal.probs is not None:
+            residual = torch.clamp(p - proposal.probs[index].to(p.device, p.dtype), min=0.0)
+        else:
+            residual = p.clone()
+            residual[draft] = 0.0
+        if float(residual.sum()) <= 0.0:  # p == q: any draw from p is right
+            residual = p
+        emitted.append(int(draw(residual[None], [row])[0]))
+        return emitted
+    emitted.append(int(draw(probs[len(drafts)][None], [row])[0]))
+    return emitted
