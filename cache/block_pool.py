@@ -192,9 +192,17 @@ class KVCacheManager:
             self.store.register_computed(seq)
 
     def free(self, block_table: list[int]) -> None:
-        """Release a sequence's blocks, tail first so shared prefix blocks stay cached longest."""
-        self.pool.free(list(reversed(block_table)))
+        """Release a sequence's blocks, tail first so shared prefix blocks stay cached longest
+        (entries of -1 are blocks a sliding window already released)."""
+        self.pool.free([block for block in reversed(block_table) if block >= 0])
         block_table.clear()
+
+    def drop(self, block_table: list[int], first: int, last: int) -> int:
+        """Release blocks ``first..last-1`` of a table (left as -1); returns how many were held."""
+        released = [block for block in block_table[first:last] if block >= 0]
+        self.pool.free(released)
+        block_table[first:last] = [-1] * (last - first)
+        return len(released)
 
     def trim(self, block_table: list[int], num_tokens: int) -> None:
         """Free trailing blocks that ``num_tokens`` tokens no longer need (rejected drafts)."""

@@ -95,6 +95,7 @@ class RequestTimings:
     time_to_first_token: float | None
     peak_kv_bytes: int
     accepted_drafts: int = 0  # speculative draft tokens this request accepted
+    windows_slid: int = 0  # times a sliding window released this request's old KV
 
 
 @dataclass(slots=True)
@@ -143,6 +144,15 @@ class RequestState:
 
 
 @dataclass
+class WindowStats:
+    """Sliding-window counters: slides, tokens whose KV was dropped, blocks released."""
+
+    windows_slid: int = 0
+    tokens_dropped: int = 0
+    blocks_released: int = 0
+
+
+@dataclass
 class EngineStats:
     requests_added: int = 0
     requests_finished: int = 0
@@ -175,6 +185,7 @@ class Engine:
         self.store = store
         self.speculator = speculator
         self.spec_stats = SpeculationStats()
+        self.window_stats = WindowStats()
         self.tokenizer = backend.tokenizer
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -273,6 +284,7 @@ class Engine:
         cache_salt: str | None = None,
         use_prefix_cache: bool = True,
         speculate: bool | None = None,
+        sliding_window: bool | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
@@ -287,14 +299,25 @@ class Engine:
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestError("prompt: must contain at least one token")
+        streaming = self.settings.sliding_window.enabled if sliding_window is None else sliding_window
+        if streaming and not (self.backend.paged and hasattr(self.backend, "model")):
+            raise RequestError("enable_sliding_window: needs the native backend (paged KV); allowed: false")
         limit = self.backend.max_model_len
-        if len(ids) + params.max_tokens > limit:
+        if streaming:
+            window = self.settings.sliding_window
+            needed = window.sink_tokens + window.window_size + window.window_overlap + 2 * self.pool.block_size
+            if len(ids) > limit or needed + len(ids) > self.pool.num_blocks * self.pool.block_size:
+                raise RequestError(
+                    f"prompt: {len(ids)} tokens; with sliding_window the prompt must fit the context ({limit}) "
+                    f"and the KV cache with room for the window"
+                )
+        elif len(ids) + params.max_tokens > limit:
             raise RequestError(
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length ({limit})"
             )
         capacity = self.pool.num_blocks * self.pool.block_size
-        if len(ids) + params.max_tokens > capacity:
+        if not streaming and len(ids) + params.max_tokens > capacity:
             raise RequestError(
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the KV cache capacity ({capacity} tokens)"
@@ -324,6 +347,7 @@ class Engine:
             use_prefix_cache=use_prefix_cache,
             speculate=speculate,
             spec_k=self.settings.speculative.num_speculative_tokens,
+            streaming=streaming,
         )
         state = RequestState(
             seq=seq,
@@ -360,6 +384,7 @@ class Engine:
         cache_salt: str | None = None,
         use_prefix_cache: bool = True,
         speculate: bool | None = None,
+        sliding_window: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; leaving the loop early (client gone) aborts it."""
         ids = self.encode_prompt(prompt, messages)
@@ -371,6 +396,7 @@ class Engine:
             cache_salt=cache_salt,
             use_prefix_cache=use_prefix_cache,
             speculate=speculate,
+            sliding_window=sliding_window,
             loop=asyncio.get_running_loop(),
         )
         finished = False
@@ -439,6 +465,13 @@ class Engine:
                 "enabled": self.speculator is not None,
                 "method": self.settings.speculative.method,
                 **self.spec_stats.as_dict(),
+            }
+            snapshot["sliding_window"] = {
+                "enabled": self.settings.sliding_window.enabled,
+                "windows_slid": self.window_stats.windows_slid,
+                "tokens_dropped": self.window_stats.tokens_dropped,
+                "blocks_released": self.window_stats.blocks_released,
+                "blocks_in_use": self.pool.num_used_blocks,
             }
             snapshot["engine"] = {
                 "prompt_tokens": self.stats.prompt_tokens,
@@ -546,6 +579,10 @@ class Engine:
         for seq in output.preempted:
             self.stats.preemptions += 1
             self.backend.release(seq)
+            if seq.streaming and seq.num_tokens > self.pool.num_blocks * self.pool.block_size // 2:
+                # its dropped KV cannot be recomputed within the budget: end it rather than loop
+                self._finish(self._requests[seq.request_id], FinishReason.LENGTH, "")
+                continue
             if self.speculator is not None:
                 self.speculator.release(seq)
         self._settle_drafts(output.chunks, drafted)
@@ -579,7 +616,34 @@ class Engine:
                 self._append_token(self._requests[chunk.seq.request_id], sampled)
         for chunk, first in speculative:
             self._accept_drafts(chunk, logits[first : first + chunk.num_draft + 1], drafted[chunk.seq.seq_id])
+        for chunk in output.chunks:
+            if not chunk.seq.is_finished:
+                self._slide_window(chunk.seq)
         return output.num_tokens
+
+    def _slide_window(self, seq: Sequence) -> None:
+        """Release KV blocks no future token will attend to (a trained window, or streaming mode)."""
+        bs = self.pool.block_size
+        trained = getattr(getattr(self.backend, "model", None), "trained_window", None) if self.backend.paged else None
+        if trained is not None:
+            start, end = 0, max(0, (seq.num_computed_tokens - trained) // bs) * bs
+        elif seq.streaming:
+            window = self.settings.sliding_window
+            start = -(-window.sink_tokens // bs) * bs  # sinks are kept in whole blocks
+            kept_from = max(seq.kv_drop_end, start)
+            if seq.num_computed_tokens - kept_from <= window.window_size + window.window_overlap:
+                return
+            end = max(start, (seq.num_computed_tokens - window.window_size) // bs * bs)
+        else:
+            return
+        if end <= seq.kv_drop_end or end <= start:
+            return
+        released = self.scheduler.kv.drop(seq.block_table, max(start, seq.kv_drop_end) // bs, end // bs)
+        self.window_stats.windows_slid += 1
+        seq.windows_slid += 1
+        self.window_stats.tokens_dropped += end - max(start, seq.kv_drop_end)
+        self.window_stats.blocks_released += released
+        seq.kv_drop_start, seq.kv_drop_end = start, end
 
     @staticmethod
     def _sampling_row(seq: Sequence) -> SamplingRow:
@@ -698,7 +762,9 @@ class Engine:
             text = delta.text
             if delta.stopped:
                 reason = FinishReason.STOP
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.backend.max_model_len:
+            elif seq.num_output_tokens >= params.max_tokens or (
+                seq.num_tokens >= self.backend.max_model_len and not seq.streaming
+            ):
                 reason = FinishReason.LENGTH
         if reason is not None and state.detokenizer.stop_reason is None:
             text += state.detokenizer.flush()
@@ -725,6 +791,7 @@ class Engine:
                 time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
                 peak_kv_bytes=seq.peak_blocks * self.backend.kv_bytes_per_block(self.pool.block_size),
                 accepted_drafts=seq.accepted_drafts,
+                windows_slid=seq.windows_slid,
             )
         return RequestOutput(
             request_id=seq.request_id,

@@ -57,6 +57,12 @@ class Sequence:
     speculate: bool = False  # propose drafts for this sequence while it decodes
     spec_k: int = 0  # current number of drafts per step (adapts to acceptance)
     accepted_drafts: int = 0
+    # KV positions in [kv_drop_start, kv_drop_end) were dropped (sliding window): their blocks
+    # are freed (block table entries -1) and attention skips them
+    kv_drop_start: int = 0
+    kv_drop_end: int = 0
+    streaming: bool = False  # opt-in long-sequence mode: sink tokens + the last window_size tokens
+    windows_slid: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
 

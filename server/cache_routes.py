@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 TIERS = ("l1", "l2", "l3")
-NOT_IMPLEMENTED_NOTE = "{} is not implemented in this build; the counters stay zero"
 
 
 def kv_cache_summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -164,12 +163,7 @@ def build_stats(state: ServerState, engine: Engine) -> dict[str, Any]:
                 "lookups": stats.get("lookups", 0),
             },
             "speculation": stats["speculation"],
-            "sliding_window": {
-                "enabled": state.settings.sliding_window.enabled,
-                "windows_slid": 0,
-                "tokens_dropped": 0,
-                "note": NOT_IMPLEMENTED_NOTE.format("sliding-window generation"),
-            },
+            "sliding_window": stats["sliding_window"],
         },
         "overall": {
             "cached_tokens": cached_tokens,

@@ -119,13 +119,6 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
     check_model(state, body.model)
     engine = ready_engine(request)
     if cached:
-        if body.enable_sliding_window:
-            raise APIError(
-                400,
-                "enable_sliding_window: sliding-window generation is not available in this build; allowed: false",
-                param="enable_sliding_window",
-                code="unsupported",
-            )
     prompts = [chat_prompt(engine, body)] if chat else completion_prompts(engine, body.prompt)
     if cached:
         prompts = apply_cache_key(state, body.cache_key, prompts)
@@ -150,6 +143,8 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
                 code="context_length_exceeded",
             )
         room = limit - len(ids)
+        if cached and body.enable_sliding_window:  # a window lets generation run past the context
+            room = requested if requested is not None else room
         max_tokens = min(requested if requested is not None else (room if chat else 16), room)
         for i in range(body.n):
             try:
@@ -196,6 +191,7 @@ def submit_all(engine: Engine, job: Job, loop: asyncio.AbstractEventLoop) -> lis
                     cache_salt=body.cache_salt,
                     use_prefix_cache=use_cache,
                     speculate=getattr(body, "enable_speculation", None),
+                    sliding_window=getattr(body, "enable_sliding_window", None),
                     loop=loop,
                 )
             )
@@ -321,7 +317,7 @@ def cache_report(engine: Engine, job: Job, choices: list[Choice]) -> dict[str, A
             "cache_misses": max(misses, 0),
             "speculation_hits": sum(c.timings.accepted_drafts for c in choices if c.timings is not None),
             "prefix_matches": sum(1 for c in firsts if c.cached_tokens > 0),
-            "window_reuse": 0,
+            "window_reuse": sum(1 for c in choices if c.timings is not None and c.timings.windows_slid),
         },
         "performance": {
             "total_time_ms": round(total * 1000, 3),

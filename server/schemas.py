@@ -64,7 +64,7 @@ class CachedFields(Body):
 
     enable_caching: bool = True
     enable_speculation: bool | None = None  # None: as [speculative] method says
-    enable_sliding_window: bool = False
+    enable_sliding_window: bool | None = None  # None: as [sliding_window] enabled says
     cache_key: str | None = Field(None, min_length=1, max_length=256)
     request_id: str | None = Field(None, min_length=1, max_length=128)
 

@@ -229,9 +229,7 @@ def test_cache_stats_shape_and_hits_after_warming(server, engine):
     assert set(manager["kv_cache"]["tiers"]) == {"l1", "l2", "l3"}
     assert manager["speculation"]["enabled"] is False and manager["speculation"]["proposed"] == 0
     assert {"acceptance_rate", "mean_accepted_length", "early_stops"} <= set(manager["speculation"])
-    assert manager["sliding_window"] == {
-        "enabled": False, "windows_slid": 0, "tokens_dropped": 0, "note": manager["sliding_window"]["note"]
-    }
+    assert manager["sliding_window"]["enabled"] is False and manager["sliding_window"]["windows_slid"] == 0
     assert set(manager["radix_tree"]) == {"cached_blocks", "active_prefixes", "avg_prefix_tokens", "prefix_matches", "lookups"}
 
     prompt = PROMPTS[4]

@@ -52,6 +52,7 @@ def assert_clean(engine):
 def test_lookup_proposes_what_followed_the_latest_match():
     assert lookup([1, 2, 3, 4, 1, 2, 3], 1, 3, 3) == [4, 1, 2]
     assert lookup([1, 2, 3, 9, 9, 9, 2, 3], 1, 2, 4) == [9, 9, 9, 2]
+    assert lookup([7, 8, 7, 8, 7], 1, 2, 5) == [8, 7, 8, 7, 8]  # a short loop goes on repeating
     assert lookup([5, 6], 1, 2, 2) == []
     assert lookup([256, 1, 0, 0, 0, 1], 1, 1, 2) == [0, 0]  # byte patterns across token boundaries never match
 

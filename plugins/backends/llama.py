@@ -134,6 +134,8 @@ class PagedLlama:
             )
         state.pop("model.rotary_emb.inv_freq", None)
         self.windows = sorted({layer.sliding_window for layer in self.layers}, key=lambda w: w or 0)
+        # every layer windowed: KV older than the widest window is never read again
+        self.trained_window = None if None in self.windows else max(self.windows)
         self._build_rope(config)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
@@ -150,11 +152,20 @@ class PagedLlama:
             raise ValueError("dynamic NTK RoPE scaling is not supported by the native backend; use transformers")
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :].float()
+        self._inv_freq, self._rope_scaling = inv_freq.float(), scaling
+        self._rope_table(config.max_position_embeddings)
+
+    def _rope_table(self, length: int) -> None:
+        positions = torch.arange(length, dtype=torch.float)
+        freqs = positions[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(self.device, self.dtype)
-        self.sin = (emb.sin() * scaling).to(self.device, self.dtype)
+        self.cos = (emb.cos() * self._rope_scaling).to(self.device, self.dtype)
+        self.sin = (emb.sin() * self._rope_scaling).to(self.device, self.dtype)
+
+    def ensure_positions(self, length: int) -> None:
+        """Grow the RoPE tables past the trained context (sliding-window generation runs beyond it)."""
+        if length > self.cos.shape[0]:
+            self._rope_table(max(length, 2 * self.cos.shape[0]))
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()

@@ -136,7 +136,7 @@ class NativeBackend(ModelBackend):
         if short:
             tables = [c.seq.block_table for c in short]
             width = max(len(t) for t in tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).clamp(min=0)
             starts = torch.tensor([c.seq.num_computed_tokens for c in short], dtype=torch.long)
             lengths = torch.tensor([c.num_tokens for c in short], dtype=torch.long)
             ctx = starts + lengths
@@ -149,6 +149,9 @@ class NativeBackend(ModelBackend):
             new_slots = gather.gather(1, q_pos.clamp(max=gather.shape[1] - 1))
             slot_parts.append(new_slots[q_valid])
             causal = (pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+            drop_start = torch.tensor([c.seq.kv_drop_start for c in short])[:, None, None]
+            drop_end = torch.tensor([c.seq.kv_drop_end for c in short])[:, None, None]
+            causal &= (pos[None, None, :] < drop_start) | (pos[None, None, :] >= drop_end)  # released by a window
             masks: dict[int | None, torch.Tensor | None] = {}
             for window in windows:
                 keep = causal if window is None else causal & (pos[None, None, :] > q_pos[:, :, None] - window)
@@ -166,19 +169,24 @@ class NativeBackend(ModelBackend):
 
         for chunk in long:
             start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
-            table = torch.tensor(chunk.seq.block_table, dtype=torch.long)
+            table = torch.tensor(chunk.seq.block_table, dtype=torch.long).clamp(min=0)
             pos = torch.arange(start + n)
             slots = table[pos // bs] * bs + pos % bs
             slot_parts.append(slots[start:])
             q_pos = torch.arange(start, start + n)
             causal = pos[None, :] <= q_pos[:, None]
+            dropped = chunk.seq.kv_drop_end > chunk.seq.kv_drop_start
+            if dropped:
+                causal &= (pos[None, :] < chunk.seq.kv_drop_start) | (pos[None, :] >= chunk.seq.kv_drop_end)
             masks = {}
             for window in windows:
                 keep = causal if window is None else causal & (pos[None, :] > q_pos[:, None] - window)
-                masks[window] = None if window is None and start == 0 else keep[None, None].to(device)
+                plain = window is None and start == 0 and not dropped
+                masks[window] = None if plain else keep[None, None].to(device)
             row = first_row[id(chunk)]
             groups.append(AttentionGroup(slice(row, row + n), slots[None].to(device), masks, 1, n))
 
+        self.model.ensure_positions(max(positions) + 1)
         sample_rows = [
             row
             for c in chunks

@@ -10,7 +10,8 @@ from tierserve.core.speculation import Proposal, Speculator
 
 
 def lookup(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier match of the longest suffix n-gram."""
+    """``k`` tokens continuing the latest earlier match of the longest suffix n-gram
+    (what followed it, then what followed that, as a repeating text would go on)."""
     if len(tokens) < 2:
         return []
     packed = array("i", tokens).tobytes()  # searched in C: 4 bytes per token
@@ -22,8 +23,13 @@ def lookup(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[in
             if at < 0:
                 break
             if at % 4 == 0:
+                # continue the copy past the end with its own output: a loop of
+                # period d keeps proposing k tokens even when the match is recent
+                history = list(tokens)
                 start = at // 4 + n
-                return tokens[start : start + k]
+                for offset in range(k):
+                    history.append(history[start + offset])
+                return history[len(tokens) :]
             end = at + 4 * n - 1  # a match across token boundaries: look further left
     return []
 

@@ -1,0 +1,206 @@
+"""Beam search equals transformers' ``generate(num_beams=k)`` token for token, on beams that share KV blocks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
+from tierserve.core.beam_search import BeamSearchParams, beam_search_blocks, run_beam_search
+from tierserve.core.engine import RequestError
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.scheduler import QueueFullError
+
+NEW_TOKENS = 8
+BEAM_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[6]]  # 2, 11 and 11 tokens: partial last blocks at block_size 4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def checkpoint(request, tmp_path_factory):
+    path = build_checkpoint(tmp_path_factory.mktemp("beam"), request.param, request.param)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    # 4-token blocks: every prompt here ends in a partial block that the beams must copy before writing
+    return make_engine(checkpoint[0], kv_cache__block_size=4)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("beam-llama"), "llama", "llama")
+
+
+def hf_beams(model, tokenizer, ids: list[int], params: BeamSearchParams, eos: list[int] | None = None):
+    """``generate(num_beams=...)``'s returned sequences (padding stripped) and their scores, best first."""
+    prompt = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            num_beams=params.beam_width,
+            max_new_tokens=params.max_tokens,
+            min_new_tokens=params.min_tokens or None,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            num_return_sequences=params.num_return_sequences,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    # a row's generated length is how many steps recorded a beam index; shorter rows end in padding
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    sequences = [row[len(ids) : len(ids) + n].tolist() for row, n in zip(out.sequences, lengths)]
+    return sequences, out.sequences_scores.tolist()
+
+
+def assert_same(results, expected) -> None:
+    sequences, scores = expected
+    assert [r.token_ids for r in results] == sequences
+    assert [r.score for r in results] == pytest.approx(scores, abs=1e-4)
+
+
+def test_matches_transformers(checkpoint, engine):
+    _, model, tokenizer = checkpoint
+    free = engine.pool.num_free_blocks
+    for prompt, width, length_penalty, early_stopping in itertools.product(
+        BEAM_PROMPTS, [2, 4], [1.0, 0.5], [False, True]
+    ):
+        params = BeamSearchParams(
+            width, NEW_TOKENS, length_penalty, early_stopping, num_return_sequences=width
+        )
+        results = engine.beam_search(prompt, params)
+        expected = hf_beams(model, tokenizer, tokenizer(prompt)["input_ids"], params)
+        assert_same(results, expected)
+        assert all(len(r.token_ids) == NEW_TOKENS and r.finish_reason == "length" for r in results)
+    engine.pool.check_integrity()
+    assert engine.pool.num_free_blocks == free
+
+
+def test_eos_finishes_hypotheses_as_transformers_does(checkpoint, engine):
+    """An eos the model often emits ends hypotheses early; min_tokens holds it back as min_new_tokens does."""
+    _, model, tokenizer = checkpoint
+    finished_early = 0
+    for prompt in BEAM_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        [best], _ = hf_beams(model, tokenizer, ids, BeamSearchParams(4, NEW_TOKENS))
+        for eos, width, length_penalty, early_stopping, min_tokens in itertools.product(
+            [[best[2]], [best[1], best[4]]], [2, 4], [1.0, 0.5], [False, True, "never"], [0, 3]
+        ):
+            params = BeamSearchParams(width, NEW_TOKENS, length_penalty, early_stopping, width, min_tokens)
+            results = run_beam_search(engine, ids, params, eos)
+            assert_same(results, hf_beams(model, tokenizer, ids, params, eos))
+            for result in results:
+                assert len(result.token_ids) >= min_tokens
+                stopped = result.token_ids[-1] in eos
+                assert result.finish_reason == ("stop" if stopped else "length")
+                finished_early += len(result.token_ids) < NEW_TOKENS
+    assert finished_early > 0
+    assert_pool_released(engine)
+
+
+def test_fewer_returned_sequences_and_one_beam(checkpoint, engine):
+    _, model, tokenizer = checkpoint
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    params = BeamSearchParams(4, NEW_TOKENS, num_return_sequences=2)
+    assert_same(run_beam_search(engine, ids, params, [1, 3]), hf_beams(model, tokenizer, ids, params, [1, 3]))
+    # num_beams=1 is greedy search in generate, whatever early_stopping says
+    [result] = engine.beam_search(ids, BeamSearchParams(1, NEW_TOKENS, early_stopping="never"))
+    assert result.token_ids == hf_greedy(checkpoint[0], [PROMPTS[3]], NEW_TOKENS)[0]
+
+
+def test_beams_share_prompt_blocks_and_copy_partial_ones(llama, monkeypatch):
+    engine = make_engine(llama, kv_cache__block_size=4)
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    ids = tokenizer(PROMPTS[4])["input_ids"]  # 82 tokens: 20 full blocks and a partial one
+    assert len(ids) % 4
+    params = BeamSearchParams(4, 6, num_return_sequences=4)
+    used: list[int] = []
+    copied: list[int] = []
+    forward, write_blocks = engine.backend.forward, engine.backend.write_blocks
+    monkeypatch.setattr(engine.backend, "forward", lambda chunks: (used.append(engine.pool.num_used_blocks), forward(chunks))[1])
+    monkeypatch.setattr(
+        engine.backend, "write_blocks", lambda block_ids, data: (copied.extend(block_ids), write_blocks(block_ids, data))[1]
+    )
+
+    results = engine.beam_search(ids, params)
+
+    assert_same(results, hf_beams(model, tokenizer, ids, params))
+    one_copy = math.ceil((len(ids) + params.max_tokens - 1) / 4)
+    assert max(used) <= beam_search_blocks(len(ids), params, 4) < params.beam_width * one_copy
+    assert copied  # the prompt's partial block was copied for all but its last holder
+    assert_pool_released(engine)
+
+
+def test_runs_between_steps_of_running_requests(llama):
+    engine = make_engine(llama, kv_cache__block_size=4)
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.start()
+    try:
+        _, stream = engine.submit(tokenizer(PROMPTS[1])["input_ids"], greedy)
+        params = BeamSearchParams(4, NEW_TOKENS, num_return_sequences=4)
+        results = engine.beam_search(PROMPTS[6], params)
+        tokens: list[int] = []
+        while True:
+            output = stream.get(timeout=60)
+            tokens += output.token_ids
+            if output.finished:
+                break
+    finally:
+        engine.shutdown()
+    assert_same(results, hf_beams(model, tokenizer, tokenizer(PROMPTS[6])["input_ids"], params))
+    assert tokens == hf_greedy(llama, [PROMPTS[1]], 24)[0]
+    assert_pool_released(engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"beam_width": 20}, "beam_width: got 20, allowed: 1 to 16"),
+        ({"beam_width": 0}, "beam_width: got 0, allowed: 1 to 16"),
+        ({"max_tokens": 0}, "max_tokens: got 0, allowed: an integer >= 1"),
+        ({"num_return_sequences": 5}, "num_return_sequences: got 5, allowed: 1 to beam_width (4)"),
+        ({"early_stopping": "sometimes"}, "early_stopping: got 'sometimes', allowed: true, false or \"never\""),
+        ({"min_tokens": 9}, "min_tokens: got 9, allowed: 0 to max_tokens (8)"),
+        ({"length_penalty": float("nan")}, "length_penalty: got nan"),
+    ],
+)
+def test_params_name_the_bad_field(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        BeamSearchParams(**{"beam_width": 4, "max_tokens": 8, **kwargs})
+    assert str(error.value).startswith(message)
+
+
+def test_requests_the_engine_cannot_serve(llama):
+    params = BeamSearchParams(4, 20)
+    small = make_engine(llama, kv_cache__block_size=4, kv_cache__l1_capacity=16)
+    with pytest.raises(RequestError, match=r"^max_tokens: .* may need 24 KV blocks, more than the cache holds \(16\)"):
+        small.beam_search(PROMPTS[0], params)
+    with pytest.raises(RequestError, match=r"^max_tokens: .* exceeds the model's context length \(512\)"):
+        small.beam_search(PROMPTS[0], BeamSearchParams(2, 511))
+    with pytest.raises(RequestError, match=r"^prompt: "):
+        small.beam_search([], params)
+
+    # blocks held by running requests: refused for now, served once they are free
+    engine = make_engine(llama, kv_cache__block_size=4, kv_cache__l1_capacity=32)
+    held = engine.pool.allocate(20)
+    with pytest.raises(QueueFullError, match=r"^beam_width: .* may need 24 KV blocks and 12 are free now; retry later"):
+        engine.beam_search(PROMPTS[0], params)
+    engine.pool.free(held)
+    assert len(engine.beam_search(PROMPTS[0], params)[0].token_ids) == 20
+    assert_pool_released(engine)
+
+    unpaged = make_engine(llama, backend="transformers")
+    with pytest.raises(RequestError, match=r'^beam_width: beam search needs a paged KV arena.*model.backend = "native"'):
+        unpaged.beam_search(PROMPTS[0], params)
