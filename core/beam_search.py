@@ -275,7 +275,7 @@ class _ArenaBeams:
         return Sequence(seq_id, f"beam-{seq_id}", token_ids, num_prompt_tokens, self.params)
 
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Compute the prompt's KV once (in chunks of the scheduler's token budget); its next-token logits ``[1, vocab]``."""
+        """Compute the prompt's KV once, in chunks of the scheduler's token budget; next-token logits ``[1, vocab]``."""
         seq = self._sequence(prompt_ids, len(prompt_ids))
         self.running = [seq] * self.width  # every beam starts as the prompt
         self._allocate(seq)

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from concurrent.futures import Future
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -41,6 +41,9 @@ from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError, ScheduledChunk, Scheduler
 from tierserve.core.speculation import Proposal, SpeculationStats, Speculator, verify
 from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from tierserve.core.beam_search import BeamResult, BeamSearchParams
 
 log = structlog.get_logger(__name__)
 

@@ -118,7 +118,6 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
     state = state_of(request)
     check_model(state, body.model)
     engine = ready_engine(request)
-    if cached:
     prompts = [chat_prompt(engine, body)] if chat else completion_prompts(engine, body.prompt)
     if cached:
         prompts = apply_cache_key(state, body.cache_key, prompts)
@@ -395,6 +394,8 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
     state = state_of(request)
     job = build_job(request, body, chat=chat, cached=cached)
     engine = state.engine
+    if body.beam_width is not None and body.beam_width > 1:
+        return await respond_with_beams(engine, state, job)
     submitted = submit_all(engine, job, asyncio.get_running_loop())
     choices = [Choice(index=i, prompt_index=i // job.n) for i in range(len(submitted))]
     if not chat and body.echo:  # the prompt's text comes first, as OpenAI's echo does
@@ -410,6 +411,40 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
         return Response(full_response(engine, state, job, choices))
     return Stream(stream_events(engine, state, job, submitted, choices), media_type="text/event-stream",
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def respond_with_beams(engine: Engine, state: ServerState, job: Job) -> Response:
+    """Beam search: the ``n`` best beams of each prompt become its choices (no streaming)."""
+    from tierserve.core.beam_search import BeamSearchParams
+
+    body = job.body
+    if body.stream:
+        raise APIError(400, "stream: beam search returns whole beams; allowed: false with beam_width > 1",
+                       param="stream", code="unsupported")
+    try:
+        params = BeamSearchParams(
+            beam_width=body.beam_width,
+            max_tokens=job.params[0].max_tokens,
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
+            num_return_sequences=job.n,
+            min_tokens=body.min_tokens,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
+    choices: list[Choice] = []
+    for prompt_index, prompt in enumerate(job.prompts):
+        beams = await asyncio.to_thread(engine.beam_search, prompt, params)
+        for rank, beam in enumerate(beams):
+            choice = Choice(index=prompt_index * job.n + rank, prompt_index=prompt_index)
+            choice.token_ids = list(beam.token_ids)
+            text = engine.tokenizer.decode(
+                [t for t in beam.token_ids if t not in engine.backend.eos_token_ids], skip_special_tokens=True
+            )
+            choice.text = [text]
+            choice.finish_reason = beam.finish_reason
+            choices.append(choice)
+    return Response(full_response(engine, state, job, choices))
 
 
 async def stream_events(engine, state, job: Job, submitted, choices: list[Choice]) -> AsyncIterator[bytes]:

@@ -34,6 +34,10 @@ class SamplingFields(Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # tierserve extensions
+    beam_width: int | None = Field(None, ge=1, le=16)  # > 1: beam search (no streaming, no sampling)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    min_tokens: int = Field(0, ge=0)
     cache_salt: str | None = Field(None, max_length=256)
     priority: int = 0
     ignore_eos: bool = False

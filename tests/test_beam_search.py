@@ -74,9 +74,7 @@ def test_matches_transformers(checkpoint, engine):
     for prompt, width, length_penalty, early_stopping in itertools.product(
         BEAM_PROMPTS, [2, 4], [1.0, 0.5], [False, True]
     ):
-        params = BeamSearchParams(
-            width, NEW_TOKENS, length_penalty, early_stopping, num_return_sequences=width
-        )
+        params = BeamSearchParams(width, NEW_TOKENS, length_penalty, early_stopping, num_return_sequences=width)
         results = engine.beam_search(prompt, params)
         expected = hf_beams(model, tokenizer, tokenizer(prompt)["input_ids"], params)
         assert_same(results, expected)
@@ -89,7 +87,7 @@ def test_eos_finishes_hypotheses_as_transformers_does(checkpoint, engine):
     """An eos the model often emits ends hypotheses early; min_tokens holds it back as min_new_tokens does."""
     _, model, tokenizer = checkpoint
     finished_early = 0
-    for prompt in BEAM_PROMPTS:
+    for prompt in BEAM_PROMPTS[:2]:
         ids = tokenizer(prompt)["input_ids"]
         [best], _ = hf_beams(model, tokenizer, ids, BeamSearchParams(4, NEW_TOKENS))
         for eos, width, length_penalty, early_stopping, min_tokens in itertools.product(
@@ -124,13 +122,20 @@ def test_beams_share_prompt_blocks_and_copy_partial_ones(llama, monkeypatch):
     ids = tokenizer(PROMPTS[4])["input_ids"]  # 82 tokens: 20 full blocks and a partial one
     assert len(ids) % 4
     params = BeamSearchParams(4, 6, num_return_sequences=4)
-    used: list[int] = []
-    copied: list[int] = []
+    used: list[int] = []  # blocks in use at each forward
+    copied: list[int] = []  # blocks written by a copy
     forward, write_blocks = engine.backend.forward, engine.backend.write_blocks
-    monkeypatch.setattr(engine.backend, "forward", lambda chunks: (used.append(engine.pool.num_used_blocks), forward(chunks))[1])
-    monkeypatch.setattr(
-        engine.backend, "write_blocks", lambda block_ids, data: (copied.extend(block_ids), write_blocks(block_ids, data))[1]
-    )
+
+    def counting_forward(chunks):
+        used.append(engine.pool.num_used_blocks)
+        return forward(chunks)
+
+    def counting_write_blocks(block_ids, data):
+        copied.extend(block_ids)
+        write_blocks(block_ids, data)
+
+    monkeypatch.setattr(engine.backend, "forward", counting_forward)
+    monkeypatch.setattr(engine.backend, "write_blocks", counting_write_blocks)
 
     results = engine.beam_search(ids, params)
 
@@ -202,5 +207,5 @@ def test_requests_the_engine_cannot_serve(llama):
     assert_pool_released(engine)
 
     unpaged = make_engine(llama, backend="transformers")
-    with pytest.raises(RequestError, match=r'^beam_width: beam search needs a paged KV arena.*model.backend = "native"'):
+    with pytest.raises(RequestError, match=r'^beam_width: .* needs a paged KV arena.*model.backend = "native"'):
         unpaged.beam_search(PROMPTS[0], params)

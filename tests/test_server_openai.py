@@ -260,3 +260,24 @@ def test_warm_under_a_cache_key_then_reference_it(server):
     assert reply["cache_stats"]["cache_used"] and reply["usage"]["cached_tokens"] >= warmed["tokens"] - 16
     two = httpx.post(f"{base}/v1/cache/warm", json={"prompts": ["a", "b"], "cache_key": "x"}, timeout=60)
     assert two.status_code == 400 and two.json()["error"]["param"] == "cache_key"
+
+
+def test_beam_search_request_option(server, checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base, engine, name = server
+    ids = engine.encode_prompt("Once upon a time")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             num_beams=3, do_sample=False, max_new_tokens=6, num_return_sequences=2, pad_token_id=4)
+    reply = httpx.post(f"{base}/v1/completions", json={"prompt": ids, "max_tokens": 6, "beam_width": 3, "n": 2},
+                       timeout=60).json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    for choice, row in zip(reply["choices"], out[:, len(ids):].tolist()):
+        expected = [t for t in row if t != 4]
+        assert choice["text"] == engine.tokenizer.decode(
+            [t for t in expected if t not in engine.backend.eos_token_ids], skip_special_tokens=True)
+    bad = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "beam_width": 3, "stream": True}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
