@@ -402,6 +402,11 @@ class Engine:
             sliding_window=sliding_window,
             loop=asyncio.get_running_loop(),
         )
+        async for output in self.outputs(request_id, stream):
+            yield output
+
+    async def outputs(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """A submitted request's deltas; leaving early (client gone, cancelled) aborts it and frees its blocks."""
         finished = False
         try:
             while not finished:

@@ -201,26 +201,13 @@ def submit_all(engine: Engine, job: Job, loop: asyncio.AbstractEventLoop) -> lis
     return submitted
 
 
-async def deltas(engine: Engine, request_id: str, stream: Any) -> AsyncIterator[RequestOutput]:
-    """A request's outputs; leaving early (client gone, cancelled) aborts it and frees its blocks."""
-    finished = False
-    try:
-        while not finished:
-            output = await stream.get_async()
-            finished = output.finished
-            yield output
-    finally:
-        if not finished:
-            engine.abort(request_id)
-
-
 async def merged(engine: Engine, submitted: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of all choices as they come, tagged with the choice index."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, request_id: str, stream: Any) -> None:
         try:
-            async for output in deltas(engine, request_id, stream):
+            async for output in engine.outputs(request_id, stream):
                 await queue.put((index, output))
         finally:
             await queue.put((index, None))
