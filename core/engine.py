@@ -34,6 +34,7 @@ from tierserve.cache.block_pool import BlockPool, KVCacheManager
 from tierserve.cache.store import TieredStore
 from tierserve.core.backend import ModelBackend
 from tierserve.core.config import Settings
+from tierserve.core.errors import ConfigError
 from tierserve.core.detokenizer import IncrementalDetokenizer
 from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
@@ -222,6 +223,11 @@ class Engine:
         scheduler_factory = plugins.registry("schedulers").get(settings.scheduler.name).factory
         scheduler = scheduler_factory(settings.scheduler, KVCacheManager(pool, store))
         speculator = None
+        if settings.speculative.method and not backend.paged:
+            raise ConfigError(
+                f"speculative.method = {settings.speculative.method!r} needs a paged backend (drafts are rolled "
+                f"back in the block arena); model.backend {settings.model.backend!r} keeps its own cache"
+            )
         if settings.speculative.method:
             speculator = plugins.registry("speculators").get(settings.speculative.method).factory(settings, backend)
         engine = cls(settings, backend, scheduler, pool, plugins, store, speculator)

@@ -121,3 +121,11 @@ def test_sampling_distribution_is_unchanged(models, near_draft):
     for engine in (plain, speculative):
         assert_clean(engine)
         engine.close()
+
+
+def test_speculation_needs_a_paged_backend(tmp_path):
+    from tierserve.core.errors import ConfigError
+
+    path = build_checkpoint(tmp_path, "g", "gpt2")
+    with pytest.raises(ConfigError, match="needs a paged backend"):
+        make_engine(path, backend="transformers", speculative__method="ngram")
