@@ -48,9 +48,10 @@ def register_backends(register: Register) -> None:
 
     A backend loads a checkpoint and runs forward passes for the engine.
     ``factory(settings)`` is called once when the engine starts, with the
-    resolved ``Settings``; it returns an object implementing the backend
-    interface of ``tierserve.core`` (model runner, tokenizer, KV layout).
-    The name is what ``[model] backend`` selects, e.g. ``"native"``.
+    resolved ``Settings``; it returns a ``tierserve.core.backend.ModelBackend``
+    (tokenizer, eos ids, ``forward`` over scheduled chunks, and for paged
+    backends the KV arena and block copies). The name is what
+    ``[model] backend`` selects, e.g. ``"native"`` or ``"transformers"``.
     """
 
 
@@ -60,8 +61,11 @@ def register_schedulers(register: Register) -> None:
 
     A scheduler decides, at every engine step, which sequences run and how
     many of their tokens, under the token and sequence budgets of the
-    ``[scheduler]`` settings. ``factory(settings, block_manager)`` returns the
-    scheduler. The name is what ``[scheduler] name`` selects, e.g. ``"fcfs"``.
+    ``[scheduler]`` settings. ``factory(scheduler_settings, kv)`` returns a
+    ``tierserve.core.scheduler.Scheduler``; ``kv`` is the
+    ``tierserve.cache.block_pool.KVCacheManager`` it allocates blocks from
+    (call ``kv.match_prefix(seq)`` when admitting, so cached prefixes are
+    reused). The name is what ``[scheduler] name`` selects, e.g. ``"fcfs"``.
     """
 
 
@@ -83,9 +87,10 @@ def register_speculators(register: Register) -> None:
     """Register speculative-decoding strategies.
 
     A speculator proposes up to ``k`` draft tokens per sequence; the engine
-    verifies them in one target forward pass. ``factory(settings)`` returns
-    the speculator. The name is what ``[speculative] method`` selects,
-    e.g. ``"ngram"``.
+    verifies them in one target forward pass and rolls back what it rejects.
+    ``factory(settings, target_backend)`` returns a
+    ``tierserve.core.speculation.Speculator``. The name is what
+    ``[speculative] method`` selects, e.g. ``"ngram"`` or ``"draft_model"``.
     """
 
 
