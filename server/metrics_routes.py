@@ -37,6 +37,11 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 OUTCOMES = ("success", "abort", "error")
 
 
+GENERATION_ENDPOINTS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/cached/completions", "/v1/cached/chat/completions"}
+)
+
+
 class RequestMetrics:
     """Request-level metrics in one app's registry; every method is thread-safe."""
 
@@ -77,6 +82,10 @@ class RequestMetrics:
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         self.request_seconds.labels(endpoint).observe(seconds)
+        if status >= 400 and endpoint in GENERATION_ENDPOINTS:
+            # rejected before or while generating (validation, limits, queue full, failures):
+            # with success and abort this makes requests = successes + aborts + errors
+            self.count_outcome("error")
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)

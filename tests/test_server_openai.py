@@ -281,3 +281,18 @@ def test_beam_search_request_option(server, checkpoint):
             [t for t in expected if t not in engine.backend.eos_token_ids], skip_special_tokens=True)
     bad = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "beam_width": 3, "stream": True}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+
+
+def test_tenants_never_share_cached_prefixes(server):
+    base = server[0]
+    prompt = "Confidential context of tenant A, long enough to fill a few KV blocks of sixteen tokens. " * 3
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(salt):
+        reply = httpx.post(f"{base}/v1/completions", json={**body, "cache_salt": salt}, timeout=60).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same tokens, other tenant: no hit
+    assert cached(None) == 0  # nor for requests without a salt
+    assert cached("tenant-a") > 0

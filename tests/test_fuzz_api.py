@@ -1,0 +1,118 @@
+"""Schemathesis against the server's own OpenAPI schema: no input makes a /v1 route fail or leak internals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+schemathesis = pytest.importorskip("schemathesis")
+from schemathesis import GenerationMode  # noqa: E402
+
+from tests.engine_helpers import build_checkpoint, make_engine  # noqa: E402
+from tests.server_helpers import running_server  # noqa: E402
+from tierserve.core.config import load_settings  # noqa: E402
+
+V1_OPERATIONS = [
+    "GET /v1/models",
+    "GET /v1/models/{model_id}",
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /v1/cached/completions",
+    "POST /v1/cached/chat/completions",
+    "POST /v1/embeddings",
+    "GET /v1/cache/stats",
+    "POST /v1/cache/clear",
+    "POST /v1/cache/warm",
+    "GET /v1/plugins",
+]
+EXAMPLES_PER_MODE = 15
+MAX_TOKENS = 4  # the tiny model answers at once; the schema sets no upper bound on these fields
+BOUNDED_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+TRACEBACK_MARKS = ("Traceback", 'File "')
+PATH_MARKS = ("/work/", "/tmp/")  # /v1/models names model.path by design; errors must not show paths
+CASES_TRIED: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory) -> Iterator[tuple[str, object]]:
+    path = build_checkpoint(tmp_path_factory.mktemp("fuzz"), "llama", "llama")
+    engine = make_engine(path, kv_cache__l1_capacity=512)
+    overrides = {
+        ("model", "path"): str(path),
+        ("kv_cache", "l1_capacity"): 512,
+        ("server", "served_model_name"): "fuzz-llama",
+    }
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, engine=engine, plugins=loaded.plugins) as base:
+        yield base, schemathesis.openapi.from_url(f"{base}/docs/openapi.json")
+    engine.close()
+    print("\ncases tried per operation:", json.dumps(CASES_TRIED, indent=2))
+
+
+def bound_lengths(case) -> None:
+    """Clamp generation lengths (valid ones stay valid; too-small or mistyped ones are left to fail)."""
+    if isinstance(case.body, dict):
+        for key in BOUNDED_FIELDS:
+            if isinstance(case.body.get(key), int) and not isinstance(case.body[key], bool) and case.body[key] > MAX_TOKENS:
+                case.body[key] = MAX_TOKENS
+
+
+def check_response(label: str, case, response) -> None:
+    text = response.content.decode("utf-8", "replace")
+    where = f"{label} {response.status_code} for body={case.body!r} query={case.query!r} path={case.path_parameters!r}"
+    assert response.status_code < 500, f"{where}: {text[:500]}"
+    for mark in TRACEBACK_MARKS:
+        assert mark not in text, f"{where}: body leaks {mark!r}: {text[:500]}"
+    if 400 <= response.status_code < 500:
+        for mark in PATH_MARKS:
+            assert mark not in text, f"{where}: error leaks a path: {text[:500]}"
+        body = json.loads(text)
+        assert set(body) == {"error"}, f"{where}: {text[:500]}"
+        error = body["error"]
+        assert set(error) == {"message", "type", "param", "code"}, f"{where}: {text[:500]}"
+        assert isinstance(error["message"], str) and error["message"], where
+        assert isinstance(error["type"], str) and error["type"], where
+        assert error["param"] is None or isinstance(error["param"], str), where
+        assert error["code"] is None or isinstance(error["code"], str), where
+
+
+def test_schema_lists_every_v1_operation(api) -> None:
+    _, schema = api
+    labels = sorted(op.ok().label for op in schema.get_all_operations() if op.ok().path.startswith("/v1"))
+    assert labels == sorted(V1_OPERATIONS)
+
+
+# Negative cases need something to break: the GET routes take no body and only a free-form string.
+RUNS = [(label, GenerationMode.POSITIVE) for label in V1_OPERATIONS] + [
+    (label, GenerationMode.NEGATIVE) for label in V1_OPERATIONS if label.startswith("POST")
+]
+
+
+@pytest.mark.parametrize(("label", "mode"), RUNS, ids=[f"{label}-{mode.value}" for label, mode in RUNS])
+def test_operation_never_fails_or_leaks(api, label: str, mode: GenerationMode) -> None:
+    base, schema = api
+    operation = schema.find_operation_by_label(label)
+    assert operation is not None, label
+    tried = 0
+
+    @settings(
+        max_examples=EXAMPLES_PER_MODE,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],  # a failure prints its case; shrinking would re-run the server
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case) -> None:
+        nonlocal tried
+        tried += 1
+        bound_lengths(case)
+        check_response(label, case, case.call(base_url=base, timeout=30))
+
+    run()
+    CASES_TRIED[f"{label} [{mode.value}]"] = tried
+    print(f"{label} [{mode.value}]: {tried} cases")
+    assert tried > 0
