@@ -199,7 +199,7 @@ def one_life(
             threads = [threading.Thread(target=send, args=(prompt,)) for prompt in prompts]
             for thread in threads:
                 thread.start()
-            time.sleep(rng.uniform(0.0, 1.0))  # the burst takes a fraction of a second: kills land mid-burst or after
+            time.sleep(rng.uniform(0.0, 0.6))  # a burst takes ~0.1-0.6 s: kills land mid-burst or just after
             try:
                 _, corrupt = l3_stats(client)
             except httpx.HTTPError:
