@@ -59,8 +59,9 @@ class SamplingParams:
             raise bad("top_k", "-1 or 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "0 to 1")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", "greater than 0 and at most 10 (1 = off)")
+        if not 0.01 <= self.repetition_penalty <= 10.0:
+            # a penalty near 0 divides logits into inf/NaN and would poison the shared step
+            raise bad("repetition_penalty", "0.01 to 10 (1 = off)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "-2 to 2")
         if not -2.0 <= self.frequency_penalty <= 2.0:

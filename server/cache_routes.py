@@ -11,12 +11,12 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import structlog
 from litestar import Request, get, post
 from litestar.params import JSONBody
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.server.errors import APIError
 from tierserve.server.openai_routes import remember_prefix
@@ -196,7 +196,7 @@ class WarmRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     prompts: list[str] | None = None
-    messages: list[list[Message]] | None = None
+    messages: list[Annotated[list[Message], Field(min_length=1)]] | None = None  # an empty conversation has no prompt
     cache_salt: str | None = None
     cache_key: str | None = None  # name the (single) warmed prompt for /v1/cached/* requests
 

@@ -29,7 +29,8 @@ class SamplingFields(Body):
     n: int = Field(1, ge=1, le=16)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    # >= 0.01: dividing logits by a near-zero penalty overflows float32 and the draw returns no valid token
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
