@@ -325,7 +325,9 @@ class TieredStore:
         }
 
     def check_integrity(self) -> None:
-        """The pool's and the index's invariants, and that they agree with every tier."""
+        """The pool's and the index's invariants, and that they agree with every tier
+        (queued background writes are settled first: a check is about a quiet store)."""
+        self.flush()
         self._sync_removed()
         self.pool.check_integrity()
         self.index.check_integrity()

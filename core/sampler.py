@@ -197,7 +197,9 @@ def filtered_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
             # token (nothing above it) always stays. top_p == 1 never drops,
             # even when float rounding pushes the running sum to 1 early.
             threshold = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=device).unsqueeze(1)
-            ordered.masked_fill_(probs.cumsum(dim=-1) - probs >= threshold, float("-inf"))
+            drop = probs.cumsum(dim=-1) - probs >= threshold
+            drop[:, 0] = False  # the top token always stays, even if top_p underflows to 0 in float32
+            ordered.masked_fill_(drop, float("-inf"))
         _put(x, filtered, len(rows), torch.full_like(sub, float("-inf")).scatter_(1, order, ordered))
 
     probs = x.softmax(dim=-1)
@@ -228,7 +230,14 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for r in rows
     ])
     # float64: a float32 running sum over 100k+ tokens drifts enough to bias the tail.
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    probs = torch.nan_to_num(probs.to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).clamp_(min=0.0)
+    empty = probs.sum(dim=-1) <= 0
+    if bool(empty.any()):
+        # filtering always keeps a row's top token, so this only guards against
+        # NaN logits: stay inside the vocabulary rather than index past it
+        probs[empty] = 0.0
+        probs[empty, 0] = 1.0
+    cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]
     # searchsorted(right=True) lands on the first token whose cdf exceeds the
     # target, which always has probability > 0; keeping the target strictly

@@ -249,3 +249,13 @@ def test_empty_batch():
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}: got"):
         SamplingParams(**{field: value})
+
+
+def test_top_p_that_underflows_in_float32_keeps_the_top_token():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, top_p=3e-178, top_k=10**6, presence_penalty=0.7)
+    rows = [SamplingRow(params, torch.Generator().manual_seed(i), [], [1]) for i in range(3)]
+    tokens = [t.token_id for t in Sampler()(logits, rows)]
+    penalised = logits.clone()
+    penalised[:, 1] -= 0.7
+    assert tokens == penalised.argmax(dim=-1).tolist()

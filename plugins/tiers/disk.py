@@ -312,38 +312,44 @@ class DiskTier(CacheTier):
             entry = self._queue.get()
             if entry is None:
                 return
+            lost = False
             try:
-                self._write(entry)
+                lost = not self._write(entry)
             except Exception:
                 log.exception("kv_disk_write_failed", key=entry.key.hex())
                 with self.lock:
                     self.stats.write_errors += 1
-                self.note_removed(entry.key)
+                lost = True
             finally:
                 with self.lock:
                     if self._pending.get(entry.key) is entry:
                         del self._pending[entry.key]
+                    else:
+                        lost = False  # put again while queued: the newer write decides
                     self._unwritten -= 1
+                    # noted only once it is no longer pending, so the owner's index can never
+                    # see "removed" while contains() still says yes
+                    if lost:
+                        self.note_removed(entry.key)
                     self._drained.notify_all()
 
-    def _write(self, entry: CacheEntry) -> None:
+    def _write(self, entry: CacheEntry) -> bool:
+        """Encode and store one queued entry; False if it could not be stored (the caller notes it)."""
         key = entry.key
         with self.lock:
             if self._pending.get(key) is not entry:
-                return  # removed, cleared or put again while queued
+                return True  # removed, cleared or put again while queued: nothing was lost here
         data = self.codec.encode(entry)
         if self.max_bytes and len(data) > self.max_bytes:
             with self.lock:
                 self.stats.dropped_writes += 1
-            self.note_removed(key)
             log.warning("kv_disk_entry_too_large", key=key.hex(), size=len(data), max_disk_bytes=self.max_bytes)
-            return
+            return False
         try:
             self._cache.set(key.hex(), data, tag=entry.parent.hex() if entry.parent else None, retry=True)
         except Exception as exc:
             with self.lock:
                 self.stats.write_errors += 1
-            self.note_removed(key)
             log.warning(
                 "kv_disk_write_failed",
                 key=key.hex(),
@@ -351,12 +357,12 @@ class DiskTier(CacheTier):
                 errno=getattr(exc, "errno", None),
                 directory=str(self.directory),
             )
-            return
+            return False
         with self.lock:
             if self._pending.get(key) is not entry:
                 if key not in self._pending:  # removed or cleared while being written
                     self._delete_file(key)
-                return  # else a newer put of the key is queued and will be written
+                return True  # else a newer put of the key is queued and will be written
             del self._pending[key]
             if key in self._index:
                 self._unindex(key, keep_pin=True)
@@ -370,6 +376,7 @@ class DiskTier(CacheTier):
         for victim in victims:
             self._delete_file(victim)
             self.note_removed(victim)
+        return True
 
     # ---- index (callers hold self.lock, except during __init__) ------------
 
