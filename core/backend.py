@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierserve.core.scheduler import ScheduledChunk
@@ -92,9 +94,6 @@ def checkpoint_fingerprint(directory, *extra: str) -> str:
     end: cheap even for large checkpoints, and any retrained or re-quantised
     weights change it.
     """
-    import hashlib
-    from pathlib import Path
-
     digest = hashlib.sha256()
     root = Path(directory)
     config = root / "config.json"
