@@ -20,6 +20,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_ready(base: str, timeout: float) -> None:
+    """Poll ``/health/ready`` until it answers 200; TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"server on {base} not ready after {timeout}s")
+
+
 @contextmanager
 def running_server(settings, engine=None, plugins=None, ready_timeout: float = 120.0) -> Iterator[str]:
     """Serve ``create_app(settings, engine=...)`` on 127.0.0.1; yields the base URL once /health/ready is 200."""
@@ -29,17 +42,8 @@ def running_server(settings, engine=None, plugins=None, ready_timeout: float = 1
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
     try:
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        else:
-            raise TimeoutError(f"server on {base} not ready after {ready_timeout}s")
+        wait_ready(base, ready_timeout)
         yield base
     finally:
         server.should_exit = True

@@ -93,11 +93,10 @@ def test_serve_validates_settings_before_loading_anything(tmp_path):
 
 def test_serve_runs_the_embedded_model_and_stops_cleanly(tmp_path):
     import signal
-    import time
 
     import httpx
 
-    from tests.server_helpers import free_port
+    from tests.server_helpers import free_port, wait_ready
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_")}
@@ -108,15 +107,7 @@ def test_serve_runs_the_embedded_model_and_stops_cleanly(tmp_path):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise AssertionError("server never became ready")
+        wait_ready(base, 120)
         reply = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0}, timeout=60)
         assert reply.status_code == 200
         assert reply.json()["usage"]["completion_tokens"] >= 1
