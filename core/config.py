@@ -55,6 +55,9 @@ class ModelSettings(Section):
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)
     seed: int = 0
+    linear_kernel: Literal["auto", "onednn", "torch"] = Field(
+        "auto", description="native backend matmuls: oneDNN prepacked weights on CPU (auto), or torch's F.linear"
+    )
 
     @field_validator("device")
     @classmethod

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tierserve.plugins.backends.linear import Linear, LinearFactory
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # attend(layer_index, layer, q, k, v) -> attention output shaped like q
@@ -29,15 +31,13 @@ Attend = Callable[[int, "LayerWeights", torch.Tensor, torch.Tensor, torch.Tensor
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
     sliding_window: int | None
 
 
@@ -76,7 +76,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PagedLlama:
     """Functional forward pass over fused weights; no autograd, no nn.Module overhead."""
 
-    def __init__(self, config, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config,
+        state: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        linear_kernel: str = "auto",
+    ) -> None:
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"the native backend runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, not "
@@ -91,6 +98,8 @@ class PagedLlama:
         self.eps = config.rms_norm_eps
         self.act = ACT2FN[config.hidden_act]
         self.scaling = self.head_dim**-0.5
+        linear = LinearFactory(linear_kernel, device, dtype)
+        self.linear_kernel = linear.kernel
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             tensor = state.pop(name, None)
@@ -103,7 +112,8 @@ class PagedLlama:
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=False)
-        self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+        tied = lm_head is None or getattr(config, "tie_word_embeddings", False)
+        self.lm_head = linear(self.embed if tied else lm_head)
 
         layer_types = getattr(config, "layer_types", None)
         self.layers: list[LayerWeights] = []
@@ -118,17 +128,18 @@ class PagedLlama:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([q, k, v], 0).contiguous(),
-                    qkv_bias=torch.cat(biases, 0) if all(b is not None for b in biases) else None,
+                    qkv=linear(
+                        torch.cat([q, k, v], 0).contiguous(),
+                        torch.cat(biases, 0) if all(b is not None for b in biases) else None,
+                    ),
                     q_norm=take(p + "self_attn.q_norm.weight", required=False),
                     k_norm=take(p + "self_attn.k_norm.weight", required=False),
-                    o_proj=take(p + "self_attn.o_proj.weight"),
-                    o_bias=take(p + "self_attn.o_proj.bias", required=False),
+                    o_proj=linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", required=False)),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
-                    ).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=linear(
+                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0).contiguous()
+                    ),
+                    down=linear(take(p + "mlp.down_proj.weight")),
                     sliding_window=window,
                 )
             )
@@ -203,7 +214,7 @@ class PagedLlama:
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
@@ -213,10 +224,10 @@ class PagedLlama:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = attend(index, layer, q, k, v)
-            hidden = hidden + F.linear(attn.reshape(tokens, q_size), layer.o_proj, layer.o_bias)
+            hidden = hidden + layer.o_proj(attn.reshape(tokens, q_size))
             x = rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(self.act(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(self.act(gate) * up)
         return hidden
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
@@ -230,7 +241,7 @@ class PagedLlama:
 
         hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention)
         last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
     def final_hidden_states(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Hidden states after the final norm, ``[len, hidden]`` per token id sequence.

@@ -63,7 +63,9 @@ class NativeBackend(ModelBackend):
         self.dtype = resolve_dtype(model.dtype, self.device)
         self.config = AutoConfig.from_pretrained(self.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.model = PagedLlama(self.config, load_safetensors(self.path), self.device, self.dtype)
+        self.model = PagedLlama(
+            self.config, load_safetensors(self.path), self.device, self.dtype, linear_kernel=model.linear_kernel
+        )
         self.vocab_size = self.config.vocab_size
         self.max_model_len = min(
             model.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
@@ -72,7 +74,8 @@ class NativeBackend(ModelBackend):
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), "native")
+        # the kernel changes summation order, so its KV is not bit-identical to another kernel's
+        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), f"native/{self.model.linear_kernel}")
         self.block_size = settings.kv_cache.block_size
 
     def kv_bytes_per_block(self, block_size: int) -> int:
