@@ -282,6 +282,22 @@ class TieredStore:
                     self._index_discard(key, level)
         return removed
 
+    def offload(self) -> int:
+        """Move L1's unreferenced cached blocks to the tier below (L2, else L3) and free them in L1.
+
+        The prefixes stay servable (a later hit promotes them back); blocks in
+        use by running sequences stay where they are. Returns the blocks moved.
+        """
+        if not self.tiers:
+            return 0
+        # registration order puts parents before children; children go first so a
+        # full lower tier evicts leaves before the prefixes they extend
+        idle = [key for key, block_id in self.pool.cached.items() if self.pool.blocks[block_id].ref_count == 0]
+        for key in reversed(idle):
+            self._demote_from_l1(self.pool.blocks[self.pool.cached[key]])
+            self.pool.uncache(key)
+        return len(idle)
+
     def snapshot(self) -> dict[str, object]:
         """Statistics of every tier and of the index, as plain data."""
 

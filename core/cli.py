@@ -146,6 +146,11 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_offload(args: argparse.Namespace) -> int:
+    print(json.dumps(_call_server(args, "POST", "/v1/cache/offload"), indent=2))
+    return 0
+
+
 def cmd_cache_warm(args: argparse.Namespace) -> int:
     prompts = list(args.prompts)
     if args.file:
@@ -186,6 +191,11 @@ def _add_cache_commands(commands: Any) -> None:
         help="tier to clear (repeatable; default: all)",
     )
     clear.set_defaults(handler=cmd_cache_clear)
+    offload = cache_commands.add_parser(
+        "offload", help="move idle L1 prefixes to L2/L3, freeing the live pool (POST /v1/cache/offload; admin key)"
+    )
+    _add_server_arguments(offload)
+    offload.set_defaults(handler=cmd_cache_offload)
     warm = cache_commands.add_parser("warm", help="prefill prompts into the cache (POST /v1/cache/warm; admin key)")
     _add_server_arguments(warm)
     warm.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to warm")

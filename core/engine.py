@@ -471,6 +471,12 @@ class Engine:
             return {}
         return self._call(lambda: self.store.clear(tier))
 
+    def offload_cache(self) -> int:
+        """Move idle L1 prefix blocks down to L2 (or L3), freeing the live pool; returns blocks moved."""
+        if self.store is None:
+            return 0
+        return self._call(self.store.offload)
+
     def cache_stats(self) -> dict[str, Any]:
         """Per-tier and index statistics plus the engine's token counters, as plain data."""
         def collect() -> dict[str, Any]:

@@ -236,6 +236,15 @@ async def cache_clear(request: Request, data: JSONBody[ClearRequest | None] = No
     return {"cleared": cleared}
 
 
+@post("/v1/cache/offload", opt={"admin": True}, status_code=200)
+async def cache_offload(request: Request) -> dict[str, Any]:
+    """Free the live pool but keep its idle cached prefixes, moved to L2 (or L3)."""
+    engine = ready_engine(request)
+    moved = await asyncio.to_thread(engine.offload_cache)
+    log.info("cache_offloaded", blocks=moved)
+    return {"offloaded_blocks": moved}
+
+
 @post("/v1/cache/warm", opt={"admin": True}, status_code=200)
 async def cache_warm(request: Request, data: JSONBody[WarmRequest]) -> dict[str, Any]:
     engine = ready_engine(request)
@@ -276,4 +285,4 @@ def teardown(state: ServerState) -> None:
         monitor.stop()
 
 
-ROUTES = [cache_stats, cache_clear, cache_warm]
+ROUTES = [cache_stats, cache_clear, cache_offload, cache_warm]

@@ -211,6 +211,25 @@ def test_warm_then_clear_each_tier(tmp_path):
     engine.close()
 
 
+def test_offload_moves_idle_l1_prefixes_to_l2_and_they_still_hit(tmp_path):
+    path = build_checkpoint(tmp_path, "o", "llama")
+    engine = make_engine(path, **cache_settings(tmp_path, kv_cache__persistence=False))
+    try:
+        [cold] = engine.generate([QUESTIONS[0]], GREEDY)
+        cached_blocks = len(engine.pool.cached)
+        assert cached_blocks > 0
+        moved = engine.offload_cache()
+        assert moved == cached_blocks and not engine.pool.cached
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        assert engine.cache_stats()["tiers"]["l2"]["entries"] == moved
+        [again] = engine.generate([QUESTIONS[0]], GREEDY)
+        assert again.token_ids == cold.token_ids and again.cached_tokens > 0
+        assert engine.cache_stats()["promotions"]["l2"] > 0
+        check_clean(engine)
+    finally:
+        engine.close()
+
+
 def test_prometheus_metrics_follow_the_store(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -332,7 +332,11 @@ def test_queue_alert_with_waiting_requests(checkpoint, disk, tmp_path):
 def test_admin_key_needed_for_clear_and_warm(checkpoint, disk, engine):
     settings = settings_for(checkpoint, disk, {("auth", "api_keys"): ["user"], ("auth", "admin_api_keys"): ["admin"]})
     with running_server(settings, engine=engine) as base:
-        for path, body in (("/v1/cache/clear", {"tiers": ["l2"]}), ("/v1/cache/warm", {"prompts": ["Hello there, world"]})):
+        for path, body in (
+            ("/v1/cache/clear", {"tiers": ["l2"]}),
+            ("/v1/cache/warm", {"prompts": ["Hello there, world"]}),
+            ("/v1/cache/offload", None),
+        ):
             assert httpx.post(f"{base}{path}", json=body).status_code == 401
             forbidden = httpx.post(f"{base}{path}", json=body, headers={"Authorization": "Bearer user"})
             assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
@@ -420,6 +424,11 @@ def test_cache_cli_against_a_running_server(server, tmp_path):
     assert warmed.returncode == 0, warmed.stderr
     result = json.loads(warmed.stdout)
     assert result["warmed"] == 3 and result["blocks"] == result["tokens"] // BLOCK > 0
+
+    offloaded = cli("cache", "offload", "--url", server)
+    assert offloaded.returncode == 0, offloaded.stderr
+    assert json.loads(offloaded.stdout)["offloaded_blocks"] > 0
+    assert stats(server)["cache_manager"]["kv_cache"]["tiers"]["l2"]["entries"] > 0
 
     cleared = cli("cache", "clear", "--tier", "l1", "--tier", "l3", "--url", server)
     assert cleared.returncode == 0, cleared.stderr
