@@ -7,7 +7,9 @@ fused into one matmul each. Attention reads K/V through block tables:
     k_cache[layer] : [num_blocks * block_size, num_kv_heads, head_dim]
 
 Decode tokens of all sequences attend in one batched call; each prefill chunk
-attends on its own (a chunk starting mid-prompt sees the cached prefix).
+attends on its own (a chunk starting mid-prompt sees the cached prefix). Keys
+are gathered a whole block at a time (one ``index_select`` of block-sized rows,
+several times faster than gathering single slots).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class AttentionGroup:
     """Rows of the flattened batch that attend together, and what they read."""
 
     rows: slice | torch.Tensor  # query rows: a slice of batch * q_len rows, or [batch, q_len] indices (-1 = padding)
-    gather: torch.Tensor  # [batch, ctx] slot indices of the keys
+    blocks: torch.Tensor  # [batch, ceil(ctx / block_size)] block ids holding key positions 0..ctx-1
+    ctx: int  # key positions read (the longest context in the group)
     masks: dict[int | None, torch.Tensor | None]  # sliding window -> bool mask [batch, 1, q, ctx]
     batch: int
     q_len: int
@@ -150,6 +153,7 @@ class PagedLlama:
         self._build_rope(config)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        self.block_size = 0
 
     def _build_rope(self, config) -> None:
         params = getattr(config, "rope_parameters", None) or {}
@@ -184,6 +188,7 @@ class PagedLlama:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.block_size = block_size
         self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
 
@@ -289,14 +294,18 @@ class PagedLlama:
 
     def _attend(self, q, k_cache, v_cache, groups: list[AttentionGroup], window: int | None) -> torch.Tensor:
         out = torch.empty_like(q)
+        by_block = (-1, self.block_size, self.num_kv_heads, self.head_dim)
         for group in groups:
             padded = isinstance(group.rows, torch.Tensor)
             if padded:
                 queries = q[group.rows.clamp(min=0)].transpose(1, 2)  # [batch, heads, q_len, head_dim]
             else:
                 queries = q[group.rows].view(group.batch, group.q_len, self.num_heads, self.head_dim).transpose(1, 2)
-            keys = k_cache[group.gather].transpose(1, 2)  # [batch, kv_heads, ctx, head_dim]
-            values = v_cache[group.gather].transpose(1, 2)
+            ids = group.blocks.reshape(-1)
+            shape = (group.batch, -1, self.num_kv_heads, self.head_dim)
+            # [batch, kv_heads, ctx, head_dim]
+            keys = k_cache.view(by_block).index_select(0, ids).view(shape)[:, : group.ctx].transpose(1, 2)
+            values = v_cache.view(by_block).index_select(0, ids).view(shape)[:, : group.ctx].transpose(1, 2)
             mask = group.masks[window]
             result = F.scaled_dot_product_attention(
                 queries,

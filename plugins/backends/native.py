@@ -168,7 +168,8 @@ class NativeBackend(ModelBackend):
                 q_valid, torch.tensor([first_row[id(c)] for c in short])[:, None] + offsets[None, :], -1
             )
             rows_index = slice(0, len(short)) if q_len == 1 else rows.to(device)
-            groups.append(AttentionGroup(rows_index, gather.to(device), masks, len(short), q_len))
+            blocks = table[:, : -(-int(ctx.max()) // bs)]
+            groups.append(AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(short), q_len))
 
         for chunk in long:
             start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
@@ -187,7 +188,8 @@ class NativeBackend(ModelBackend):
                 plain = window is None and start == 0 and not dropped
                 masks[window] = None if plain else keep[None, None].to(device)
             row = first_row[id(chunk)]
-            groups.append(AttentionGroup(slice(row, row + n), slots[None].to(device), masks, 1, n))
+            blocks = table[None, : -(-(start + n) // bs)]
+            groups.append(AttentionGroup(slice(row, row + n), blocks.to(device), start + n, masks, 1, n))
 
         self.model.ensure_positions(max(positions) + 1)
         sample_rows = [
