@@ -1,0 +1,131 @@
+"""tierserve's benchmark harness: ``python -m bench <scenario> [options]``.
+
+Scenarios (each writes ``<results>/<scenario>.json``; ``report`` turns them
+into ``report.md`` and PNG plots):
+
+    throughput   N concurrent clients, P prompt + O output tokens, vs transformers serve and generate()
+    prefix       multi-turn chats on a shared long system prompt: cold / L1 / L2 / L3-after-restart
+    roofline     batch-1 decode tokens/s against the memory-bandwidth limit
+    cache-store  put/get speed of the memory and disk tiers, zstd levels
+    report       markdown table and plots from the JSON results
+    all          every scenario, then the report
+
+Every system loads the same checkpoint directory (``--model``, default
+``builtin:bench``, written to disk on first use). Servers listen on loopback
+ports and are stopped afterwards. The bench is not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"got {', '.join(unknown) or 'nothing'}; allowed: {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench import prefix, throughput
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:bench", help="checkpoint directory or builtin:NAME (default: builtin:bench)")
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help=f"results folder (default: {DEFAULT_RESULTS})")
+    commands = parser.add_subparsers(dest="scenario", required=True)
+
+    tp = commands.add_parser("throughput", help="output tokens/s, TTFT and TPOT at N concurrent clients")
+    tp.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 64], help="client counts (default: 1,8,32,64)")
+    tp.add_argument("--prompt-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--repeats", type=int, default=3)
+    tp.add_argument("--systems", type=_names(throughput.SYSTEMS), default=list(throughput.SYSTEMS),
+                    help=f"comma-separated (default: {','.join(throughput.SYSTEMS)})")  # fmt: skip
+
+    px = commands.add_parser("prefix", help="shared-prefix multi-turn chats, by cache state")
+    px.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default: 8)")
+    px.add_argument("--turns", type=int, default=8, help="turns per conversation (default: 8; 64 requests)")
+    px.add_argument("--prefix-len", type=int, default=2048)
+    px.add_argument("--turn-len", type=int, default=32, help="tokens per user or assistant message (default: 32)")
+    px.add_argument("--output-len", type=int, default=32)
+    px.add_argument("--repeats", type=int, default=1)
+    systems = ("tierserve", *prefix.PEERS)
+    px.add_argument("--systems", type=_names(systems), default=list(systems),
+                    help=f"comma-separated (default: {','.join(systems)})")  # fmt: skip
+
+    rf = commands.add_parser("roofline", help="batch-1 decode vs the memory-bandwidth limit")
+    rf.add_argument("--prompt-len", type=int, default=32)
+    rf.add_argument("--decode-tokens", type=int, default=128)
+    rf.add_argument("--repeats", type=int, default=3)
+
+    cs = commands.add_parser("cache-store", help="memory and disk tier speed, compression per zstd level")
+    cs.add_argument("--block-sizes", type=_ints, default=[16, 64], help="tokens per entry (default: 16,64)")
+    cs.add_argument("--tokens", type=int, default=2048, help="prompt tokens whose KV is stored (default: 2048)")
+    cs.add_argument("--levels", type=_ints, default=[1, 3, 6, 9, 19], help="zstd levels (default: 1,3,6,9,19)")
+
+    commands.add_parser("report", help="write report.md and the plots from the results folder")
+    commands.add_parser("all", help="every scenario with its defaults, then the report")
+    return parser
+
+
+def run_scenario(name: str, args: argparse.Namespace) -> None:
+    from bench import cache_store, prefix, report, roofline, throughput
+    from bench.harness import BenchContext
+
+    if name == "report":
+        written = report.write(args.results)
+        print(f"wrote {', '.join(str(p) for p in written)}")
+        return
+    ctx = BenchContext.create(args.model, args.results)
+    if name == "throughput":
+        payload = throughput.run(ctx, args.concurrency, args.prompt_len, args.output_len, args.repeats, args.systems)
+    elif name == "prefix":
+        payload = prefix.run(
+            ctx, args.conversations, args.turns, args.prefix_len, args.turn_len, args.output_len, args.repeats, args.systems
+        )
+    elif name == "roofline":
+        payload = roofline.run(ctx, args.prompt_len, args.decode_tokens, args.repeats)
+    elif name == "cache-store":
+        payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
+    else:
+        raise ValueError(name)
+    path = ctx.save(name, payload)
+    print(report.section(name, payload))
+    print(f"\nsaved {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.scenario == "all":
+        given = list(sys.argv[1:] if argv is None else argv)
+        global_options = given[: given.index("all")]
+        for name in ("roofline", "cache-store", "throughput", "prefix"):
+            run_scenario(name, parser.parse_args([*global_options, name]))
+        run_scenario("report", args)
+        return 0
+    run_scenario(args.scenario, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Scenario ``prefix``: multi-turn chats sharing one long system prompt.
+
+C conversations run concurrently, each T turns in order (C x T requests).
+Turn t's prompt is the shared P-token system prompt, the conversation's
+earlier turns (fixed text, so every system sees the same prompts), and a new
+user message; each request asks for O tokens, greedy, eos ignored.
+
+tierserve runs the workload once per cache state, each time from a cleared
+cache and under its own ``cache_salt`` (so one state's blocks never serve
+another's):
+
+- ``cold``: every request has a salt of its own, so nothing is ever reused;
+- ``L1``: the system prompt was warmed (``/v1/cache/warm``) into the live pool;
+- ``L2``: warmed, then moved to host memory (``/v1/cache/offload``);
+- ``L3``: warmed, then the server was stopped and started again on the same
+  disk folder, so the prefix is read back from disk.
+
+Within a run, later turns also reuse the conversation's own earlier turns.
+The peers run the same requests once: they have no cache that outlives a
+request. Reported per run: TTFT p50/p99 over all requests, the median TTFT of
+the first turns (the requests that read the system prompt from the tier under
+test), output tokens/s, and the prompt tokens served from cache.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from pathlib import Path
+
+import httpx
+
+from bench.client import RunResult, drive
+from bench.harness import BenchContext, warm_up
+from bench.servers import Server, start
+from bench.stats import median
+from bench.workloads import shared_prefix_conversations
+
+PEERS = ("transformers-serve-cb", "transformers-serve")
+CACHE_STATES = ("cold", "L1", "L2", "L3")
+
+
+def _summarise(result: RunResult) -> dict:
+    summary = result.summary()
+    summary["first_turn_ttft_s"] = median([r.ttft for r in result.ok if r.turn == 0])
+    return summary
+
+
+def _admin(server: Server, path: str, body: dict | None = None) -> dict:
+    response = httpx.post(f"{server.base_url}{path}", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()
+
+
+def run(
+    ctx: BenchContext,
+    conversations: int,
+    turns: int,
+    prefix_len: int,
+    turn_len: int,
+    output_len: int,
+    repeats: int,
+    systems: list[str],
+) -> dict:
+    system_prompt, chats = shared_prefix_conversations(ctx.tokenizer, conversations, turns, prefix_len, turn_len)
+    requests = conversations * turns
+    ours = "tierserve" in systems
+    peers = [s for s in systems if s != "tierserve"]
+    total = repeats * requests * ((len(CACHE_STATES) if ours else 0) + len(peers))
+    runs: list[dict] = []
+
+    def sessions(server: Server, salt: str | None) -> list[list[dict]]:
+        def extra() -> dict:
+            if server.name != "tierserve":
+                return {}
+            return {"cache_salt": salt or f"cold-{uuid.uuid4().hex}"}
+
+        return [
+            [server.completion_body(chat.prompt(t), output_len, **extra()) for t in range(turns)] for chat in chats
+        ]
+
+    with ctx.progress(total, "prefix") as bar:
+        done = lambda: bar.update(1)  # noqa: E731
+        for repeat in range(repeats):
+            if ours:
+                with tempfile.TemporaryDirectory(prefix="tierserve-l3-") as l3:
+                    logs = ctx.results_dir / "logs"
+                    server = start("tierserve", ctx.checkpoint, logs, Path(l3))
+                    try:
+                        warm_up(server, ctx.tokenizer)
+                        for state in ("cold", "L1", "L2", "L3"):
+                            bar.set_postfix_str(f"tierserve {state} (repeat {repeat + 1}/{repeats})")
+                            _admin(server, "/v1/cache/clear")
+                            salt = None if state == "cold" else f"{state}-{repeat}"
+                            if state != "cold":
+                                _admin(server, "/v1/cache/warm", {"prompts": [system_prompt], "cache_salt": salt})
+                            if state == "L2":
+                                _admin(server, "/v1/cache/offload")
+                            if state == "L3":
+                                server.stop()  # graceful: queued L3 writes are flushed
+                                server = start("tierserve", ctx.checkpoint, logs, Path(l3))
+                                warm_up(server, ctx.tokenizer)
+                            result = drive(server, sessions(server, salt), on_done=done)
+                            runs.append({"system": "tierserve", "cache": state, "repeat": repeat, **_summarise(result)})
+                    finally:
+                        server.stop()
+            for peer in peers:
+                bar.set_postfix_str(f"{peer} (repeat {repeat + 1}/{repeats})")
+                server = start(peer, ctx.checkpoint, ctx.results_dir / "logs", Path(tempfile.gettempdir()))
+                try:
+                    warm_up(server, ctx.tokenizer)
+                    result = drive(server, sessions(server, None), on_done=done)
+                    runs.append({"system": peer, "cache": "none", "repeat": repeat, **_summarise(result)})
+                finally:
+                    server.stop()
+    config = {
+        "model": ctx.model,
+        "checkpoint": str(ctx.checkpoint),
+        "conversations": conversations,
+        "turns": turns,
+        "prefix_len": prefix_len,
+        "turn_len": turn_len,
+        "output_len": output_len,
+        "repeats": repeats,
+        "systems": systems,
+    }
+    return {"config": config, "runs": runs}

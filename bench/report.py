@@ -1,0 +1,291 @@
+"""The report: ``report.md`` and PNG plots from the scenarios' JSON results.
+
+    python -m bench report [--results bench/results]
+
+Every figure is a median over the repeats of a scenario; ratios compare
+systems measured in the same invocation. Targets from the benchmark issue are
+checked and printed as met or missed, never hidden.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from bench.stats import median, ratio
+
+SCENARIOS = ("throughput", "prefix", "roofline", "cache-store")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}" if seconds >= 0.1 else f"{seconds * 1000:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _verdict(value: float | None, target: float, higher_is_better: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    met = value >= target if higher_is_better else value <= target
+    return "met" if met else "**missed**"
+
+
+# ---- throughput -------------------------------------------------------------------------
+
+
+def throughput_medians(payload: dict) -> dict[tuple[str, int], dict]:
+    """(system, clients) -> median of every metric over the repeats."""
+    grouped: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for run in payload["runs"]:
+        grouped[(run["system"], run["concurrency"])].append(run)
+    metrics = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+    out = {}
+    for key, runs in grouped.items():
+        out[key] = {m: median([r.get(m) for r in runs]) for m in metrics}
+        out[key]["runs"] = len(runs)
+        out[key]["errors"] = sum(r.get("errors", 0) for r in runs)
+        out[key]["short_outputs"] = sum(r.get("short_outputs", 0) for r in runs)
+    return out
+
+
+def throughput_section(payload: dict) -> str:
+    config = payload["config"]
+    table = throughput_medians(payload)
+    systems = config["systems"]
+    lines = [
+        f"{config['prompt_len']} prompt + {config['output_len']} output tokens per request, greedy, eos ignored; "
+        f"medians of {config['repeats']} repeats. `hf-generate` is one static `generate()` batch of N in the "
+        "bench process (N = 1: one request at a time); its TTFT is a 1-token `generate()` of the same batch.",
+        "",
+        "| clients | system | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | tierserve / system |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in config["concurrency"]:
+        ours = table.get(("tierserve", n), {}).get("output_tok_s")
+        for system in systems:
+            row = table.get((system, n))
+            if row is None:
+                continue
+            note = ""
+            if row["errors"] or row["short_outputs"]:
+                note = f" ({row['errors']} errors, {row['short_outputs']} short)"
+            lines.append(
+                f"| {n} | {system}{note} | {_num(row['output_tok_s'])} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} "
+                f"| {_ms(row['tpot_p50_s'])} | {_ms(row['tpot_p99_s'])} | {_x(ratio(ours, row['output_tok_s']))} |"
+            )
+    lines += ["", "Targets:", ""]
+
+    def speedup(n: int, peer: str) -> float | None:
+        return ratio(table.get(("tierserve", n), {}).get("output_tok_s"), table.get((peer, n), {}).get("output_tok_s"))
+
+    for n, peer, target in ((32, "transformers-serve-cb", 3.0), (32, "hf-generate", 0.9), (1, "hf-generate", 0.9)):
+        value = speedup(n, peer)
+        lines.append(f"- {n} clients, tierserve / {peer} >= {target}: {_x(value)}, {_verdict(value, target)}")
+    return "\n".join(lines)
+
+
+# ---- prefix ----------------------------------------------------------------------------
+
+
+def prefix_medians(payload: dict) -> dict[tuple[str, str], dict]:
+    grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for run in payload["runs"]:
+        grouped[(run["system"], run["cache"])].append(run)
+    metrics = ("ttft_p50_s", "ttft_p99_s", "first_turn_ttft_s", "output_tok_s", "cached_tokens", "prompt_tokens")
+    out = {}
+    for key, runs in grouped.items():
+        out[key] = {m: median([r.get(m) for r in runs]) for m in metrics}
+        out[key]["errors"] = sum(r.get("errors", 0) for r in runs)
+    return out
+
+
+def prefix_section(payload: dict) -> str:
+    config = payload["config"]
+    table = prefix_medians(payload)
+    requests = config["conversations"] * config["turns"]
+    cold = table.get(("tierserve", "cold"), {})
+    lines = [
+        f"{config['conversations']} concurrent conversations x {config['turns']} turns = {requests} requests; "
+        f"a {config['prefix_len']}-token shared system prompt, {config['turn_len']}-token messages, "
+        f"{config['output_len']} output tokens, greedy; medians of {config['repeats']} repeat(s). "
+        "First-turn TTFT: median over the first turns, which read the system prompt from the tier named.",
+        "",
+        "| system | prefix cache | TTFT p50 (ms) | TTFT p99 (ms) | first-turn TTFT (ms) | output tok/s | prompt tokens from cache | TTFT p50 / tierserve cold |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (system, cache), row in table.items():
+        share = ratio(row["cached_tokens"], row["prompt_tokens"])
+        errors = f" ({row['errors']} errors)" if row["errors"] else ""
+        lines.append(
+            f"| {system}{errors} | {cache} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} "
+            f"| {_ms(row['first_turn_ttft_s'])} | {_num(row['output_tok_s'])} | {_num(share * 100 if share is not None else None)}% "
+            f"| {_num(ratio(row['ttft_p50_s'], cold.get('ttft_p50_s')), 3)} |"
+        )
+    lines += ["", "Targets:", ""]
+    for state, target in (("L1", 0.1), ("L3", 0.2)):
+        for metric, label in (("ttft_p50_s", "TTFT p50"), ("first_turn_ttft_s", "first-turn TTFT")):
+            value = ratio(table.get(("tierserve", state), {}).get(metric), cold.get(metric))
+            lines.append(f"- {state} {label} / cold <= {target}: {_num(value, 3)}, {_verdict(value, target, False)}")
+    for peer in ("transformers-serve-cb", "transformers-serve"):
+        theirs = table.get((peer, "none"), {}).get("ttft_p50_s")
+        for state in ("L1", "L3"):
+            value = ratio(theirs, table.get(("tierserve", state), {}).get("ttft_p50_s"))
+            lines.append(f"- {peer} TTFT p50 / tierserve {state} TTFT p50 >= 5: {_x(value)}, {_verdict(value, 5.0)}")
+    return "\n".join(lines)
+
+
+# ---- roofline and cache store ------------------------------------------------------------------
+
+
+def roofline_section(payload: dict) -> str:
+    lines = [
+        f"Copy bandwidth {payload['copy_bandwidth_gb_s']:.1f} GB/s (read + write, best of 10); "
+        f"{payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights read per decode step; "
+        f"limit {payload['limit_tok_s']:.1f} tokens/s at batch 1.",
+        "",
+        "| system | batch-1 decode tok/s | fraction of the limit |",
+        "|---|---:|---:|",
+    ]
+    for name, rate in payload["decode_tok_s"].items():
+        lines.append(f"| {name} | {rate:.1f} | {payload['fraction_of_limit'][name]:.2f} |")
+    value = payload["fraction_of_limit"].get("tierserve")
+    lines += ["", f"Target: tierserve >= 0.50 of the limit: {_num(value, 2)}, {_verdict(value, 0.5)}"]
+    return "\n".join(lines)
+
+
+def cache_store_section(payload: dict) -> str:
+    lines = [
+        "| tier | tokens per entry | entry KB | put MB/s | put p50 (ms) | put p99 (ms) | get MB/s | get p50 (ms) | get p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in payload["tiers"]:
+        lines.append(
+            f"| {row['tier']} | {row['block_size']} | {row['entry_bytes'] / 1024:.0f} | {row['put_mb_s']:.0f} "
+            f"| {row['put_p50_ms']:.3f} | {row['put_p99_ms']:.3f} | {row['get_mb_s']:.0f} | {row['get_p50_ms']:.3f} "
+            f"| {row['get_p99_ms']:.3f} |"
+        )
+    lines += [
+        "",
+        "Disk put: puts of every entry plus `flush()`, over the count (time until on disk). "
+        "Disk get: a hit whose file is in the OS page cache.",
+        "",
+        "| zstd level | tokens per entry | compression ratio | stored bytes/token | raw bytes/token | encode MB/s | decode MB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in payload["codec"]:
+        lines.append(
+            f"| {row['level']} | {row['block_size']} | {row['ratio']:.3f} | {row['stored_bytes_per_token']:.0f} "
+            f"| {row['raw_bytes_per_token']} | {row['encode_mb_s']:.0f} | {row['decode_mb_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+SECTIONS = {
+    "throughput": ("Throughput vs concurrency", throughput_section),
+    "prefix": ("Shared-prefix chats by cache state", prefix_section),
+    "roofline": ("Batch-1 decode vs the memory-bandwidth limit", roofline_section),
+    "cache-store": ("Cache tiers and compression", cache_store_section),
+}
+
+
+def section(name: str, payload: dict) -> str:
+    title, render = SECTIONS[name]
+    return f"## {title}\n\n{render(payload)}"
+
+
+# ---- plots ---------------------------------------------------------------------------------
+
+
+def plot_throughput(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = throughput_medians(payload)
+    concurrency = payload["config"]["concurrency"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in payload["config"]["systems"]:
+        points = [(n, table[(system, n)]["output_tok_s"]) for n in concurrency if (system, n) in table]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrency, [str(n) for n in concurrency])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens/s (median)")
+    ax.set_title("Throughput vs concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_prefix(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = prefix_medians(payload)
+    labels, p50, first = [], [], []
+    for (system, cache), row in table.items():
+        labels.append(f"tierserve\n{cache}" if system == "tierserve" else system.replace("transformers-serve", "transformers\nserve"))
+        p50.append((row["ttft_p50_s"] or 0) * 1000)
+        first.append((row["first_turn_ttft_s"] or 0) * 1000)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], p50, width=0.4, label="TTFT p50, all requests")
+    ax.bar([i + 0.2 for i in x], first, width=0.4, label="TTFT, first turns")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("milliseconds (log scale)")
+    ax.set_title("Time to first token by prefix-cache state")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _machine_line(payload: dict) -> str:
+    m = payload.get("machine", {})
+    gpu = m.get("gpu") or "no GPU"
+    return (
+        f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, {gpu}; torch {m.get('torch')} "
+        f"({m.get('torch_threads')} threads); commit {m.get('commit')}; {m.get('date')}"
+    )
+
+
+def write(results_dir: Path) -> list[Path]:
+    """Write ``report.md`` (and the plots whose data exists) into ``results_dir``; returns the files written."""
+    written = []
+    parts = ["# tierserve benchmark report", ""]
+    for name in SCENARIOS:
+        path = results_dir / f"{name}.json"
+        if not path.exists():
+            continue
+        payload = json.loads(path.read_text())
+        parts += [section(name, payload), "", f"Measured on: {_machine_line(payload)}.", f"Reproduce: `{payload.get('command')}`", ""]
+        if name == "throughput":
+            plot = results_dir / "throughput.png"
+            plot_throughput(payload, plot)
+            parts += [f"![throughput vs concurrency]({plot.name})", ""]
+            written.append(plot)
+        if name == "prefix":
+            plot = results_dir / "prefix_ttft.png"
+            plot_prefix(payload, plot)
+            parts += [f"![TTFT by cache state]({plot.name})", ""]
+            written.append(plot)
+    if len(parts) == 2:
+        raise SystemExit(f"no results in {results_dir}: run a scenario first (python -m bench throughput ...)")
+    report = results_dir / "report.md"
+    report.write_text("\n".join(parts))
+    return [report, *written]

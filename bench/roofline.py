@@ -1,0 +1,127 @@
+"""Scenario ``roofline``: batch-1 decode speed against this machine's memory-bandwidth limit.
+
+A decode step of one sequence reads every weight once, so its speed is bounded by
+
+    limit (tokens/s) = memory bandwidth / weight bytes read per token
+
+- weight bytes per token: every parameter but the input embedding table
+  (a step reads one row of it); a tied output head is counted once, as the head;
+- bandwidth: a STREAM-style copy of a buffer far larger than the caches,
+  counted as bytes read + bytes written, best of several trials (as STREAM
+  reports), with this process's torch threads.
+
+Decode tokens/s is measured in-process for the tierserve engine (the same
+engine the server runs) and for Hugging Face ``generate()``: the time of a
+1 + D token generation minus that of a 1 token generation on the same
+prompt, over D, median of the repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from safetensors import safe_open
+
+from bench.harness import BenchContext
+from bench.hf_reference import HFGenerate
+
+
+def copy_bandwidth(megabytes: int = 512, trials: int = 10) -> float:
+    """Bytes per second moved by ``dst.copy_(src)`` (read + write), best of ``trials``."""
+    src = torch.ones(megabytes * 1024 * 1024 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def weight_bytes_per_token(ctx: BenchContext) -> tuple[int, int]:
+    """(bytes read per decode step, total parameter bytes) from the checkpoint's safetensors."""
+    total = embedding = 0
+    tied = True
+    for path in sorted(ctx.checkpoint.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                shape = tensor.get_shape()
+                size = torch.empty((), dtype=_DTYPES[tensor.get_dtype()]).element_size()
+                for dim in shape:
+                    size *= dim
+                total += size
+                if name.endswith("embed_tokens.weight"):
+                    embedding = size
+                if name == "lm_head.weight":
+                    tied = False
+    # untied: the embedding table is not read by a step; tied: it is read once, as the output head
+    return (total - embedding if not tied else total), total
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _decode_rate(generate, prompt: list[int], decode_tokens: int, repeats: int) -> float:
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generate(prompt, 1)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(prompt, 1 + decode_tokens)
+        full = time.perf_counter() - start
+        rates.append(decode_tokens / max(full - first, 1e-9))
+    return statistics.median(rates)
+
+
+def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int) -> dict:
+    from tierserve.core.config import load_settings
+    from tierserve.core.engine import Engine
+    from tierserve.core.sampling_params import SamplingParams
+
+    bandwidth = copy_bandwidth()
+    step_bytes, total_bytes = weight_bytes_per_token(ctx)
+    limit = bandwidth / step_bytes
+    prompt = list(ctx.tokenizer("the " * prompt_len)["input_ids"])[:prompt_len]
+    results: dict[str, float] = {}
+    with ctx.progress(2, "roofline") as bar:
+        loaded = load_settings(
+            "production",
+            environ={},
+            overrides={
+                ("model", "path"): str(ctx.checkpoint),
+                # every call prefills its prompt anew: nothing may come from a cache
+                ("kv_cache", "enable_prefix_caching"): False,
+                ("kv_cache", "l1_capacity"): 512,
+                ("logging", "level"): "warning",
+            },
+        )
+        engine = Engine.from_settings(loaded.settings, loaded.plugins)
+        try:
+            def ours(ids: list[int], n: int) -> None:
+                engine.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+            ours(prompt, 4)
+            results["tierserve"] = _decode_rate(ours, prompt, decode_tokens, repeats)
+        finally:
+            engine.close()
+        bar.update(1)
+        reference = HFGenerate(ctx.checkpoint)
+        reference.warm_up()
+        results["hf-generate"] = _decode_rate(
+            lambda ids, n: reference._generate(torch.tensor([ids]), n), prompt, decode_tokens, repeats
+        )
+        bar.update(1)
+    return {
+        "config": {"model": ctx.model, "prompt_len": prompt_len, "decode_tokens": decode_tokens, "repeats": repeats},
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_per_token": step_bytes,
+        "parameter_bytes": total_bytes,
+        "limit_tok_s": limit,
+        "decode_tok_s": results,
+        "fraction_of_limit": {name: rate / limit for name, rate in results.items()},
+    }

@@ -1,0 +1,137 @@
+"""Start and stop the servers under test: each a subprocess on a loopback port, all on one checkpoint directory.
+
+- ``tierserve``: ``tierserve serve --preset production`` with the checkpoint
+  and an L3 folder of the run's own (so a restart finds its cache, and no
+  earlier run's does).
+- ``transformers-serve`` / ``transformers-serve-cb``: ``transformers serve``
+  on the same directory, on CPU, without and with ``--continuous-batching``.
+
+Each server's output goes to a log file in the results folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SERVERS = ("tierserve", "transformers-serve-cb", "transformers-serve")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running server: where to send requests and what to put in their ``model`` field."""
+
+    name: str
+    base_url: str
+    model: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def completion_body(self, prompt: str, max_tokens: int, **extra) -> dict:
+        """A streaming, greedy ``/v1/completions`` body producing exactly ``max_tokens`` tokens (eos ignored)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.name == "tierserve":
+            body["ignore_eos"] = True
+        else:
+            # transformers serve has no ignore_eos; min_new_tokens = max_new_tokens does the same
+            config = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False}
+            body["generation_config"] = json.dumps(config)
+        return {**body, **extra}
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGINT (a graceful shutdown: tierserve flushes its L3 writes), then SIGKILL if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"server exited with code {process.returncode} before it was ready:\n{tail}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError(f"server not ready at {url} after {timeout:.0f} s; see {log_path}")
+
+
+def _launch(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def start_tierserve(checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: float = 300.0) -> Server:
+    """``tierserve serve --preset production`` on ``checkpoint``; L3 lives in ``l3_dir``."""
+    port = free_port()
+    command = [
+        sys.executable, "-c", "from tierserve.core.cli import main; raise SystemExit(main())",
+        "serve", "--preset", "production", "--model", str(checkpoint), "--port", str(port),
+        "--set", f"kv_cache.disk_path={l3_dir}",
+    ]  # fmt: skip
+    log_path = log_dir / "tierserve.log"
+    process = _launch(command, log_path, dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    _wait_ready(f"{base}/health/ready", process, log_path, timeout)
+    return Server("tierserve", base, str(checkpoint), process, log_path)
+
+
+def start_transformers_serve(
+    checkpoint: Path, log_dir: Path, continuous_batching: bool, timeout: float = 300.0
+) -> Server:
+    """``transformers serve`` on ``checkpoint`` (CPU), with or without continuous batching."""
+    executable = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+    if executable is None:
+        raise RuntimeError("the `transformers` command is missing; install the bench extra: pip install -e '.[bench]'")
+    port = free_port()
+    name = "transformers-serve-cb" if continuous_batching else "transformers-serve"
+    command = [executable, "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    if continuous_batching:
+        command.append("--continuous-batching")
+    log_path = log_dir / f"{name}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    process = _launch(command, log_path, env)
+    base = f"http://127.0.0.1:{port}"
+    _wait_ready(f"{base}/health", process, log_path, timeout)
+    return Server(name, base, str(checkpoint), process, log_path)
+
+
+def start(name: str, checkpoint: Path, log_dir: Path, l3_dir: Path) -> Server:
+    if name == "tierserve":
+        return start_tierserve(checkpoint, log_dir, l3_dir)
+    if name in ("transformers-serve", "transformers-serve-cb"):
+        return start_transformers_serve(checkpoint, log_dir, continuous_batching=name.endswith("-cb"))
+    raise ValueError(f"server: got {name!r}, allowed: {', '.join(SERVERS)}")

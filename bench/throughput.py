@@ -1,0 +1,73 @@
+"""Scenario ``throughput``: N concurrent clients, each one request of P prompt + O output tokens, greedy, eos ignored.
+
+Every system gets the same requests: for each (N, repeat) a fresh set of
+distinct prompts, so no run's prefixes are in the cache of the next. Each
+repeat starts every server anew and runs the concurrency levels in order;
+systems alternate within a repeat, so slow drift of the machine hits them all.
+``hf-generate`` runs the same prompts as one static ``generate()`` batch of N
+in this process (N = 1 is one request at a time).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from bench.client import drive
+from bench.harness import BenchContext, warm_up
+from bench.hf_reference import HFGenerate
+from bench.servers import start
+from bench.workloads import throughput_requests
+
+SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate")
+
+
+def run(
+    ctx: BenchContext,
+    concurrency: list[int],
+    prompt_len: int,
+    output_len: int,
+    repeats: int,
+    systems: list[str],
+) -> dict:
+    runs: list[dict] = []
+    total = repeats * len(systems) * sum(concurrency)
+    reference: HFGenerate | None = None
+    with ctx.progress(total, "throughput") as bar:
+        for repeat in range(repeats):
+            for system in systems:
+                bar.set_postfix_str(f"{system} (repeat {repeat + 1}/{repeats})")
+                if system == "hf-generate":
+                    if reference is None:
+                        reference = HFGenerate(ctx.checkpoint)
+                        reference.warm_up()
+                    for n in concurrency:
+                        requests = throughput_requests(ctx.tokenizer, n, prompt_len, output_len, seed=1000 * repeat + n)
+                        summary = reference.static_batch([r.prompt for r in requests], output_len)
+                        runs.append({"system": system, "concurrency": n, "repeat": repeat, **summary})
+                        bar.update(n)
+                    continue
+                l3 = tempfile.TemporaryDirectory(prefix="tierserve-l3-")
+                server = start(system, ctx.checkpoint, ctx.results_dir / "logs", Path(l3.name))
+                try:
+                    warm_up(server, ctx.tokenizer)
+                    for n in concurrency:
+                        requests = throughput_requests(ctx.tokenizer, n, prompt_len, output_len, seed=1000 * repeat + n)
+                        sessions = [[server.completion_body(r.prompt, r.max_tokens)] for r in requests]
+                        result = drive(server, sessions, on_done=lambda: bar.update(1))
+                        summary = result.summary()
+                        summary["short_outputs"] = sum(1 for r in result.ok if r.output_tokens != output_len)
+                        runs.append({"system": system, "concurrency": n, "repeat": repeat, **summary})
+                finally:
+                    server.stop()
+                    l3.cleanup()
+    config = {
+        "model": ctx.model,
+        "checkpoint": str(ctx.checkpoint),
+        "concurrency": concurrency,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "repeats": repeats,
+        "systems": systems,
+    }
+    return {"config": config, "runs": runs}
