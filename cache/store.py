@@ -203,9 +203,10 @@ class TieredStore:
         self.stats.computed_tokens += (full - seq.num_registered_blocks) * bs
         seq.num_registered_blocks = full
         if fresh:
+            # one copy off the pool; each entry is a view of it, so the batch is freed once all are written
             data = self.transfer.read_blocks([block_id for block_id, *_ in fresh])
             for (_, key, parent, tokens), kv in zip(fresh, data):
-                self._put(L3, CacheEntry(key, parent, tokens, kv.clone()))
+                self._put(L3, CacheEntry(key, parent, tokens, kv))
                 self.stats.write_through += 1
 
     # ---- demotion -------------------------------------------------------------------
@@ -217,7 +218,7 @@ class TieredStore:
         target = next((level for level in (L2, L3) if level in self.tiers and not held & level), None)
         if target is None or (target == L3 and held & L2):
             return
-        kv = self.transfer.read_blocks([block.block_id])[0].clone()
+        kv = self.transfer.read_blocks([block.block_id])[0]  # a fresh copy already, exactly one block
         self._put(target, CacheEntry(key, parent, tokens, kv))
         self.stats.demotions[TIER_NAMES[target]] += 1
 

@@ -97,6 +97,9 @@ class KVCacheSettings(Section):
     persistence: bool = False
     compression_level: int = Field(3, ge=1, le=22)
     l3_write_queue: int = Field(256, gt=0, description="pending L3 writes before new ones are dropped")
+    l3_writer_nice: int = Field(
+        10, ge=0, le=19, description="added to the L3 writer thread's niceness: persistence yields the CPU to decoding"
+    )
     warm_prompts: list[str] = Field(default_factory=list)
     warm_prompts_file: str | None = None
 

@@ -203,6 +203,11 @@ def submit_all(engine: Engine, job: Job, loop: asyncio.AbstractEventLoop) -> lis
 
 async def merged(engine: Engine, submitted: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of all choices as they come, tagged with the choice index."""
+    if len(submitted) == 1:  # the common case needs no fan-in task per choice
+        request_id, stream = submitted[0]
+        async for output in engine.outputs(request_id, stream):
+            yield 0, output
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, request_id: str, stream: Any) -> None:

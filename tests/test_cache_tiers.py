@@ -8,6 +8,7 @@ stopped (a full disk: diskcache's ``set`` raises ``ENOSPC``).
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from pathlib import Path
@@ -67,6 +68,20 @@ def test_both_tiers_are_registered_as_builtin_plugins(tmp_path):
     disk = make_tier("disk", disk_path=str(tmp_path / "l3"))
     try:
         assert (memory.name, disk.name) == ("memory", "disk")
+    finally:
+        disk.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is a Linux feature")
+def test_disk_writer_thread_runs_at_the_configured_niceness(tmp_path):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    disk = make_tier("disk", disk_path=str(tmp_path / "l3"), l3_writer_nice=7)
+    try:
+        disk.put(entry(1))
+        disk.flush()  # the writer has started and done its work
+        assert os.getpriority(os.PRIO_PROCESS, disk._writer.native_id) == min(base + 7, 19)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the step loop's threads keep theirs
+        assert disk.get(key(1)) is not None
     finally:
         disk.close()
 

@@ -195,11 +195,18 @@ class PagedLlama:
     def read_blocks(self, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
         """CPU copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` of whole blocks."""
         shape = (-1, block_size, self.num_kv_heads, self.head_dim)
-        per_layer = [
-            torch.stack([k.view(shape)[block_ids], v.view(shape)[block_ids]], dim=1)
-            for k, v in zip(self.k_cache, self.v_cache)
-        ]
-        return torch.stack(per_layer, dim=1).to("cpu")
+        out = torch.empty(
+            (len(block_ids), len(self.layers), 2, block_size, self.num_kv_heads, self.head_dim),
+            dtype=self.dtype,
+            device="cpu",
+            pin_memory=self.device.type == "cuda",
+        )
+        for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+            out[:, layer, 0].copy_(k.view(shape).index_select(0, block_ids), non_blocking=True)
+            out[:, layer, 1].copy_(v.view(shape).index_select(0, block_ids), non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
 
     def write_blocks(self, block_ids: torch.Tensor, block_size: int, data: torch.Tensor) -> None:
         """Copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` into whole blocks."""

@@ -92,6 +92,7 @@ class DiskTier(CacheTier):
         self.max_bytes = settings.max_disk_bytes
         self.ttl = settings.ttl_seconds or None
         self.codec = KVCodec(fingerprint, settings.compression_level)
+        self.writer_nice = settings.l3_writer_nice
         self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
         self._index: dict[bytes, _Stored] = {}
         self._pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
@@ -307,7 +308,19 @@ class DiskTier(CacheTier):
 
     # ---- writing (the writer thread) ---------------------------------------
 
+    def _lower_priority(self) -> None:
+        """Compression and disk writes yield the CPU to the step loop (Linux: per-thread nice)."""
+        if not self.writer_nice or not hasattr(os, "setpriority"):
+            return
+        try:
+            thread = threading.get_native_id()
+            current = os.getpriority(os.PRIO_PROCESS, thread)
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self.writer_nice))
+        except OSError as exc:
+            log.info("kv_disk_writer_priority_unchanged", error=str(exc))
+
     def _write_loop(self) -> None:
+        self._lower_priority()
         while True:
             entry = self._queue.get()
             if entry is None:
