@@ -4,11 +4,12 @@ The entries are KV blocks the tierserve engine computed for a real prompt on
 the checkpoint (one entry = one block of ``block_size`` tokens, as the store
 keeps them), for each block size asked for. Per tier and block size:
 
-- put: memory, the call's latency; disk, puts of all entries plus ``flush``
-  (encode, compress, write, fsync-free as diskcache does it) over the count,
-  i.e. the time until an entry is on disk;
-- get: latency of a read hit (disk: read, checksum, decompress, decode; the
-  file is in the OS page cache, as a recently written entry would be);
+- put: the demotion path, the block copied off the live pool (``read_blocks``)
+  and stored; for disk, the puts of all entries plus ``flush`` (encode,
+  compress, write) over the count, i.e. the time until an entry is on disk;
+- get: the promotion path, a hit fetched (disk: read, checksum, decompress,
+  decode, with the file in the OS page cache as a recently written one would
+  be) and copied back into the pool (``write_blocks``);
 - throughput in MB/s of raw KV for both.
 
 Per zstd level: compression ratio, stored bytes per token, and encode and
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -26,8 +29,9 @@ from bench.harness import BenchContext
 from bench.stats import percentile
 
 
-def real_blocks(ctx: BenchContext, block_size: int, tokens: int) -> tuple[list, int]:
-    """CacheEntries holding the KV the engine computed for ``tokens`` prompt tokens, and the bytes per token."""
+@contextmanager
+def live_blocks(ctx: BenchContext, block_size: int, tokens: int) -> Iterator[tuple]:
+    """An engine holding the KV it computed for ``tokens`` prompt tokens: (engine, entries, block ids, bytes/token)."""
     from tierserve.cache.hashing import extend_hashes
     from tierserve.cache.tier import CacheEntry
     from tierserve.core.config import load_settings
@@ -51,20 +55,17 @@ def real_blocks(ctx: BenchContext, block_size: int, tokens: int) -> tuple[list, 
         text = "the garden by the river in the morning " * (tokens // 4)
         ids = list(ctx.tokenizer(text)["input_ids"])[:tokens]
         engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        store = engine.store
         hashes: list[bytes] = []
-        extend_hashes(hashes, store.root_for(None), ids, block_size, len(ids))
+        extend_hashes(hashes, engine.store.root_for(None), ids, block_size, len(ids))
         hashes = [h for h in hashes if h in engine.pool.cached]
         block_ids = [engine.pool.cached[h] for h in hashes]
-        kv = engine.backend.read_blocks(block_ids)
         entries = []
         parent = None
-        for index, (key, data) in enumerate(zip(hashes, kv)):
+        for index, (key, data) in enumerate(zip(hashes, engine.backend.read_blocks(block_ids))):
             chunk = tuple(ids[index * block_size : (index + 1) * block_size])
             entries.append(CacheEntry(key, parent, chunk, data.clone()))
             parent = key
-        per_token = entries[0].nbytes // block_size
-        return entries, per_token
+        yield engine, entries, block_ids, entries[0].nbytes // block_size
     finally:
         engine.close()
 
@@ -110,6 +111,7 @@ def _row(tier: str, block_size: int, entries, put_s: list[float] | float, get_s:
 
 def run(ctx: BenchContext, block_sizes: list[int], tokens: int, levels: list[int]) -> dict:
     from tierserve.cache.codec import KVCodec
+    from tierserve.cache.tier import CacheEntry
     from tierserve.plugins.tiers.disk import DiskTier
     from tierserve.plugins.tiers.memory import MemoryTier
 
@@ -117,36 +119,48 @@ def run(ctx: BenchContext, block_sizes: list[int], tokens: int, levels: list[int
     codec_rows: list[dict] = []
     with ctx.progress(len(block_sizes) * (2 + len(levels)), "cache-store") as bar:
         for block_size in block_sizes:
-            entries, per_token = real_blocks(ctx, block_size, tokens)
-            raw = sum(e.nbytes for e in entries)
-            fingerprint = "bench"
+            with live_blocks(ctx, block_size, tokens) as (engine, entries, block_ids, per_token):
+                backend = engine.backend
+                raw = sum(e.nbytes for e in entries)
+                fingerprint = "bench"
+                pairs = list(zip(entries, block_ids))
 
-            memory = MemoryTier(
-                _kv_settings(block_size=block_size, l2_capacity=len(entries) * 2, max_memory_bytes=raw * 2),
-                _policy,
-                fingerprint,
-            )
-            put = _latencies(memory.put, entries)
-            get = _latencies(lambda e: memory.get(e.key), entries)
-            tiers.append(_row("memory (L2)", block_size, entries, put, get))
-            bar.update(1)
+                def demote(tier, pair) -> None:
+                    entry, block_id = pair
+                    kv = backend.read_blocks([block_id])[0]
+                    tier.put(CacheEntry(entry.key, entry.parent, entry.token_ids, kv))
 
-            with tempfile.TemporaryDirectory(prefix="tierserve-bench-l3-") as folder:
-                settings = _kv_settings(
-                    block_size=block_size, disk_path=folder, persistence=True, max_disk_bytes=0,
-                    compression_level=3, l3_write_queue=len(entries) + 1,
-                )  # fmt: skip
-                disk = DiskTier(settings, _policy, fingerprint)
-                start = time.perf_counter()
-                for entry in entries:
-                    disk.put(entry)
-                disk.flush()
-                put_total = time.perf_counter() - start
-                get = _latencies(lambda e: disk.get(e.key), entries)
-                assert all(disk.get(e.key) is not None for e in entries[:4]), "disk tier lost entries"
-                disk.close()
-            tiers.append(_row("disk (L3, zstd 3)", block_size, entries, put_total, get))
-            bar.update(1)
+                def promote(tier, pair) -> None:
+                    entry, block_id = pair
+                    found = tier.get(entry.key)
+                    assert found is not None, "the tier lost an entry"
+                    backend.write_blocks([block_id], found.kv[None])
+
+                memory = MemoryTier(
+                    _kv_settings(block_size=block_size, l2_capacity=len(entries) * 2, max_memory_bytes=raw * 2),
+                    _policy,
+                    fingerprint,
+                )
+                put = _latencies(lambda pair: demote(memory, pair), pairs)
+                get = _latencies(lambda pair: promote(memory, pair), pairs)
+                tiers.append(_row("memory (L2)", block_size, entries, put, get))
+                bar.update(1)
+
+                with tempfile.TemporaryDirectory(prefix="tierserve-bench-l3-") as folder:
+                    settings = _kv_settings(
+                        block_size=block_size, disk_path=folder, persistence=True, max_disk_bytes=0,
+                        compression_level=3, l3_write_queue=len(entries) + 1,
+                    )  # fmt: skip
+                    disk = DiskTier(settings, _policy, fingerprint)
+                    start = time.perf_counter()
+                    for pair in pairs:
+                        demote(disk, pair)
+                    disk.flush()
+                    put_total = time.perf_counter() - start
+                    get = _latencies(lambda pair: promote(disk, pair), pairs)
+                    disk.close()
+                tiers.append(_row("disk (L3, zstd 3)", block_size, entries, put_total, get))
+                bar.update(1)
 
             for level in levels:
                 codec = KVCodec(fingerprint, level)

@@ -173,8 +173,9 @@ def cache_store_section(payload: dict) -> str:
         )
     lines += [
         "",
-        "Disk put: puts of every entry plus `flush()`, over the count (time until on disk). "
-        "Disk get: a hit whose file is in the OS page cache.",
+        "Put is the demotion path: the block copied off the live pool, then stored; for disk, puts of every "
+        "entry plus `flush()` over the count (time until on disk). Get is the promotion path: the hit fetched "
+        "(disk: a file in the OS page cache) and copied back into the pool.",
         "",
         "| zstd level | tokens per entry | compression ratio | stored bytes/token | raw bytes/token | encode MB/s | decode MB/s |",
         "|---:|---:|---:|---:|---:|---:|---:|",
