@@ -19,7 +19,8 @@ class HFGenerate:
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-    def _generate(self, batch: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    def generate(self, batch: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Prompt ids ``[batch, len]`` (no padding) followed by exactly ``new_tokens`` greedy tokens."""
         with torch.inference_mode():
             return self.model.generate(
                 batch,
@@ -40,10 +41,10 @@ class HFGenerate:
         """All prompts as one batch: output tokens/s, and the batch's time to first token (a 1-token generate)."""
         batch = self.encode(prompts)
         start = time.perf_counter()
-        self._generate(batch, 1)
+        self.generate(batch, 1)
         ttft = time.perf_counter() - start
         start = time.perf_counter()
-        out = self._generate(batch, new_tokens)
+        out = self.generate(batch, new_tokens)
         wall = time.perf_counter() - start
         produced = out[:, batch.shape[1] :].numel()
         return {
@@ -60,4 +61,4 @@ class HFGenerate:
         }
 
     def warm_up(self) -> None:
-        self._generate(torch.tensor([[5, 6, 7, 8]]), 4)
+        self.generate(torch.tensor([[5, 6, 7, 8]]), 4)

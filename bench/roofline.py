@@ -113,7 +113,7 @@ def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int) ->
         reference = HFGenerate(ctx.checkpoint)
         reference.warm_up()
         results["hf-generate"] = _decode_rate(
-            lambda ids, n: reference._generate(torch.tensor([ids]), n), prompt, decode_tokens, repeats
+            lambda ids, n: reference.generate(torch.tensor([ids]), n), prompt, decode_tokens, repeats
         )
         bar.update(1)
     return {
