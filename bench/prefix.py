@@ -10,14 +10,19 @@ cache and under its own ``cache_salt`` (so one state's blocks never serve
 another's):
 
 - ``cold``: every request has a salt of its own, so nothing is ever reused;
+- ``fresh``: an empty cache and one salt, so the first requests compute the
+  system prompt and later ones reuse it (what an in-memory prefix cache such
+  as transformers serve's ``--continuous-batching`` block sharing gives);
 - ``L1``: the system prompt was warmed (``/v1/cache/warm``) into the live pool;
 - ``L2``: warmed, then moved to host memory (``/v1/cache/offload``);
 - ``L3``: warmed, then the server was stopped and started again on the same
   disk folder, so the prefix is read back from disk.
 
 Within a run, later turns also reuse the conversation's own earlier turns.
-The peers run the same requests once: they have no cache that outlives a
-request. Reported per run: TTFT p50/p99 over all requests, the median TTFT of
+The peers run the same requests once, on a freshly started server.
+``transformers serve`` without continuous batching keeps no KV between
+requests; with it, identical prompt blocks are shared in memory while the
+server runs (comparable to ``fresh``), and nothing survives a restart. Reported per run: TTFT p50/p99 over all requests, the median TTFT of
 the first turns (the requests that read the system prompt from the tier under
 test), output tokens/s, and the prompt tokens served from cache.
 """
@@ -37,7 +42,7 @@ from bench.stats import median
 from bench.workloads import shared_prefix_conversations
 
 PEERS = ("transformers-serve-cb", "transformers-serve")
-CACHE_STATES = ("cold", "L1", "L2", "L3")
+CACHE_STATES = ("cold", "fresh", "L1", "L2", "L3")
 
 
 def _summarise(result: RunResult) -> dict:
@@ -88,11 +93,11 @@ def run(
                     server = start("tierserve", ctx.checkpoint, logs, Path(l3))
                     try:
                         warm_up(server, ctx.tokenizer)
-                        for state in ("cold", "L1", "L2", "L3"):
+                        for state in CACHE_STATES:
                             bar.set_postfix_str(f"tierserve {state} (repeat {repeat + 1}/{repeats})")
                             _admin(server, "/v1/cache/clear")
                             salt = None if state == "cold" else f"{state}-{repeat}"
-                            if state != "cold":
+                            if state not in ("cold", "fresh"):
                                 _admin(server, "/v1/cache/warm", {"prompts": [system_prompt], "cache_salt": salt})
                             if state == "L2":
                                 _admin(server, "/v1/cache/offload")

@@ -133,6 +133,13 @@ def prefix_section(payload: dict) -> str:
         for metric, label in (("ttft_p50_s", "TTFT p50"), ("first_turn_ttft_s", "first-turn TTFT")):
             value = ratio(table.get(("tierserve", state), {}).get(metric), cold.get(metric))
             lines.append(f"- {state} {label} / cold <= {target}: {_num(value, 3)}, {_verdict(value, target, False)}")
+    fresh = table.get(("tierserve", "fresh"), {}).get("ttft_p50_s")
+    theirs = table.get(("transformers-serve-cb", "none"), {}).get("ttft_p50_s")
+    if fresh is not None and theirs is not None:
+        lines.append(
+            f"- like for like (both share the prefix in memory from an empty start): transformers-serve-cb "
+            f"TTFT p50 / tierserve fresh TTFT p50 = {_x(ratio(theirs, fresh))} (not a target)"
+        )
     for peer in ("transformers-serve-cb", "transformers-serve"):
         theirs = table.get((peer, "none"), {}).get("ttft_p50_s")
         for state in ("L1", "L3"):

@@ -117,8 +117,14 @@ def _prefix_payload() -> dict:
         return {"system": system, "cache": cache, "repeat": 0, "errors": 0, "ttft_p50_s": ttft, "ttft_p99_s": 2 * ttft,
                 "first_turn_ttft_s": ttft, "output_tok_s": 100.0, "cached_tokens": 50, "prompt_tokens": 100}  # fmt: skip
 
-    runs = [run("tierserve", "cold", 2.0), run("tierserve", "L1", 0.1), run("tierserve", "L2", 0.12),
-            run("tierserve", "L3", 0.5), run("transformers-serve-cb", "none", 3.0)]  # fmt: skip
+    runs = [
+        run("tierserve", "cold", 2.0),
+        run("tierserve", "fresh", 1.5),
+        run("tierserve", "L1", 0.1),
+        run("tierserve", "L2", 0.12),
+        run("tierserve", "L3", 0.5),
+        run("transformers-serve-cb", "none", 3.0),
+    ]
     config = {"conversations": 8, "turns": 8, "prefix_len": 2048, "turn_len": 32, "output_len": 32, "repeats": 1}
     return {"scenario": "prefix", "machine": {}, "command": "python -m bench prefix", "config": config, "runs": runs}
 
@@ -138,6 +144,7 @@ def test_report_tables_targets_and_plots(tmp_path):
     assert "L1 TTFT p50 / cold <= 0.1: 0.050, met" in text
     assert "L3 TTFT p50 / cold <= 0.2: 0.250, **missed**" in text
     assert "transformers-serve-cb TTFT p50 / tierserve L1 TTFT p50 >= 5: 30.00x, met" in text
+    assert "transformers-serve-cb TTFT p50 / tierserve fresh TTFT p50 = 2.00x (not a target)" in text
     assert "Measured on: test cpu, 2 cores" in text and "Reproduce: `python -m bench throughput`" in text
 
 
