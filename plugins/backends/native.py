@@ -145,11 +145,11 @@ class NativeBackend(ModelBackend):
             ctx = starts + lengths
             q_len = int(lengths.max())
             pos = torch.arange(int(ctx.max()))
-            gather = table[:, pos // bs] * bs + pos % bs  # [B, max ctx]
             offsets = torch.arange(q_len)
             q_valid = offsets[None, :] < lengths[:, None]  # [B, Q]
             q_pos = starts[:, None] + offsets[None, :]
-            new_slots = gather.gather(1, q_pos.clamp(max=gather.shape[1] - 1))
+            write_pos = q_pos.clamp(max=len(pos) - 1)  # padding rows point anywhere valid; they are dropped
+            new_slots = table.gather(1, write_pos // bs) * bs + write_pos % bs
             slot_parts.append(new_slots[q_valid])
             causal = (pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
             drop_start = torch.tensor([c.seq.kv_drop_start for c in short])[:, None, None]
