@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,13 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.server_helpers import free_port  # the tests' own helper; bench runs from a checkout
+
 SERVERS = ("tierserve", "transformers-serve-cb", "transformers-serve")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -72,7 +67,9 @@ class Server:
                 self.process.wait()
 
 
-def _wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: float) -> None:
+def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    """Poll ``url`` until it answers 200. RuntimeError if the server exits first, TimeoutError after
+    ``timeout`` seconds; both carry the tail of its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -83,9 +80,18 @@ def _wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: fl
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
-    process.kill()
-    raise RuntimeError(f"server not ready at {url} after {timeout:.0f} s; see {log_path}")
+        time.sleep(0.05)
+    tail = log_path.read_text(errors="replace")[-3000:]
+    raise TimeoutError(f"server not ready at {url} after {timeout:.0f} s:\n{tail}")
+
+
+def _ready_or_killed(url: str, process: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    try:
+        wait_ready(url, process, log_path, timeout)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
 
 
 def _launch(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -105,7 +111,7 @@ def start_tierserve(checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: floa
     log_path = log_dir / "tierserve.log"
     process = _launch(command, log_path, dict(os.environ))
     base = f"http://127.0.0.1:{port}"
-    _wait_ready(f"{base}/health/ready", process, log_path, timeout)
+    _ready_or_killed(f"{base}/health/ready", process, log_path, timeout)
     return Server("tierserve", base, str(checkpoint), process, log_path)
 
 
@@ -125,7 +131,7 @@ def start_transformers_serve(
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     process = _launch(command, log_path, env)
     base = f"http://127.0.0.1:{port}"
-    _wait_ready(f"{base}/health", process, log_path, timeout)
+    _ready_or_killed(f"{base}/health", process, log_path, timeout)
     return Server(name, base, str(checkpoint), process, log_path)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.servers import wait_ready
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import free_port
 from tierserve.core.sampling_params import SamplingParams
@@ -126,20 +127,6 @@ def serve_command(checkpoint: Path, disk_path: Path, port: int) -> list[str]:
     return command
 
 
-def wait_ready(process: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"server on {base} not ready after {READY_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
-
-
 def complete(client: httpx.Client, model: str, prompt: str) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     response = client.post("/v1/completions", json=body, timeout=60)
@@ -181,7 +168,7 @@ def one_life(
     with open(log_path, "ab") as log:
         process = subprocess.Popen(serve_command(checkpoint, disk_path, port), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(process, base, log_path)
+        wait_ready(f"{base}/health/ready", process, log_path, READY_TIMEOUT)
         with httpx.Client(base_url=base) as client:
             model = client.get("/v1/models", timeout=10).json()["data"][0]["id"]
             probe = complete(client, model, PROBE)

@@ -10,6 +10,7 @@ in this process (N = 1 is one request at a time).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -31,6 +32,11 @@ def run(
     systems: list[str],
 ) -> dict:
     runs: list[dict] = []
+
+    @functools.cache
+    def requests_for(n: int, repeat: int) -> list:
+        return throughput_requests(ctx.tokenizer, n, prompt_len, output_len, seed=1000 * repeat + n)
+
     total = repeats * len(systems) * sum(concurrency)
     reference: HFGenerate | None = None
     with ctx.progress(total, "throughput") as bar:
@@ -42,7 +48,7 @@ def run(
                         reference = HFGenerate(ctx.checkpoint)
                         reference.warm_up()
                     for n in concurrency:
-                        requests = throughput_requests(ctx.tokenizer, n, prompt_len, output_len, seed=1000 * repeat + n)
+                        requests = requests_for(n, repeat)
                         summary = reference.static_batch([r.prompt for r in requests], output_len)
                         runs.append({"system": system, "concurrency": n, "repeat": repeat, **summary})
                         bar.update(n)
@@ -52,7 +58,7 @@ def run(
                 try:
                     warm_up(server, ctx.tokenizer)
                     for n in concurrency:
-                        requests = throughput_requests(ctx.tokenizer, n, prompt_len, output_len, seed=1000 * repeat + n)
+                        requests = requests_for(n, repeat)
                         sessions = [[server.completion_body(r.prompt, r.max_tokens)] for r in requests]
                         result = drive(server, sessions, on_done=lambda: bar.update(1))
                         summary = result.summary()
