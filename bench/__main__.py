@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--prompt-len", type=int, default=128)
     tp.add_argument("--output-len", type=int, default=128)
     tp.add_argument("--repeats", type=int, default=3)
-    tp.add_argument("--systems", type=_names(throughput.SYSTEMS), default=list(throughput.SYSTEMS),
-                    help=f"comma-separated (default: {','.join(throughput.SYSTEMS)})")  # fmt: skip
+    tp.add_argument("--systems", type=_names(throughput.SYSTEMS), default=list(throughput.DEFAULT_SYSTEMS),
+                    help=f"comma-separated, of {','.join(throughput.SYSTEMS)} "
+                         f"(default: {','.join(throughput.DEFAULT_SYSTEMS)})")  # fmt: skip
 
     px = commands.add_parser("prefix", help="shared-prefix multi-turn chats, by cache state")
     px.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default: 8)")

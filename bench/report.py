@@ -86,8 +86,17 @@ def throughput_section(payload: dict) -> str:
         return ratio(table.get(("tierserve", n), {}).get("output_tok_s"), table.get((peer, n), {}).get("output_tok_s"))
 
     for n, peer, target in ((32, "transformers-serve-cb", 3.0), (32, "hf-generate", 0.9), (1, "hf-generate", 0.9)):
-        value = speedup(n, peer)
-        lines.append(f"- {n} clients, tierserve / {peer} >= {target}: {_x(value)}, {_verdict(value, target)}")
+        if ("tierserve", n) in table and (peer, n) in table:
+            value = speedup(n, peer)
+            lines.append(f"- {n} clients, tierserve / {peer} >= {target}: {_x(value)}, {_verdict(value, target)}")
+    placements = [
+        (n, ratio(table[("tierserve-process", n)]["output_tok_s"], table[("tierserve-inproc", n)]["output_tok_s"]))
+        for n in config["concurrency"]
+        if ("tierserve-process", n) in table and ("tierserve-inproc", n) in table
+    ]
+    if placements:
+        lines += ["", "Engine core placement (output tok/s, engine in a child process / on a thread of the server):", ""]
+        lines += [f"- {n} clients: {_x(value)}" for n, value in placements]
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 
 - ``tierserve``: ``tierserve serve --preset production`` with the checkpoint
   and an L3 folder of the run's own (so a restart finds its cache, and no
-  earlier run's does).
+  earlier run's does); ``tierserve-inproc`` and ``tierserve-process`` are the
+  same with the engine core pinned on a thread of the server process, or in a
+  child process (``server.engine_process``), whatever the preset's default.
 - ``transformers-serve`` / ``transformers-serve-cb``: ``transformers serve``
   on the same directory, on CPU, without and with ``--continuous-batching``.
 
@@ -25,7 +27,8 @@ import httpx
 
 from tests.server_helpers import free_port  # the tests' own helper; bench runs from a checkout
 
-SERVERS = ("tierserve", "transformers-serve-cb", "transformers-serve")
+TIERSERVE_MODES = {"tierserve": None, "tierserve-inproc": False, "tierserve-process": True}
+SERVERS = (*TIERSERVE_MODES, "transformers-serve-cb", "transformers-serve")
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Server:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.name == "tierserve":
+        if self.name in TIERSERVE_MODES:
             body["ignore_eos"] = True
         else:
             # transformers serve has no ignore_eos; min_new_tokens = max_new_tokens does the same
@@ -100,7 +103,9 @@ def _launch(command: list[str], log_path: Path, env: dict[str, str]) -> subproce
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def start_tierserve(checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: float = 300.0) -> Server:
+def start_tierserve(
+    checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: float = 300.0, name: str = "tierserve"
+) -> Server:
     """``tierserve serve --preset production`` on ``checkpoint``; L3 lives in ``l3_dir``."""
     port = free_port()
     command = [
@@ -108,11 +113,14 @@ def start_tierserve(checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: floa
         "serve", "--preset", "production", "--model", str(checkpoint), "--port", str(port),
         "--set", f"kv_cache.disk_path={l3_dir}",
     ]  # fmt: skip
-    log_path = log_dir / "tierserve.log"
+    process_mode = TIERSERVE_MODES[name]
+    if process_mode is not None:
+        command += ["--set", f"server.engine_process={str(process_mode).lower()}"]
+    log_path = log_dir / f"{name}.log"
     process = _launch(command, log_path, dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     _ready_or_killed(f"{base}/health/ready", process, log_path, timeout)
-    return Server("tierserve", base, str(checkpoint), process, log_path)
+    return Server(name, base, str(checkpoint), process, log_path)
 
 
 def start_transformers_serve(
@@ -136,8 +144,8 @@ def start_transformers_serve(
 
 
 def start(name: str, checkpoint: Path, log_dir: Path, l3_dir: Path) -> Server:
-    if name == "tierserve":
-        return start_tierserve(checkpoint, log_dir, l3_dir)
+    if name in TIERSERVE_MODES:
+        return start_tierserve(checkpoint, log_dir, l3_dir, name=name)
     if name in ("transformers-serve", "transformers-serve-cb"):
         return start_transformers_serve(checkpoint, log_dir, continuous_batching=name.endswith("-cb"))
     raise ValueError(f"server: got {name!r}, allowed: {', '.join(SERVERS)}")

@@ -20,7 +20,8 @@ from bench.hf_reference import HFGenerate
 from bench.servers import start
 from bench.workloads import throughput_requests
 
-SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate")
+SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate", "tierserve-inproc", "tierserve-process")
+DEFAULT_SYSTEMS = SYSTEMS[:4]  # the two engine-core placements are compared on request (--systems)
 
 
 def run(

@@ -17,13 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
 from tierserve.cache.eviction import EvictionPolicy
-
-if TYPE_CHECKING:
-    from tierserve.cache.store import TieredStore
-    from tierserve.core.sequence import Sequence
 
 
 class OutOfBlocksError(RuntimeError):
@@ -159,59 +153,3 @@ class BlockPool:
                 assert block.block_hash is not None, f"cached-free block {block.block_id} has no hash"
             if block.block_id in free:
                 assert block.block_hash is None, f"free block {block.block_id} still has a hash"
-
-
-class KVCacheManager:
-    """Per-sequence block tables on top of a ``BlockPool``, with prefix reuse when a store is attached."""
-
-    def __init__(self, pool: BlockPool, store: TieredStore | None = None) -> None:
-        self.pool = pool
-        self.store = store
-        self.block_size = pool.block_size
-
-    def blocks_needed(self, num_tokens: int, num_held: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - num_held)
-
-    def allocate_slots(self, block_table: list[int], num_tokens: int) -> bool:
-        """Grow ``block_table`` in place to cover ``num_tokens`` tokens; False (and no change) if the pool is short."""
-        needed = self.blocks_needed(num_tokens, len(block_table))
-        if needed > self.pool.num_free_blocks:
-            return False
-        if needed:
-            block_table.extend(self.pool.allocate(needed))
-        return True
-
-    def match_prefix(self, seq: Sequence) -> None:
-        """Start a sequence that holds no blocks from its longest cached prefix (no-op without a store)."""
-        if self.store is not None and not seq.block_table and seq.num_computed_tokens == 0:
-            self.store.match_prefix(seq)
-
-    def cache_computed(self, seq: Sequence) -> None:
-        """Publish the sequence's newly completed blocks to the prefix cache."""
-        if self.store is not None:
-            self.store.register_computed(seq)
-
-    def free(self, block_table: list[int]) -> None:
-        """Release a sequence's blocks, tail first so shared prefix blocks stay cached longest
-        (entries of -1 are blocks a sliding window already released)."""
-        self.pool.free([block for block in reversed(block_table) if block >= 0])
-        block_table.clear()
-
-    def drop(self, block_table: list[int], first: int, last: int) -> int:
-        """Release blocks ``first..last-1`` of a table (left as -1); returns how many were held."""
-        released = [block for block in block_table[first:last] if block >= 0]
-        self.pool.free(released)
-        block_table[first:last] = [-1] * (last - first)
-        return len(released)
-
-    def trim(self, block_table: list[int], num_tokens: int) -> None:
-        """Free trailing blocks that ``num_tokens`` tokens no longer need (rejected drafts)."""
-        keep = -(-num_tokens // self.block_size)
-        if len(block_table) > keep:
-            self.pool.free(list(reversed(block_table[keep:])))
-            del block_table[keep:]
-
-    def reset(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and forget its progress (preemption, or a failed admission)."""
-        self.free(seq.block_table)
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_registered_blocks = 0

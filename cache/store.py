@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import structlog
 
@@ -37,6 +37,14 @@ class KVTransfer(Protocol):
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+
+class PrefixMatch(NamedTuple):
+    """One lookup's accounting: usable blocks, blocks served per tier name, seconds spent."""
+
+    lookup_blocks: int
+    hits: dict[str, int]
+    seconds: float
 
 
 @dataclass
@@ -92,19 +100,21 @@ class TieredStore:
             for key in tier.keys():
                 self._index_add(key, tier.parent_of(key), level)
 
+    @property
+    def tier_names(self) -> list[str]:
+        return ["l1", *(TIER_NAMES[level] for level in sorted(self.tiers))]
+
     # ---- lookups ------------------------------------------------------------
 
     def root_for(self, cache_salt: str | None) -> bytes:
         return root_hash(self.fingerprint, self.block_size, cache_salt)
 
-    def match_prefix(self, seq: Sequence) -> None:
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Give a new (or preempted) sequence the longest cached prefix of its tokens.
 
         Fills ``seq.block_table`` with shared or promoted blocks and advances
         ``num_computed_tokens``/``num_cached_tokens``; only the rest is prefilled.
         """
-        if not seq.use_prefix_cache:
-            return
         started = time.perf_counter()
         self._sync_removed()
         bs = self.block_size
@@ -148,6 +158,11 @@ class TieredStore:
         elapsed = time.perf_counter() - started
         self.stats.lookup_seconds += elapsed
         seq.cache_lookup_seconds += elapsed
+        hits: dict[str, int] = {}
+        for item in plan[: len(seq.block_table)]:
+            name = "l1" if isinstance(item, int) else TIER_NAMES[item[0]]
+            hits[name] = hits.get(name, 0) + 1
+        return PrefixMatch(usable, hits, elapsed)
 
     def _fetch_below(self, key: bytes, tokens: tuple[int, ...]) -> tuple[int, CacheEntry] | None:
         tiers = self.index.tiers_of(key)

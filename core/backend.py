@@ -8,7 +8,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierserve.core.scheduler import ScheduledChunk
+from tierserve.cache.kv_manager import KVSpec
+from tierserve.core.batch import ScheduledChunk
 from tierserve.core.sequence import Sequence
 
 if TYPE_CHECKING:  # torch loads with the backend, not with the plugin list
@@ -17,6 +18,12 @@ if TYPE_CHECKING:  # torch loads with the backend, not with the plugin list
 
 class ModelBackend(ABC):
     """A loaded checkpoint that runs one engine step at a time.
+
+    The engine calls, in this order: ``kv_spec`` and ``allocate_kv_cache``
+    once (paged backends), then per step ``forward`` over the scheduled
+    chunks, and ``release`` whenever a sequence leaves the running set. The
+    tiered cache moves whole blocks with ``read_blocks``/``write_blocks``
+    between steps. Everything runs on the engine core's thread.
 
     Attributes set by implementations:
         tokenizer: the checkpoint's Hugging Face tokenizer (chat template included).
@@ -28,6 +35,8 @@ class ModelBackend(ABC):
             include it so KV is never shared across models.
         paged: True if the backend keeps KV in the engine's block arena
             (block tables matter); False if it keeps its own per-sequence cache.
+        supports_released_kv: True if ``forward`` honours ``chunk.released``
+            (key positions a sliding window freed), so streaming mode can run.
     """
 
     tokenizer: object
@@ -38,6 +47,12 @@ class ModelBackend(ABC):
     dtype: torch.dtype
     fingerprint: str
     paged: bool = True
+    supports_released_kv: bool = False
+
+    def kv_spec(self, block_size: int) -> KVSpec:
+        """The KV layout the engine's KV manager needs: bytes per block, and a trained sliding
+        window that every layer obeys (its older blocks are released), if there is one."""
+        return KVSpec(self.kv_bytes_per_block(block_size))
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block of ``block_size`` tokens takes across all layers (0 if not paged)."""
@@ -50,12 +65,18 @@ class ModelBackend(ABC):
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Run the model over every scheduled chunk and return next-token logits.
 
-        Each chunk covers ``seq.token_ids[seq.num_computed_tokens :
-        seq.num_computed_tokens + chunk.num_tokens]``; its KV is written to the
-        slots of ``seq.block_table`` (already allocated). Returns a float tensor
-        of ``chunk.num_logits`` rows per chunk, in chunk order: for a chunk
-        that samples, the logits after its last ``num_draft + 1`` tokens
-        (just the last token's when it carries no drafts).
+        Chunk ``c`` feeds ``c.token_ids`` (the sequence's own tokens, then
+        ``c.num_draft`` speculative drafts) at positions ``c.start,
+        c.start + 1, ...``. A paged backend writes their KV to the slots
+        ``block_table[p // block_size] * block_size + p % block_size`` of
+        ``c.seq.block_table`` (already allocated) and attends causally to
+        positions ``0 .. p`` through that table, skipping ``c.released``
+        (and, per layer, what its own sliding window excludes). Chunks are
+        independent sequences: a chunk never attends to another's tokens.
+
+        Returns a float tensor of ``c.num_logits`` rows per chunk, in chunk
+        order: for a chunk that samples, the logits after its last
+        ``num_draft + 1`` tokens (just the last token's without drafts).
         """
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -80,7 +101,8 @@ class ModelBackend(ABC):
         )
 
     def release(self, seq: Sequence) -> None:
-        """Forget per-sequence state (finished, aborted or preempted)."""
+        """Forget per-sequence state (finished, aborted or preempted; a preempted sequence
+        comes back later from position 0)."""
 
     def close(self) -> None:
         """Release the model and arena memory."""

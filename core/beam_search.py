@@ -9,25 +9,29 @@ replayed step for step on the backend's logits, so the result equals
     beam 1      [p0][p1][c1···]       p2 ref_count 2 > 1: copy it to c1, then write
     beam 2      [p0][p1][p2···]       p2 ref_count 1: the last holder writes in place
 
-A search runs as one engine command (``Engine._call``): it holds the step
-thread from prefill to its last step, so running generations pause meanwhile.
+A search runs as one engine core command (``EngineCore.beam_search``): it
+holds the core's thread from prefill to its last step, so running
+generations pause meanwhile.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence as Seq
+from collections.abc import Callable, Collection, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from tierserve.core.batch import ScheduledChunk
+from tierserve.core.errors import RequestError
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.core.scheduler import QueueFullError, ScheduledChunk
+from tierserve.core.scheduler import QueueFullError
 from tierserve.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from tierserve.core.engine import Engine
+    from tierserve.cache.kv_manager import KVCacheManager
+    from tierserve.core.backend import ModelBackend
 
 # transformers marks impossible candidates by adding this, not -inf; the same constant keeps ties and order identical.
 _NEG = -1.0e9
@@ -60,10 +64,10 @@ class BeamSearchParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError("field: got ..., allowed: ...")`` for any value out of range."""
+        """Raise ``RequestError`` (a ``ValueError``) ``"field: got ..., allowed: ..."`` for any value out of range."""
 
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}")
+        def bad(name: str, allowed: str) -> RequestError:
+            return RequestError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}", param=name)
 
         def is_int(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
@@ -113,19 +117,29 @@ def beam_search_blocks(prompt_len: int, params: BeamSearchParams, block_size: in
 
 
 def run_beam_search(
-    engine: Engine, prompt_ids: Seq[int], params: BeamSearchParams, eos_token_ids: Collection[int]
+    backend: ModelBackend,
+    kv: KVCacheManager,
+    prompt_ids: Seq[int],
+    params: BeamSearchParams,
+    eos_token_ids: Collection[int],
+    *,
+    prefill_budget: int,
+    new_seq_id: Callable[[], int],
 ) -> list[BeamResult]:
-    """Beam-search ``prompt_ids`` on the engine's backend and block pool; the best hypotheses, best first.
+    """Beam-search ``prompt_ids`` on a paged backend and the scheduler's KV manager; the best hypotheses, best first.
 
-    Call it on the step thread (``Engine.beam_search`` does): it allocates
-    from the pool the scheduler uses. Every block it takes is freed before it
-    returns or raises.
+    Call it on the engine core's thread (``EngineCore.beam_search`` does): it
+    allocates from the pool the scheduler uses. Every block it takes is freed
+    before it returns or raises.
 
     Args:
-        engine: supplies ``backend`` (paged), ``pool``, ``scheduler.kv`` and settings.
+        backend: a paged backend.
+        kv: the KV manager the scheduler uses.
         prompt_ids: the prompt, at least one token.
         params: the request.
         eos_token_ids: tokens that finish a hypothesis (transformers' ``eos_token_id``).
+        prefill_budget: tokens per prefill forward (the scheduler's token budget).
+        new_seq_id: hands out sequence ids, so a backend keyed by id never confuses a beam with a request.
 
     Returns:
         ``params.num_return_sequences`` results, highest score first.
@@ -134,16 +148,16 @@ def run_beam_search(
         QueueFullError: fewer free blocks than the search may need (running requests hold them).
     """
     if not prompt_ids:
-        raise ValueError("prompt: must contain at least one token")
-    needed = beam_search_blocks(len(prompt_ids), params, engine.pool.block_size)
-    if needed > engine.pool.num_free_blocks:
+        raise RequestError("prompt: must contain at least one token", param="prompt")
+    needed = beam_search_blocks(len(prompt_ids), params, kv.block_size)
+    if needed > kv.num_free_blocks:
         raise QueueFullError(
             f"beam_width: {params.beam_width} beams over prompt ({len(prompt_ids)} tokens) + max_tokens "
-            f"({params.max_tokens}) may need {needed} KV blocks and {engine.pool.num_free_blocks} are free "
+            f"({params.max_tokens}) may need {needed} KV blocks and {kv.num_free_blocks} are free "
             "now; retry later, or lower beam_width or max_tokens"
         )
     scorer = _BeamScorer(params, eos_token_ids)
-    beams = _ArenaBeams(engine, params)
+    beams = _ArenaBeams(backend, kv, params, prefill_budget, new_seq_id)
     try:
         logits = beams.prefill(list(prompt_ids)).expand(params.beam_width, -1)
         while True:
@@ -260,18 +274,25 @@ class _ArenaBeams:
     never enter the scheduler.
     """
 
-    def __init__(self, engine: Engine, params: BeamSearchParams) -> None:
-        self.engine = engine
-        self.backend = engine.backend
-        self.pool = engine.pool
-        self.kv = engine.scheduler.kv
+    def __init__(
+        self,
+        backend: ModelBackend,
+        kv: KVCacheManager,
+        params: BeamSearchParams,
+        prefill_budget: int,
+        new_seq_id: Callable[[], int],
+    ) -> None:
+        self.backend = backend
+        self.kv = kv
+        self.pool = kv.pool
+        self.prefill_budget = prefill_budget
+        self.new_seq_id = new_seq_id
         self.width = params.beam_width
         self.params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         self.running: list[Sequence] = []
 
     def _sequence(self, token_ids: list[int], num_prompt_tokens: int) -> Sequence:
-        # ids from the engine's counter, so a backend keyed by seq_id never confuses a beam with a request
-        seq_id = next(self.engine._seq_ids)
+        seq_id = self.new_seq_id()
         return Sequence(seq_id, f"beam-{seq_id}", token_ids, num_prompt_tokens, self.params)
 
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -279,7 +300,7 @@ class _ArenaBeams:
         seq = self._sequence(prompt_ids, len(prompt_ids))
         self.running = [seq] * self.width  # every beam starts as the prompt
         self._allocate(seq)
-        budget = self.engine.settings.scheduler.max_num_batched_tokens
+        budget = self.prefill_budget
         logits = None
         while seq.num_computed_tokens < seq.num_tokens:
             n = min(budget, seq.num_tokens - seq.num_computed_tokens)
@@ -323,7 +344,7 @@ class _ArenaBeams:
             copies.append((last, copy))
 
     def _allocate(self, seq: Sequence) -> None:
-        if not self.kv.allocate_slots(seq.block_table, seq.num_tokens):
+        if not self.kv.allocate_slots(seq, seq.num_tokens):
             raise QueueFullError(f"beam search ran out of KV blocks ({self.pool.num_free_blocks} free); retry later")
 
     def forward(self) -> torch.Tensor:
@@ -335,7 +356,7 @@ class _ArenaBeams:
         return logits
 
     def _drop(self, seq: Sequence) -> None:
-        self.kv.free(seq.block_table)
+        self.kv.free(seq)
         self.backend.release(seq)
 
     def release(self) -> None:

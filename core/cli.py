@@ -187,8 +187,8 @@ def _add_cache_commands(commands: Any) -> None:
         "--tier",
         dest="tiers",
         action="append",
-        choices=["l1", "l2", "l3", "all"],
-        help="tier to clear (repeatable; default: all)",
+        metavar="TIER",
+        help="tier to clear: l1, a lower tier's name from the settings (l2, l3, ...), or all (repeatable; default: all)",
     )
     clear.set_defaults(handler=cmd_cache_clear)
     offload = cache_commands.add_parser(

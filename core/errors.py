@@ -7,6 +7,22 @@ class TierserveError(Exception):
     """Base class of tierserve's user-facing errors."""
 
 
+class RequestError(TierserveError, ValueError):
+    """A request that cannot be served as asked (the server answers 400).
+
+    Attributes:
+        message: what is wrong and what is allowed, led by the field's name.
+        param: the request field at fault (``"max_tokens"``, ``"prompt"``, ...), or ``None``.
+        code: a machine-readable reason (``"invalid_value"``, ``"context_length_exceeded"``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
 class ConfigError(TierserveError):
     """Settings could not be loaded; the message names the key, value and source."""
 

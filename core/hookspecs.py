@@ -47,11 +47,15 @@ def register_backends(register: Register) -> None:
     """Register model backends.
 
     A backend loads a checkpoint and runs forward passes for the engine.
-    ``factory(settings)`` is called once when the engine starts, with the
-    resolved ``Settings``; it returns a ``tierserve.core.backend.ModelBackend``
-    (tokenizer, eos ids, ``forward`` over scheduled chunks, and for paged
-    backends the KV arena and block copies). The name is what
-    ``[model] backend`` selects, e.g. ``"native"`` or ``"transformers"``.
+    ``factory(settings)`` is called once when the engine core starts, with
+    the resolved ``Settings``; it returns a
+    ``tierserve.core.backend.ModelBackend``: tokenizer, eos ids, context
+    length, ``forward`` over ``tierserve.core.batch.ScheduledChunk`` records
+    (each names its input tokens, positions, block table and released
+    positions; see ``ModelBackend.forward``), and for paged backends
+    ``kv_spec``, the KV arena and whole-block copies for the cache tiers. The
+    name is what ``[model] backend`` selects, e.g. ``"native"`` or
+    ``"transformers"``.
     """
 
 
@@ -61,11 +65,18 @@ def register_schedulers(register: Register) -> None:
 
     A scheduler decides, at every engine step, which sequences run and how
     many of their tokens, under the token and sequence budgets of the
-    ``[scheduler]`` settings. ``factory(scheduler_settings, kv)`` returns a
-    ``tierserve.core.scheduler.Scheduler``; ``kv`` is the
-    ``tierserve.cache.block_pool.KVCacheManager`` it allocates blocks from
-    (call ``kv.match_prefix(seq)`` when admitting, so cached prefixes are
-    reused). The name is what ``[scheduler] name`` selects, e.g. ``"fcfs"``.
+    ``[scheduler]`` settings. ``factory(scheduler_settings, kv, model=limits)``
+    returns a subclass of ``tierserve.core.scheduler.Scheduler``; ``kv`` is
+    the ``tierserve.cache.kv_manager.KVCacheManager`` the scheduler owns
+    (slots, prefix reuse, rollback, window release) and ``limits`` the
+    model's context length and eos ids (pass both on to ``Scheduler.__init__``).
+    A subclass implements ``add``, ``schedule``, ``finish``, ``num_waiting``
+    and ``num_running``; the module docstring of ``tierserve.core.scheduler``
+    states what ``schedule`` must guarantee (budgets, slots allocated before a
+    chunk is returned, preemption through ``self.preempt``, prefix matching on
+    admission, speculative drafts as lookahead slots). Applying a step's
+    results (``update_from_output``) is shared by every scheduler. The name
+    is what ``[scheduler] name`` selects, e.g. ``"fcfs"``.
     """
 
 
@@ -86,8 +97,10 @@ def register_eviction_policies(register: Register) -> None:
 def register_speculators(register: Register) -> None:
     """Register speculative-decoding strategies.
 
-    A speculator proposes up to ``k`` draft tokens per sequence; the engine
-    verifies them in one target forward pass and rolls back what it rejects.
+    A speculator proposes up to ``k`` draft tokens per sequence (the model
+    runner asks after each step that sampled, with the sequence's history);
+    the drafts run as lookahead slots in the next step's forward and the
+    runner keeps the longest verified run, so output is unchanged.
     ``factory(settings, target_backend)`` returns a
     ``tierserve.core.speculation.Speculator``. The name is what
     ``[speculative] method`` selects, e.g. ``"ngram"`` or ``"draft_model"``.
@@ -121,6 +134,9 @@ def register_routes(register: Register) -> None:
 @hookspec
 def on_startup(engine: Any) -> None:
     """Called once after the engine is built and before the first request.
+
+    ``engine`` is the ``tierserve.core.engine.EngineClient`` the server uses
+    (submit, generate, warm, cache management, statistics).
 
     Use it to start background work or warm caches. An exception here is
     logged with the plugin's name and does not stop the server.

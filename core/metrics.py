@@ -1,4 +1,4 @@
-"""Prometheus metrics read from the engine at scrape time (``tierserve_*``; counters end in ``_total``)."""
+"""Prometheus metrics from the engine's published statistics (``tierserve_*``; counters end in ``_total``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tierserve.core.engine import Engine
+    from tierserve.core.engine.stats import EngineSnapshot
 
 TIER_COUNTERS = {
     "hits": "Cache lookups that found the block",
@@ -25,47 +25,48 @@ TIER_COUNTERS = {
 
 
 class EngineCollector(Collector):
-    """Turns ``engine.cache_stats()`` into metric families on every scrape."""
+    """Turns one ``EngineSnapshot`` into metric families (a scrape never waits for a step)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, snapshot: EngineSnapshot) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator:
-        stats = self.engine.cache_stats()
-        tiers = stats.get("tiers", {})
+        snapshot = self.snapshot
+        cache = snapshot.cache
+        tiers = cache.tiers if cache is not None else {}
         for field, help_text in TIER_COUNTERS.items():
             family = CounterMetricFamily(f"tierserve_cache_{field}", help_text, labels=["tier"])
-            for tier, values in tiers.items():
-                family.add_metric([tier], values[field])
+            for name, tier in tiers.items():
+                family.add_metric([name], getattr(tier, field))
             yield family
         for field, help_text in (("entries", "Entries held"), ("bytes", "Bytes held (as stored)")):
             family = GaugeMetricFamily(f"tierserve_cache_{field}", help_text, labels=["tier"])
-            for tier, values in tiers.items():
-                family.add_metric([tier], values[field])
+            for name, tier in tiers.items():
+                family.add_metric([name], getattr(tier, field))
             yield family
         ratio = GaugeMetricFamily("tierserve_cache_compression_ratio", "Raw bytes / stored bytes", labels=["tier"])
-        for tier, values in tiers.items():
-            ratio.add_metric([tier], values["compression_ratio"])
+        for name, tier in tiers.items():
+            ratio.add_metric([name], tier.compression_ratio)
         yield ratio
-        speculation = stats.get("speculation") or {}
+        speculation = snapshot.speculation
         for name, help_text in (
             ("proposed", "Draft tokens proposed"),
             ("accepted", "Draft tokens accepted"),
             ("verifications", "Target forwards that verified drafts"),
             ("early_stops", "Requests that stopped inside an accepted draft run"),
         ):
-            yield CounterMetricFamily(f"tierserve_spec_{name}", help_text, value=speculation.get(name, 0))
+            yield CounterMetricFamily(f"tierserve_spec_{name}", help_text, value=getattr(speculation, name))
         yield GaugeMetricFamily(
-            "tierserve_spec_acceptance_rate", "Accepted / proposed draft tokens", value=speculation.get("acceptance_rate", 0.0)
+            "tierserve_spec_acceptance_rate", "Accepted / proposed draft tokens", value=speculation.acceptance_rate
         )
-        if not stats.get("index"):
+        if cache is None:
             return
-        for name, key, help_text in (
-            ("promotions", "promotions", "Blocks loaded into L1 from a lower tier"),
-            ("demotions", "demotions", "Blocks written down to a lower tier on eviction"),
+        for name, values, help_text in (
+            ("promotions", cache.promotions, "Blocks loaded into L1 from a lower tier"),
+            ("demotions", cache.demotions, "Blocks written down to a lower tier on eviction"),
         ):
             family = CounterMetricFamily(f"tierserve_cache_{name}", help_text, labels=["tier"])
-            for tier, value in stats[key].items():
+            for tier, value in values.items():
                 family.add_metric([tier], value)
             yield family
         for name, help_text in (
@@ -73,14 +74,11 @@ class EngineCollector(Collector):
             ("prefix_matches", "Lookups that reused at least one block"),
             ("cached_tokens", "Prompt tokens served from the cache"),
             ("computed_tokens", "Tokens whose KV was computed and published"),
-            ("write_through", "Blocks written through to L3"),
+            ("write_through", "Blocks written through to a persistent tier"),
         ):
-            yield CounterMetricFamily(f"tierserve_cache_{name}", help_text, value=stats[name])
-        index = stats["index"]
-        yield GaugeMetricFamily("tierserve_cache_active_prefixes", "Cached prefixes (radix leaves)", value=index["active_prefixes"])
-        yield GaugeMetricFamily("tierserve_cache_avg_prefix_tokens", "Average cached prefix length", value=index["avg_prefix_tokens"])
-        l1 = tiers["l1"]
-        yield GaugeMetricFamily("tierserve_kv_blocks", "Blocks in the L1 pool", value=l1["blocks_total"])
-        yield GaugeMetricFamily(
-            "tierserve_kv_usage", "Fraction of L1 blocks in use", value=1 - l1["blocks_free"] / l1["blocks_total"]
-        )
+            yield CounterMetricFamily(f"tierserve_cache_{name}", help_text, value=getattr(cache, name))
+        index = cache.index
+        yield GaugeMetricFamily("tierserve_cache_active_prefixes", "Cached prefixes (index leaves)", value=index.active_prefixes)
+        yield GaugeMetricFamily("tierserve_cache_avg_prefix_tokens", "Average cached prefix length", value=index.avg_prefix_tokens)
+        yield GaugeMetricFamily("tierserve_kv_blocks", "Blocks in the L1 pool", value=snapshot.kv_blocks_total)
+        yield GaugeMetricFamily("tierserve_kv_usage", "Fraction of L1 blocks in use", value=snapshot.kv_usage)

@@ -104,6 +104,7 @@ class PluginManager:
             kind: Registry(label) for kind, (_, label) in COMPONENT_KINDS.items()
         }
         self.failures: list[PluginFailure] = []
+        self.allowlist: list[str] | None = None  # the outside plugins asked for (None: all installed)
         self._info: dict[str, PluginInfo] = {}
 
     def registry(self, kind: str) -> Registry:
@@ -216,6 +217,7 @@ def load_plugins(
         allowed = frozenset(str(name).strip().lower() for name in allowlist)
 
     manager = PluginManager()
+    manager.allowlist = None if allowed is None else sorted(allowed)
     for module_name in builtins:
         try:
             module = importlib.import_module(module_name)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierserve.core.errors import RequestError
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -44,10 +46,10 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
-        """Raise ``ValueError("field: ...")`` for any value out of range."""
+        """Raise ``RequestError`` (a ``ValueError``) naming the field and the allowed values, for any value out of range."""
 
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}")
+        def bad(name: str, allowed: str) -> RequestError:
+            return RequestError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}", param=name)
 
         if self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")

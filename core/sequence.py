@@ -12,6 +12,9 @@ from tierserve.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tierserve.core.outputs import RequestCacheInfo
+    from tierserve.core.speculation import Proposal
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -31,7 +34,9 @@ class Sequence:
 
     ``num_computed_tokens`` counts tokens whose KV is in the arena; the
     scheduler brings it up to ``num_tokens`` (prefill, possibly in chunks),
-    after which each step adds one sampled token (decode).
+    after which each step adds one sampled token (decode). Speculative drafts
+    for the next step wait in ``spec_token_ids``, apart from ``token_ids``,
+    until verification accepts them.
     """
 
     seq_id: int
@@ -56,11 +61,16 @@ class Sequence:
     peak_blocks: int = 0
     speculate: bool = False  # propose drafts for this sequence while it decodes
     spec_k: int = 0  # current number of drafts per step (adapts to acceptance)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at the next step
+    spec_proposal: Proposal | None = None  # where the drafts came from (their distributions)
     accepted_drafts: int = 0
+    cache_info: RequestCacheInfo | None = None  # the latest prefix lookup's accounting
+    cache_info_pending: bool = False  # a lookup ran since the last CoreOutput
     # KV positions in [kv_drop_start, kv_drop_end) were dropped (sliding window): their blocks
-    # are freed (block table entries -1) and attention skips them
+    # are released (block table entries point at a placeholder) and attention skips them
     kv_drop_start: int = 0
     kv_drop_end: int = 0
+    released_blocks: tuple[int, int] = (0, 0)  # block-table entries [first, end) released (placeholders)
     streaming: bool = False  # opt-in long-sequence mode: sink tokens + the last window_size tokens
     windows_slid: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks

@@ -1,9 +1,11 @@
 """Speculative decoding: the speculator interface, and verification of drafts against the target.
 
-A speculator proposes up to ``k`` draft tokens for a decoding sequence. The
-engine appends them to the sequence, runs ONE target forward over the last
-real token plus the drafts (logits at every position), and keeps the longest
-valid run plus one token from the target:
+A speculator proposes up to ``k`` draft tokens for a decoding sequence (the
+model runner asks right after a step samples, for the next step). The drafts
+wait in ``Sequence.spec_token_ids``; the scheduler gives them lookahead
+slots, ONE target forward runs over the last real token plus the drafts
+(logits at every position), and the runner keeps the longest valid run plus
+one token from the target:
 
     greedy:  accept draft i while it equals the target's argmax at i; then emit
              the target's argmax at the first mismatch (or after the last draft).
@@ -35,6 +37,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class DraftRequest:
+    """One sequence to draft for: its history (the tokens just sampled included) and how many drafts at most."""
+
+    seq: Sequence
+    token_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
 class Proposal:
     """Draft tokens for one sequence; ``probs[i]`` is the distribution draft ``i`` was drawn from
     (``None``: proposed deterministically, a point mass)."""
@@ -56,10 +67,13 @@ class Speculator(ABC):
         self.target = target
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        """Up to ``num_tokens[i]`` drafts for each decoding sequence ``seqs[i]`` (may be empty).
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Up to ``request.num_tokens`` drafts continuing each ``request.token_ids`` (may be empty).
 
-        ``seq.token_ids`` is the sequence's history; drafts continue it. Runs on the step thread."""
+        ``request.token_ids`` is the sequence's whole history, the tokens sampled
+        this step included (``request.seq.token_ids`` does not have them yet);
+        ``request.seq`` gives the id, sampling parameters and generator. Runs on
+        the engine core's thread, once per step, for every speculating sequence."""
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished, aborted or preempted)."""

@@ -1,8 +1,9 @@
-"""Cache operations: ``GET /v1/cache/stats`` (with alerts and trends), ``POST /v1/cache/clear`` and ``/v1/cache/warm``.
+"""Cache operations: ``GET /v1/cache/stats`` (with alerts and trends), ``POST /v1/cache/clear``, ``/offload`` and ``/warm``.
 
-A monitor thread samples the engine every ``monitoring.collection_interval_seconds``
-into a rolling window of ``monitoring.trend_samples`` points; alerts are
-evaluated live on each stats request (and logged by the monitor when they start).
+A monitor thread samples the published statistics every
+``monitoring.collection_interval_seconds`` into a rolling window of
+``monitoring.trend_samples`` points; alerts are evaluated on each stats
+request (and logged by the monitor when they start).
 """
 
 from __future__ import annotations
@@ -19,83 +20,17 @@ from litestar.params import JSONBody
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.server.errors import APIError
-from tierserve.server.openai_routes import remember_prefix
+from tierserve.server.generation_jobs import remember_prefix
 from tierserve.server.state import ServerState, ready_engine, state_of
+from tierserve.server.stats_document import current_alerts, dropped_writes, kv_cache_summary, stats_document
 
 if TYPE_CHECKING:
-    from tierserve.core.engine import Engine
+    from tierserve.core.engine import EngineClient, EngineSnapshot
 
 log = structlog.get_logger(__name__)
 
-TIERS = ("l1", "l2", "l3")
-
-
-def kv_cache_summary(stats: dict[str, Any]) -> dict[str, Any]:
-    """Block-level totals over the tiers; each prompt block a lookup could use counts once.
-
-    A block missed in L1 but found in L2 or L3 is a hit of that tier, so
-    ``misses`` are L1 misses less the lower tiers' hits.
-    """
-    tiers = stats.get("tiers", {})
-    hits = {name: tiers.get(name, {}).get("hits", 0) for name in TIERS}
-    total_hits = sum(hits.values())
-    misses = max(0, tiers.get("l1", {}).get("misses", 0) - hits["l2"] - hits["l3"])
-    lookups = total_hits + misses
-    return {
-        "hits": total_hits,
-        "misses": misses,
-        "hit_rate": round(total_hits / lookups, 4) if lookups else 0.0,
-        "memory_bytes": tiers.get("l2", {}).get("bytes", 0),
-        "disk_bytes": tiers.get("l3", {}).get("bytes", 0),
-        "evictions": sum(values.get("evictions", 0) for values in tiers.values()),
-        "l1_hits": hits["l1"],
-        "l2_hits": hits["l2"],
-        "l3_hits": hits["l3"],
-        "promotions": dict(stats.get("promotions", {})),
-        "demotions": dict(stats.get("demotions", {})),
-        "tiers": tiers,
-    }
-
-
-def dropped_writes(stats: dict[str, Any]) -> int:
-    return sum(values.get("dropped_writes", 0) for values in stats.get("tiers", {}).values())
-
-
-def current_alerts(state: ServerState, engine: Engine, stats: dict[str, Any]) -> list[dict[str, Any]]:
-    """Thresholds of ``[monitoring]`` that the engine is past right now."""
-    monitoring = state.settings.monitoring
-    kv = kv_cache_summary(stats)
-    alerts: list[dict[str, Any]] = []
-
-    def alert(name: str, message: str, value: float, threshold: float) -> None:
-        alerts.append({"name": name, "message": message, "value": value, "threshold": threshold})
-
-    threshold = monitoring.alert_hit_rate_below
-    if threshold is not None and kv["hits"] + kv["misses"] and kv["hit_rate"] < threshold:
-        alert("low_hit_rate", f"KV cache block hit rate {kv['hit_rate']:.2%} is below {threshold:.2%}", kv["hit_rate"], threshold)
-    threshold = monitoring.alert_memory_bytes_above
-    if threshold is not None and kv["memory_bytes"] > threshold:
-        alert("high_memory", f"L2 holds {kv['memory_bytes']} bytes, above {threshold}", kv["memory_bytes"], threshold)
-    threshold = monitoring.alert_dropped_writes_above
-    dropped = dropped_writes(stats)
-    if threshold is not None and dropped > threshold:
-        alert(
-            "dropped_writes",
-            f"{dropped} cache writes were dropped (write queue full; raise kv_cache.l3_write_queue), above {threshold}",
-            dropped,
-            threshold,
-        )
-    fraction = monitoring.alert_queue_fraction_above
-    if fraction is not None:
-        limit = fraction * engine.settings.scheduler.max_waiting_requests
-        waiting = engine.scheduler.num_waiting
-        if waiting > limit:
-            alert("queue_full", f"{waiting} requests are waiting, above {fraction:.0%} of max_waiting_requests", waiting, limit)
-    return alerts
-
-
 class CacheMonitor:
-    """Samples cache statistics on a background thread into a rolling window."""
+    """Samples the published statistics on a background thread into a rolling window, and logs new alerts."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -125,58 +60,35 @@ class CacheMonitor:
         engine = state.engine
         if not state.ready or engine is None:
             return
-        stats = engine.cache_stats()
-        kv = kv_cache_summary(stats)
+        snapshot = engine.stats()
+        kv = kv_cache_summary(snapshot)
         self.samples.append(
             {
                 "timestamp": round(time.time(), 3),
                 "hit_rate": kv["hit_rate"],
                 "memory_bytes": kv["memory_bytes"],
-                "cached_tokens": stats.get("cached_tokens", 0),
-                "requests_running": engine.scheduler.num_running,
-                "requests_waiting": engine.scheduler.num_waiting,
-                "dropped_writes": dropped_writes(stats),
+                "cached_tokens": snapshot.cache.cached_tokens if snapshot.cache is not None else 0,
+                "requests_running": snapshot.requests_running,
+                "requests_waiting": snapshot.requests_waiting,
+                "dropped_writes": dropped_writes(snapshot),
             }
         )
-        alerts = {a["name"]: a for a in current_alerts(state, engine, stats)}
+        alerts = {a["name"]: a for a in alerts_now(state, snapshot)}
         for name in alerts.keys() - self._active_alerts:
             log.warning("cache_alert", **alerts[name])
         self._active_alerts = set(alerts)
 
 
-def build_stats(state: ServerState, engine: Engine) -> dict[str, Any]:
-    """The ``/v1/cache/stats`` document (blocking: reads the engine between steps)."""
-    stats = engine.cache_stats()
-    index = stats.get("index") or {}
-    counters = stats.get("engine", {})
-    prompt_tokens = counters.get("prompt_tokens", 0)
-    cached_tokens = stats.get("cached_tokens", 0)
+def alerts_now(state: ServerState, snapshot: EngineSnapshot) -> list[dict[str, Any]]:
+    return current_alerts(state.settings.monitoring, state.settings.scheduler.max_waiting_requests, snapshot)
+
+
+def build_stats(state: ServerState, engine: EngineClient) -> dict[str, Any]:
+    """The ``/v1/cache/stats`` document, from the statistics the engine last published."""
+    snapshot = engine.stats()
     monitor: CacheMonitor | None = state.extras.get("cache_monitor")  # type: ignore[assignment]
-    return {
-        "cache_manager": {
-            "kv_cache": kv_cache_summary(stats),
-            "radix_tree": {
-                "cached_blocks": index.get("cached_blocks", 0),
-                "active_prefixes": index.get("active_prefixes", 0),
-                "avg_prefix_tokens": round(index.get("avg_prefix_tokens", 0.0), 2),
-                "prefix_matches": stats.get("prefix_matches", 0),
-                "lookups": stats.get("lookups", 0),
-            },
-            "speculation": stats["speculation"],
-            "sliding_window": stats["sliding_window"],
-        },
-        "overall": {
-            "cached_tokens": cached_tokens,
-            "computed_tokens": stats.get("computed_tokens", 0),
-            "prompt_tokens": prompt_tokens,
-            "generation_tokens": counters.get("generation_tokens", 0),
-            "token_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
-            "requests_running": engine.scheduler.num_running,
-            "requests_waiting": engine.scheduler.num_waiting,
-        },
-        "alerts": current_alerts(state, engine, stats),
-        "trends": list(monitor.samples) if monitor is not None else [],
-    }
+    trends = list(monitor.samples) if monitor is not None else []
+    return stats_document(snapshot, alerts_now(state, snapshot), trends)
 
 
 class ClearRequest(BaseModel):
@@ -201,19 +113,20 @@ class WarmRequest(BaseModel):
     cache_key: str | None = None  # name the (single) warmed prompt for /v1/cached/* requests
 
 
-@get("/v1/cache/stats")
-async def cache_stats(request: Request) -> dict[str, Any]:
+@get("/v1/cache/stats", sync_to_thread=False)
+def cache_stats(request: Request) -> dict[str, Any]:
     engine = ready_engine(request)
-    return await asyncio.to_thread(build_stats, state_of(request), engine)
+    return build_stats(state_of(request), engine)
 
 
-def _requested_tiers(tiers: list[str] | str) -> list[str]:
+def _requested_tiers(tiers: list[str] | str, known: tuple[str, ...]) -> list[str]:
     if isinstance(tiers, str):
         tiers = [tiers]
-    unknown = [tier for tier in tiers if tier not in (*TIERS, "all")]
+    unknown = [tier for tier in tiers if tier not in (*known, "all")]
     if unknown or not tiers:
         got = ", ".join(repr(t) for t in unknown) if unknown else "an empty list"
-        message = f"tiers: got {got}; allowed: a list of {', '.join(TIERS)}, or \"all\""
+        names = ", ".join(known) if known else "(no cache tiers: prefix caching is off)"
+        message = f"tiers: got {got}; allowed: a list of {names}, or \"all\""
         raise APIError(400, message, param="tiers", code="invalid_value")
     return ["all"] if "all" in tiers else list(dict.fromkeys(tiers))
 
@@ -221,13 +134,14 @@ def _requested_tiers(tiers: list[str] | str) -> list[str]:
 @post("/v1/cache/clear", opt={"admin": True}, status_code=200)
 async def cache_clear(request: Request, data: JSONBody[ClearRequest | None] = None) -> dict[str, Any]:
     engine = ready_engine(request)
-    tiers = _requested_tiers((data or ClearRequest()).tiers)
+    known = engine.info.tier_names
+    tiers = _requested_tiers((data or ClearRequest()).tiers, known)
 
     def clear() -> dict[str, int]:
         cleared: dict[str, int] = {}
         for tier in tiers:
-            for name in TIERS if tier == "all" else (tier,):
-                cleared.setdefault(name, 0)  # a tier that is not configured held nothing
+            for name in known if tier == "all" else (tier,):
+                cleared.setdefault(name, 0)
             cleared.update(engine.clear_cache(tier))
         return cleared
 
@@ -269,7 +183,7 @@ async def cache_warm(request: Request, data: JSONBody[WarmRequest]) -> dict[str,
     tokens = await asyncio.to_thread(warm)
     count = len(prompts) + len(conversations)
     log.info("cache_warmed", prompts=count, tokens=tokens)
-    return {"warmed": count, "tokens": tokens, "blocks": tokens // engine.pool.block_size}
+    return {"warmed": count, "tokens": tokens, "blocks": tokens // engine.info.block_size}
 
 
 def setup(state: ServerState) -> None:

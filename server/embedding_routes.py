@@ -10,7 +10,7 @@ from litestar import Request, post
 from litestar.params import JSONBody
 
 from tierserve.server.errors import APIError
-from tierserve.server.openai_routes import check_model
+from tierserve.server.generation_jobs import check_model
 from tierserve.server.schemas import Body
 from tierserve.server.state import ready_engine, state_of
 

@@ -9,6 +9,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from tierserve.core.engine import RequestError
+from tierserve.core.engine.process import EngineProcessError
 from tierserve.core.scheduler import QueueFullError
 
 log = structlog.get_logger(__name__)
@@ -64,9 +65,13 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
 
-def handle_request_error(_: Request, exc: ValueError) -> Response:
-    message = str(exc)
-    return error_response(400, message, param_of(message), "invalid_value")
+def handle_request_error(_: Request, exc: RequestError) -> Response:
+    return error_response(400, exc.message, exc.param, exc.code)
+
+
+def handle_engine_gone(_: Request, exc: EngineProcessError) -> Response:
+    log.error("engine_unavailable", error=str(exc))
+    return error_response(503, "the engine is not running; the server logged the details", None, "engine_unavailable")
 
 
 def handle_queue_full(request: Request, exc: QueueFullError) -> Response:
@@ -100,6 +105,7 @@ def handle_internal(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     RequestError: handle_request_error,
+    EngineProcessError: handle_engine_gone,
     QueueFullError: handle_queue_full,
     ValidationException: handle_validation,
     HTTPException: handle_http,

@@ -36,7 +36,7 @@ def components(state: ServerState) -> dict[str, Any]:
     else:
         status = "ready" if state.ready else "loading"
     if engine is not None:
-        tiers = ["l1", *sorted(engine.store.tiers_by_name)] if engine.store is not None else []
+        tiers = list(engine.info.tier_names)
     else:  # not built yet: what the settings ask for
         kv = settings.kv_cache
         tiers = ["l1"] if kv.enable_prefix_caching else []
@@ -56,6 +56,7 @@ async def health(request: Request) -> Response[dict[str, Any]]:
     """200 while ``ok`` or ``loading``; 503 once loading failed (a restart with fixed settings is needed)."""
     state = state_of(request)
     engine = state.engine
+    snapshot = engine.stats() if engine is not None and state.ready else None
     parts = components(state)
     status = {"ready": "ok", "loading": "loading", "failed": "error"}[parts["engine"]]
     body = {
@@ -65,8 +66,8 @@ async def health(request: Request) -> Response[dict[str, Any]]:
         "uptime_seconds": round(time.time() - state.started_at, 3),
         "memory": {
             "rss_bytes": rss_bytes(),
-            "kv_blocks_total": engine.pool.num_blocks if engine is not None else 0,
-            "kv_blocks_free": engine.pool.num_free_blocks if engine is not None else 0,
+            "kv_blocks_total": snapshot.kv_blocks_total if snapshot is not None else 0,
+            "kv_blocks_free": snapshot.kv_blocks_free if snapshot is not None else 0,
         },
         "active_requests": state.active_requests,
         "components": parts,

@@ -7,7 +7,6 @@ to record latencies, tokens and outcomes.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -117,14 +116,15 @@ class ServerCollector(Collector):
     def collect(self) -> Iterator[Any]:
         state = self.state
         engine = state.engine if state.ready else None
-        running = engine.scheduler.num_running if engine is not None else 0
-        waiting = engine.scheduler.num_waiting if engine is not None else 0
+        snapshot = engine.stats() if engine is not None else None
+        running = snapshot.requests_running if snapshot is not None else 0
+        waiting = snapshot.requests_waiting if snapshot is not None else 0
         yield GaugeMetricFamily("tierserve_requests_running", "Sequences holding KV blocks", value=running)
         yield GaugeMetricFamily("tierserve_requests_waiting", "Sequences queued for a batch slot", value=waiting)
         yield GaugeMetricFamily("tierserve_active_http_requests", "HTTP requests in flight", value=state.active_requests)
         yield GaugeMetricFamily("tierserve_ready", "1 once the model is loaded", value=1 if engine is not None else 0)
-        if engine is not None:
-            yield from EngineCollector(engine).collect()
+        if snapshot is not None:
+            yield from EngineCollector(snapshot).collect()
 
 
 def metrics_of(state: ServerState) -> RequestMetrics | None:
@@ -136,8 +136,7 @@ async def metrics_endpoint(request: Request) -> Response[bytes]:
     metrics = metrics_of(request.app.state.tierserve)
     if metrics is None:
         return Response(b"", media_type=CONTENT_TYPE)
-    # cache stats are read on the engine's step thread, between steps: wait for them off the event loop
-    body = await asyncio.to_thread(generate_latest, metrics.registry)
+    body = generate_latest(metrics.registry)  # reads the published snapshot: never waits for a step
     return Response(body, media_type=CONTENT_TYPE)
 
 

@@ -1,4 +1,4 @@
-"""What the app holds: settings, plugins, the engine (loaded in the background) and readiness."""
+"""What the app holds: settings, plugins, the engine client (loaded in the background) and readiness."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tierserve.core.plugins import PluginManager
 if TYPE_CHECKING:
     from litestar import Request
 
-    from tierserve.core.engine import Engine
+    from tierserve.core.engine import EngineClient
 
 log = structlog.get_logger(__name__)
 
@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 class ServerState:
     settings: Settings
     plugins: PluginManager
-    engine: Engine | None = None
+    engine: EngineClient | None = None
     ready: bool = False
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -38,11 +38,11 @@ class ServerState:
 
     def load(self) -> None:
         """Build and start the engine (on a background thread at start-up); ready when done."""
-        from tierserve.core.engine import Engine
+        from tierserve.core.engine import EngineClient
 
         try:
             if self.engine is None:
-                self.engine = Engine.from_settings(self.settings, self.plugins)
+                self.engine = EngineClient.from_settings(self.settings, self.plugins)
             self.engine.start()
             self.plugins.call_lifecycle("on_startup", self.engine)
             self.ready = True
@@ -72,7 +72,7 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.tierserve
 
 
-def ready_engine(request: Request) -> Engine:
+def ready_engine(request: Request) -> EngineClient:
     """The engine, or a 503 (with Retry-After) while it is still loading."""
     from tierserve.server.errors import APIError
 

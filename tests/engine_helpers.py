@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tierserve.core.builtin_models import write_checkpoint
 from tierserve.core.config import load_settings
-from tierserve.core.engine import Engine
+from tierserve.core.engine import EngineClient
 
 PROMPTS = [
     "Hello",
@@ -29,13 +29,14 @@ def build_checkpoint(root: Path, name: str, architecture: str, **overrides) -> P
     return write_checkpoint(root / name, architecture, seed=1, **overrides)
 
 
-def make_engine(path: Path, backend: str = "native", **settings) -> Engine:
+def make_engine(path: Path, backend: str = "native", **settings) -> EngineClient:
+    """An engine on ``path`` whose core runs in this process, stepped by hand until ``start()``."""
     overrides = {("model", "path"): str(path), ("model", "backend"): backend, ("model", "device"): "cpu"}
     for dotted, value in settings.items():
         section, key = dotted.split("__")
         overrides[(section, key)] = value
     loaded = load_settings(None, environ={}, overrides=overrides)
-    return Engine.from_settings(loaded.settings, loaded.plugins)
+    return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
 
 
 def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
@@ -58,7 +59,8 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[
     return outputs
 
 
-def assert_pool_released(engine: Engine) -> None:
-    engine.pool.check_integrity()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    assert not engine.scheduler.has_unfinished
+def assert_pool_released(engine: EngineClient) -> None:
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.requests_running == stats.requests_waiting == 0

@@ -62,6 +62,13 @@ def hf_beams(model, tokenizer, ids: list[int], params: BeamSearchParams, eos: li
     return sequences, out.sequences_scores.tolist()
 
 
+def beams_with_eos(engine, ids, params, eos):
+    """Beam search on the engine's own core, with ``eos`` as the tokens that end a hypothesis."""
+    core = engine.driver.core
+    budget = core.settings.scheduler.max_num_batched_tokens
+    return run_beam_search(core.backend, core.kv, ids, params, eos, prefill_budget=budget, new_seq_id=core.next_seq_id)
+
+
 def assert_same(results, expected) -> None:
     sequences, scores = expected
     assert [r.token_ids for r in results] == sequences
@@ -70,7 +77,7 @@ def assert_same(results, expected) -> None:
 
 def test_matches_transformers(checkpoint, engine):
     _, model, tokenizer = checkpoint
-    free = engine.pool.num_free_blocks
+    free = engine.stats().kv_blocks_free
     for prompt, width, length_penalty, early_stopping in itertools.product(
         BEAM_PROMPTS, [2, 4], [1.0, 0.5], [False, True]
     ):
@@ -79,8 +86,8 @@ def test_matches_transformers(checkpoint, engine):
         expected = hf_beams(model, tokenizer, tokenizer(prompt)["input_ids"], params)
         assert_same(results, expected)
         assert all(len(r.token_ids) == NEW_TOKENS and r.finish_reason == "length" for r in results)
-    engine.pool.check_integrity()
-    assert engine.pool.num_free_blocks == free
+    engine.check_integrity()
+    assert engine.stats().kv_blocks_free == free
 
 
 def test_eos_finishes_hypotheses_as_transformers_does(checkpoint, engine):
@@ -94,7 +101,7 @@ def test_eos_finishes_hypotheses_as_transformers_does(checkpoint, engine):
             [[best[2]], [best[1], best[4]]], [2, 4], [1.0, 0.5], [False, True, "never"], [0, 3]
         ):
             params = BeamSearchParams(width, NEW_TOKENS, length_penalty, early_stopping, width, min_tokens)
-            results = run_beam_search(engine, ids, params, eos)
+            results = beams_with_eos(engine, ids, params, eos)
             assert_same(results, hf_beams(model, tokenizer, ids, params, eos))
             for result in results:
                 assert len(result.token_ids) >= min_tokens
@@ -109,7 +116,7 @@ def test_fewer_returned_sequences_and_one_beam(checkpoint, engine):
     _, model, tokenizer = checkpoint
     ids = tokenizer(PROMPTS[3])["input_ids"]
     params = BeamSearchParams(4, NEW_TOKENS, num_return_sequences=2)
-    assert_same(run_beam_search(engine, ids, params, [1, 3]), hf_beams(model, tokenizer, ids, params, [1, 3]))
+    assert_same(beams_with_eos(engine, ids, params, [1, 3]), hf_beams(model, tokenizer, ids, params, [1, 3]))
     # num_beams=1 is greedy search in generate, whatever early_stopping says
     [result] = engine.beam_search(ids, BeamSearchParams(1, NEW_TOKENS, early_stopping="never"))
     assert result.token_ids == hf_greedy(checkpoint[0], [PROMPTS[3]], NEW_TOKENS)[0]
@@ -124,18 +131,19 @@ def test_beams_share_prompt_blocks_and_copy_partial_ones(llama, monkeypatch):
     params = BeamSearchParams(4, 6, num_return_sequences=4)
     used: list[int] = []  # blocks in use at each forward
     copied: list[int] = []  # blocks written by a copy
-    forward, write_blocks = engine.backend.forward, engine.backend.write_blocks
+    core = engine.driver.core  # white-box: count what the arena holds at each forward
+    forward, write_blocks = core.backend.forward, core.backend.write_blocks
 
     def counting_forward(chunks):
-        used.append(engine.pool.num_used_blocks)
+        used.append(core.kv.pool.num_used_blocks)
         return forward(chunks)
 
     def counting_write_blocks(block_ids, data):
         copied.extend(block_ids)
         write_blocks(block_ids, data)
 
-    monkeypatch.setattr(engine.backend, "forward", counting_forward)
-    monkeypatch.setattr(engine.backend, "write_blocks", counting_write_blocks)
+    monkeypatch.setattr(core.backend, "forward", counting_forward)
+    monkeypatch.setattr(core.backend, "write_blocks", counting_write_blocks)
 
     results = engine.beam_search(ids, params)
 
@@ -199,10 +207,11 @@ def test_requests_the_engine_cannot_serve(llama):
 
     # blocks held by running requests: refused for now, served once they are free
     engine = make_engine(llama, kv_cache__block_size=4, kv_cache__l1_capacity=32)
-    held = engine.pool.allocate(20)
+    pool = engine.driver.core.kv.pool  # white-box: blocks held as running requests would hold them
+    held = pool.allocate(20)
     with pytest.raises(QueueFullError, match=r"^beam_width: .* may need 24 KV blocks and 12 are free now; retry later"):
         engine.beam_search(PROMPTS[0], params)
-    engine.pool.free(held)
+    pool.free(held)
     assert len(engine.beam_search(PROMPTS[0], params)[0].token_ids) == 20
     assert_pool_released(engine)
 

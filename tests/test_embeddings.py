@@ -86,11 +86,12 @@ def test_embedding_leaves_the_kv_arena_untouched(llama):
     engine = make_engine(llama)
     first = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in first] == hf_greedy(llama, PROMPTS, 8)
-    blocks = list(range(engine.pool.num_blocks))
-    arena = engine.backend.read_blocks(blocks)
+    backend = engine.driver.core.backend  # white-box: the arena's bytes before and after
+    blocks = list(range(engine.info.kv_blocks))
+    arena = backend.read_blocks(blocks)
     engine.embed(PROMPTS)
     assert_pool_released(engine)
-    assert torch.equal(engine.backend.read_blocks(blocks), arena)
+    assert torch.equal(backend.read_blocks(blocks), arena)
     again = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
     assert any(r.cached_tokens > 0 for r in again)  # the cached prefixes were reused, and still correct

@@ -73,7 +73,7 @@ def test_logprobs_of_chosen_and_top_tokens(engine):
 
 
 def test_limits_are_reported_with_the_field(engine):
-    limit = engine.backend.max_model_len
+    limit = engine.info.max_model_len
     with pytest.raises(RequestError, match="max_tokens.*context length"):
         engine.submit([5] * 10, SamplingParams(max_tokens=limit))
     with pytest.raises(RequestError, match="prompt"):
@@ -135,7 +135,7 @@ def test_abort_mid_stream_frees_blocks(engine):
             break
         asyncio.run(asyncio.sleep(0.01))
     engine.shutdown()
-    assert engine.stats.requests_aborted == 1
+    assert engine.stats().counters.requests_aborted == 1
     assert_pool_released(engine)
 
 
@@ -160,5 +160,5 @@ def test_priority_scheduler_serves_urgent_requests_first(tiny):
 def test_chat_messages_use_the_checkpoint_template(engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     ids = engine.encode_prompt(messages=messages)
-    text = engine.tokenizer.decode(ids)
+    text = engine.decode(ids)
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"

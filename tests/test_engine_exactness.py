@@ -53,7 +53,7 @@ def test_chunked_prefill_and_preemption(checkpoint):
     )
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == expected
-    assert engine.stats.preemptions > 0
+    assert engine.stats().counters.preemptions > 0
     assert_pool_released(engine)
 
 
@@ -67,5 +67,5 @@ def test_transformers_backend_on_gpt2(tmp_path):
         scheduler__max_num_batched_tokens=16,
     )
     assert [r.token_ids for r in small.generate(PROMPTS, GREEDY)] == expected
-    assert small.stats.preemptions > 0
+    assert small.stats().counters.preemptions > 0
     assert_pool_released(small)

@@ -103,10 +103,11 @@ def test_two_hundred_streams_with_disconnects(checkpoint):
                 assert text == reference[i], i
 
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (engine.scheduler.has_unfinished or engine.pool.num_used_blocks):
+        while time.monotonic() < deadline and (engine.stats().requests_queued or engine.stats().kv_usage):
             time.sleep(0.05)
-        assert engine.pool.num_used_blocks == 0 and not engine.scheduler.has_unfinished
-        engine.store.check_integrity()
+        stats = engine.stats()
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.requests_queued == 0
+        engine.check_integrity()
 
         time.sleep(0.5)  # the last access-log/metrics writes happen after the response ends
         text = httpx.get(f"{base}/metrics").text

@@ -1,10 +1,10 @@
 """The built-in schedulers driven by a fake engine loop, no model needed.
 
-``FakeEngine`` does what ``core/engine.py`` does around ``schedule()``: each
-chunk advances its sequence's ``num_computed_tokens``, a chunk that samples
-appends one dummy token, and a sequence with ``max_tokens`` outputs is
-finished through ``scheduler.finish``. Every step it checks what a user of
-the scheduler relies on:
+``FakeEngine`` runs the engine core's step with a fake model runner: the
+scheduler's own ``schedule()`` and ``update_from_output()``, with one dummy
+token sampled for every chunk that samples, so a sequence finishes after
+``max_tokens`` outputs. Every step it checks what a user of the scheduler
+relies on:
 
 * the token budget and the sequence cap hold;
 * every scheduled token has a KV slot, and only running sequences hold blocks
@@ -29,11 +29,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierserve.cache.block_pool import BlockPool, KVCacheManager
+from tierserve.cache.block_pool import BlockPool
+from tierserve.cache.kv_manager import KVCacheManager
+from tierserve.core.batch import RunnerOutput, SchedulerOutput
 from tierserve.core.config import SchedulerSettings
 from tierserve.core.plugins import load_plugins
+from tierserve.core.sampler import SampledToken
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.core.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from tierserve.core.scheduler import QueueFullError, Scheduler
 from tierserve.core.sequence import Sequence, SequenceStatus
 
 _PLUGINS = load_plugins(allowlist=[])
@@ -105,17 +108,18 @@ class FakeEngine:
         self.outputs.append(out)
         self.preemptions += out.preempted
 
+        result = RunnerOutput()
         for chunk in out.chunks:
-            seq = chunk.seq
-            samples = chunk.samples
-            seq.num_computed_tokens += chunk.num_tokens
-            if samples:
-                seq.token_ids.append(FIRST_OUTPUT_TOKEN + seq.num_output_tokens)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self.scheduler.finish(seq)
-                    seq.status = SequenceStatus.FINISHED
-                    self.live.remove(seq)
-                    self.finished.append(seq)
+            if chunk.samples:
+                token = FIRST_OUTPUT_TOKEN + chunk.seq.num_output_tokens
+                result.sampled[chunk.seq.seq_id] = [SampledToken(token, None, None)]
+        by_request = {seq.request_id: seq for seq in self.live}
+        for output in self.scheduler.update_from_output(out, result):
+            if output.finish_reason is not None:
+                seq = by_request[output.request_id]
+                assert seq.status is SequenceStatus.FINISHED and output.finish_reason == "length"
+                self.live.remove(seq)
+                self.finished.append(seq)
         self.check_blocks()
         return out
 
@@ -138,7 +142,7 @@ class FakeEngine:
         for chunk in out.chunks:
             seq = chunk.seq
             assert seq.status is SequenceStatus.RUNNING
-            assert 1 <= chunk.num_tokens <= seq.num_uncomputed_tokens
+            assert 1 <= chunk.num_real_tokens <= seq.num_uncomputed_tokens
             assert len(seq.block_table) * self.pool.block_size >= seq.num_computed_tokens + chunk.num_tokens
 
         running_after = [q for q in self.live if q.status is SequenceStatus.RUNNING]
@@ -221,6 +225,40 @@ def test_decode_gets_a_token_every_step_during_a_long_prefill(name):
     assert not decoder.is_finished, "the decode should outlast the prefill"
     engine.run()
     engine.check_all_done([decoder, long])
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_drafts_run_as_lookahead_slots_of_a_decode(name):
+    """Speculative drafts live apart from the tokens: a speculating decode is still a decode, first in line."""
+    engine = FakeEngine(name, max_num_batched_tokens=16, block_size=4)
+    decoder = make_seq(0, prompt_len=6, max_tokens=20)
+    engine.add(decoder)
+    engine.step()  # the prompt; it now decodes
+    last = decoder.token_ids[-1]
+    decoder.spec_token_ids = [7, 8, 9]
+    long = make_seq(1, prompt_len=40, max_tokens=2)
+    engine.add(long)
+    out = engine.scheduler.schedule()
+    by_seq = {c.seq: c for c in out.chunks}
+    chunk = by_seq[decoder]
+    assert (chunk.num_tokens, chunk.num_draft, chunk.samples) == (4, 3, True)
+    assert chunk.token_ids == [last, 7, 8, 9] and decoder.num_uncomputed_tokens == 1
+    assert len(decoder.block_table) * 4 >= decoder.num_computed_tokens + 4  # lookahead slots allocated
+    assert by_seq[long].num_tokens == 12  # the prefill takes the rest of the budget
+
+    # two drafts accepted, then the model's own token; the third draft's slot is given back
+    accepted = [SampledToken(t, None, None) for t in (7, 8, 50)]
+    outputs = engine.scheduler.update_from_output(out, RunnerOutput(sampled={decoder.seq_id: accepted}))
+    assert [o.new_token_ids for o in outputs] == [[7, 8, 50]]
+    assert decoder.output_token_ids[-3:] == [7, 8, 50] and decoder.spec_token_ids == []
+    assert decoder.num_computed_tokens == decoder.num_tokens - 1
+    assert len(decoder.block_table) == -(-(decoder.num_computed_tokens + 1) // 4)
+
+    decoder.spec_token_ids = [1, 2, 3]  # more drafts than the budget covers: the excess is dropped
+    engine.scheduler.settings.max_num_batched_tokens = 2
+    out = engine.scheduler.schedule()
+    [chunk] = [c for c in out.chunks if c.seq is decoder]
+    assert (chunk.num_tokens, chunk.num_draft, decoder.spec_token_ids) == (2, 1, [1])
 
 
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)

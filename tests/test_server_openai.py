@@ -61,7 +61,7 @@ def test_completion_matches_transformers_greedy(client, server, checkpoint):
         model=server[2], prompt=PROMPTS[1], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     engine = server[1]
-    assert result.choices[0].text == engine.tokenizer.decode(expected)
+    assert result.choices[0].text == engine.decode(expected)
     assert result.usage.completion_tokens == 8
     assert result.usage.prompt_tokens == len(engine.encode_prompt(PROMPTS[1]))
     assert result.choices[0].finish_reason == "length"
@@ -195,11 +195,12 @@ def test_disconnecting_stream_frees_blocks(server):
             if index >= 3:
                 break  # leave mid-stream
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (engine.scheduler.has_unfinished or engine.pool.num_used_blocks):
+    while time.monotonic() < deadline and (engine.stats().requests_queued or engine.stats().kv_usage):
         time.sleep(0.05)
-    assert not engine.scheduler.has_unfinished
-    assert engine.pool.num_used_blocks == 0
-    assert engine.stats.requests_aborted >= 1
+    stats = engine.stats()
+    assert stats.requests_queued == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.counters.requests_aborted >= 1
 
 
 def test_hundred_concurrent_streams_all_complete(server):
@@ -277,8 +278,8 @@ def test_beam_search_request_option(server, checkpoint):
     assert [c["index"] for c in reply["choices"]] == [0, 1]
     for choice, row in zip(reply["choices"], out[:, len(ids):].tolist()):
         expected = [t for t in row if t != 4]
-        assert choice["text"] == engine.tokenizer.decode(
-            [t for t in expected if t not in engine.backend.eos_token_ids], skip_special_tokens=True)
+        assert choice["text"] == engine.decode(
+            [t for t in expected if t not in engine.info.eos_token_ids], skip_special_tokens=True)
     bad = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "beam_width": 3, "stream": True}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
 

@@ -124,7 +124,7 @@ def test_health_probes_when_ready(server, engine):
     body = health.json()
     assert body["status"] == "ok" and body["version"] and body["uptime_seconds"] >= 0
     assert body["memory"]["rss_bytes"] > 10 * 1024 * 1024
-    assert body["memory"]["kv_blocks_total"] == engine.pool.num_blocks == 512
+    assert body["memory"]["kv_blocks_total"] == engine.info.kv_blocks == 512
     assert 0 < body["memory"]["kv_blocks_free"] <= 512
     assert body["active_requests"] == 1  # this one
     assert body["components"] == {

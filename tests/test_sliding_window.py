@@ -12,10 +12,10 @@ def test_trained_window_releases_blocks_and_matches_transformers(tmp_path):
     engine = make_engine(path, kv_cache__block_size=4)
     results = engine.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     assert [r.token_ids for r in results] == expected
-    window = engine.cache_stats()["sliding_window"]
-    assert window["blocks_released"] > 0 and window["tokens_dropped"] > 0
-    engine.pool.check_integrity()
-    assert engine.pool.num_used_blocks == 0
+    window = engine.stats().sliding_window
+    assert window.blocks_released > 0 and window.tokens_dropped > 0
+    engine.check_integrity()
+    assert engine.stats().sliding_window.blocks_in_use == 0
     engine.close()
 
 
@@ -38,7 +38,7 @@ def test_streaming_mode_generates_four_times_its_kv_budget_in_flat_memory(tmp_pa
     peak, tokens = 0, []
     while True:
         engine.step()
-        peak = max(peak, engine.pool.num_used_blocks)
+        peak = max(peak, engine.stats().sliding_window.blocks_in_use)
         try:
             while True:
                 out = stream.get(timeout=0)
@@ -51,10 +51,10 @@ def test_streaming_mode_generates_four_times_its_kv_budget_in_flat_memory(tmp_pa
     assert len(tokens) == new_tokens and out.finish_reason == "length"
     # sinks + window + overlap + the blocks being filled: flat, far below what the output needs
     assert peak <= (4 + 32 + 8) // 4 + 3
-    window = engine.cache_stats()["sliding_window"]
-    assert window["windows_slid"] > 5 and window["tokens_dropped"] > new_tokens // 2
-    engine.pool.check_integrity()
-    assert engine.pool.num_used_blocks == 0
+    window = engine.stats().sliding_window
+    assert window.windows_slid > 5 and window.tokens_dropped > new_tokens // 2
+    engine.check_integrity()
+    assert engine.stats().sliding_window.blocks_in_use == 0
     engine.close()
 
 

@@ -45,8 +45,9 @@ def near_draft(models, tmp_path_factory):
 
 
 def assert_clean(engine):
-    engine.pool.check_integrity()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_lookup_proposes_what_followed_the_latest_match():
@@ -71,10 +72,10 @@ def test_greedy_output_is_unchanged(models, method):
     engine = make_engine(target, **settings)
     results = engine.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
-    stats = engine.cache_stats()["speculation"]
-    assert stats["enabled"] and stats["verifications"] > 0 and stats["proposed"] > 0
+    stats = engine.stats().speculation
+    assert stats.enabled and stats.verifications > 0 and stats.proposed > 0
     if "same" in method:
-        assert stats["acceptance_rate"] == 1.0  # a draft identical to the target is always right
+        assert stats.acceptance_rate == 1.0  # a draft identical to the target is always right
     assert_clean(engine)
     engine.close()
 
@@ -112,8 +113,8 @@ def test_sampling_distribution_is_unchanged(models, near_draft):
     )
     base_second, base_pairs = second_and_third_tokens(plain)
     spec_second, spec_pairs = second_and_third_tokens(speculative)
-    stats = speculative.cache_stats()["speculation"]
-    assert stats["proposed"] >= runs and 0.05 < stats["acceptance_rate"] < 0.95  # both accept and reject paths ran
+    stats = speculative.stats().speculation
+    assert stats.proposed >= runs and 0.05 < stats.acceptance_rate < 0.95  # both accept and reject paths ran
     for a, b in ((base_second, spec_second), (base_pairs, spec_pairs)):
         stat, df = two_sample_chi_square(a, b)
         assert df >= 3

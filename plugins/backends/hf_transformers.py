@@ -13,9 +13,9 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.batch import ScheduledChunk
 from tierserve.core.config import Settings
 from tierserve.core.hookspecs import hookimpl
-from tierserve.core.scheduler import ScheduledChunk
 from tierserve.core.sequence import Sequence
 
 if TYPE_CHECKING:  # loaded when the backend is built, not when plugins are listed
@@ -65,11 +65,11 @@ class TransformersBackend(ModelBackend):
         logits = []
         for chunk in chunks:
             seq = chunk.seq
-            start = seq.num_computed_tokens
+            start = chunk.start
             if start == 0:
                 self._caches[seq.seq_id] = DynamicCache()
             cache = self._caches[seq.seq_id]
-            ids = torch.tensor([seq.token_ids[start : start + chunk.num_tokens]], device=self.device)
+            ids = torch.tensor([chunk.token_ids], device=self.device)
             positions = torch.arange(start, start + chunk.num_tokens, device=self.device)[None]
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache})
             if chunk.num_logits:

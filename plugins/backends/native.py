@@ -7,10 +7,11 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierserve.cache.kv_manager import KVSpec
 from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.batch import ScheduledChunk
 from tierserve.core.config import Settings
 from tierserve.core.hookspecs import hookimpl
-from tierserve.core.scheduler import ScheduledChunk
 
 # torch, transformers and the model load when a backend is built, so listing
 # plugins or validating settings stays fast.
@@ -49,6 +50,7 @@ class NativeBackend(ModelBackend):
     """Loads a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory and runs it paged."""
 
     paged = True
+    supports_released_kv = True
 
     def __init__(self, settings: Settings) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -80,6 +82,9 @@ class NativeBackend(ModelBackend):
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_bytes_per_block(block_size)
+
+    def kv_spec(self, block_size: int) -> KVSpec:
+        return KVSpec(self.model.kv_bytes_per_block(block_size), self.model.trained_window)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -128,9 +133,9 @@ class NativeBackend(ModelBackend):
         positions: list[int] = []
         first_row: dict[int, int] = {}
         for chunk in short + long:
-            start = chunk.seq.num_computed_tokens
+            start = chunk.start
             first_row[id(chunk)] = len(input_ids)
-            input_ids.extend(chunk.seq.token_ids[start : start + chunk.num_tokens])
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + chunk.num_tokens))
         groups: list[AttentionGroup] = []
         slot_parts: list[torch.Tensor] = []
@@ -139,8 +144,8 @@ class NativeBackend(ModelBackend):
         if short:
             tables = [c.seq.block_table for c in short]
             width = max(len(t) for t in tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).clamp(min=0)
-            starts = torch.tensor([c.seq.num_computed_tokens for c in short], dtype=torch.long)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            starts = torch.tensor([c.start for c in short], dtype=torch.long)
             lengths = torch.tensor([c.num_tokens for c in short], dtype=torch.long)
             ctx = starts + lengths
             q_len = int(lengths.max())
@@ -152,8 +157,8 @@ class NativeBackend(ModelBackend):
             new_slots = table.gather(1, write_pos // bs) * bs + write_pos % bs
             slot_parts.append(new_slots[q_valid])
             causal = (pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-            drop_start = torch.tensor([c.seq.kv_drop_start for c in short])[:, None, None]
-            drop_end = torch.tensor([c.seq.kv_drop_end for c in short])[:, None, None]
+            released = torch.tensor([c.released for c in short])
+            drop_start, drop_end = released[:, 0, None, None], released[:, 1, None, None]
             causal &= (pos[None, None, :] < drop_start) | (pos[None, None, :] >= drop_end)  # released by a window
             masks: dict[int | None, torch.Tensor | None] = {}
             for window in windows:
@@ -172,16 +177,17 @@ class NativeBackend(ModelBackend):
             groups.append(AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(short), q_len))
 
         for chunk in long:
-            start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
-            table = torch.tensor(chunk.seq.block_table, dtype=torch.long).clamp(min=0)
+            start, n = chunk.start, chunk.num_tokens
+            table = torch.tensor(chunk.seq.block_table, dtype=torch.long)
             pos = torch.arange(start + n)
             slots = table[pos // bs] * bs + pos % bs
             slot_parts.append(slots[start:])
             q_pos = torch.arange(start, start + n)
             causal = pos[None, :] <= q_pos[:, None]
-            dropped = chunk.seq.kv_drop_end > chunk.seq.kv_drop_start
+            drop_start, drop_end = chunk.released
+            dropped = drop_end > drop_start
             if dropped:
-                causal &= (pos[None, :] < chunk.seq.kv_drop_start) | (pos[None, :] >= chunk.seq.kv_drop_end)
+                causal &= (pos[None, :] < drop_start) | (pos[None, :] >= drop_end)
             masks = {}
             for window in windows:
                 keep = causal if window is None else causal & (pos[None, :] > q_pos[:, None] - window)

@@ -6,8 +6,9 @@ import heapq
 import itertools
 from typing import Any
 
+from tierserve.core.batch import ScheduledChunk, SchedulerOutput
 from tierserve.core.hookspecs import hookimpl
-from tierserve.core.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
+from tierserve.core.scheduler import QueueFullError, Scheduler
 from tierserve.core.sequence import Sequence, SequenceStatus
 
 
@@ -23,8 +24,8 @@ class FCFSScheduler(Scheduler):
     its prompt plus what it already generated.
     """
 
-    def __init__(self, settings, kv) -> None:
-        super().__init__(settings, kv)
+    def __init__(self, settings, kv, model=None) -> None:
+        super().__init__(settings, kv, model)
         self._waiting: list[tuple[Any, Sequence]] = []  # heap by order key
         self._running: list[Sequence] = []
         self._counter = itertools.count()
@@ -63,19 +64,18 @@ class FCFSScheduler(Scheduler):
                     self._waiting.pop()
                     heapq.heapify(self._waiting)
                     break
-        self.kv.free(seq.block_table)
+        self.kv.free(seq)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self._running.remove(seq)
-        self.kv.reset(seq)
-        seq.num_preemptions += 1
+        self.preempt(seq)
         self._push_waiting(seq)
         output.preempted.append(seq)
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
         """Allocate slots for ``seq``, preempting lower-priority running sequences; False if ``seq`` itself had to go."""
         target = seq.num_computed_tokens + num_tokens
-        while not self.kv.allocate_slots(seq.block_table, target):
+        while not self.kv.allocate_slots(seq, target):
             victim = max(self._running, key=self.order_key)
             self._preempt(victim, output)
             if victim is seq:
@@ -94,9 +94,11 @@ class FCFSScheduler(Scheduler):
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            num_draft = max(0, num_tokens - seq.num_uncomputed_tokens)
+            self.drop_drafts(seq, num_draft)  # the drafts the budget cannot cover are not verified
             if self._allocate_or_preempt(seq, num_tokens, output):
-                output.chunks.append(ScheduledChunk(seq, num_tokens))
+                output.chunks.append(ScheduledChunk(seq, num_tokens, num_draft))
                 budget -= num_tokens
         # a preemption victim may have been scheduled before it was chosen
         output.chunks = [c for c in output.chunks if c.seq.status is SequenceStatus.RUNNING]
@@ -107,7 +109,7 @@ class FCFSScheduler(Scheduler):
                 seq = self._waiting[0][-1]
                 self.kv.match_prefix(seq)  # cached prefix blocks are shared, not recomputed
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
-                if not self.kv.allocate_slots(seq.block_table, seq.num_computed_tokens + num_tokens):
+                if not self.kv.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
                     self.kv.reset(seq)  # the matched blocks stay cached for the next try
                     break
                 heapq.heappop(self._waiting)

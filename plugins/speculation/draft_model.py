@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tierserve.cache.block_pool import BlockPool, KVCacheManager
+from tierserve.cache.block_pool import BlockPool
+from tierserve.cache.kv_manager import KVCacheManager
+from tierserve.core.batch import ScheduledChunk
 from tierserve.core.errors import ConfigError
 from tierserve.core.hookspecs import hookimpl
-from tierserve.core.scheduler import ScheduledChunk
 from tierserve.core.sequence import Sequence
 from tierserve.core.speculation import Proposal, Speculator
 from tierserve.plugins.eviction.lru import LRUPolicy
@@ -42,27 +43,29 @@ class DraftModelSpeculator(Speculator):
         self.kv = KVCacheManager(BlockPool(num_blocks, block_size, LRUPolicy(num_blocks)))
         self.shadows: dict[int, Sequence] = {}
 
-    def _sync(self, seq: Sequence) -> Sequence:
+    def _sync(self, seq: Sequence, history: list[int]) -> Sequence:
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
             shadow = self.shadows[seq.seq_id] = Sequence(
                 seq_id=seq.seq_id, request_id=seq.request_id, token_ids=[], num_prompt_tokens=0, params=seq.params
             )
         common = 0
-        limit = min(shadow.num_computed_tokens, len(seq.token_ids))
-        while common < limit and shadow.token_ids[common] == seq.token_ids[common]:
+        limit = min(shadow.num_computed_tokens, len(history))
+        while common < limit and shadow.token_ids[common] == history[common]:
             common += 1
-        shadow.token_ids = list(seq.token_ids)
+        shadow.token_ids = list(history)
         shadow.num_computed_tokens = common
-        self.kv.trim(shadow.block_table, common)
+        self.kv.trim(shadow, common)
         return shadow
 
-    def propose(self, seqs, num_tokens):
+    def propose(self, requests):
         import torch
 
         from tierserve.core.sampler import SamplingRow, draw, filtered_probs
 
-        shadows = [self._sync(seq) for seq in seqs]
+        seqs = [r.seq for r in requests]
+        num_tokens = [r.num_tokens for r in requests]
+        shadows = [self._sync(r.seq, r.token_ids) for r in requests]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live = list(range(len(seqs)))
@@ -71,7 +74,7 @@ class DraftModelSpeculator(Speculator):
             chunks, owners = [], []
             for i in live:
                 shadow = shadows[i]
-                if self.kv.allocate_slots(shadow.block_table, shadow.num_tokens):
+                if self.kv.allocate_slots(shadow, shadow.num_tokens):
                     chunks.append(ScheduledChunk(shadow, shadow.num_uncomputed_tokens))
                     owners.append(i)
             if not chunks:
@@ -100,11 +103,11 @@ class DraftModelSpeculator(Speculator):
     def release(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
-            self.kv.free(shadow.block_table)
+            self.kv.free(shadow)
 
     def close(self) -> None:
         for shadow in self.shadows.values():
-            self.kv.free(shadow.block_table)
+            self.kv.free(shadow)
         self.shadows.clear()
         self.draft.close()
 

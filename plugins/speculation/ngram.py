@@ -44,8 +44,8 @@ class NgramSpeculator(Speculator):
             raise ValueError(f"speculative.ngram_min ({spec.ngram_min}) must not exceed ngram_max ({spec.ngram_max})")
         self.ngram_min, self.ngram_max = spec.ngram_min, spec.ngram_max
 
-    def propose(self, seqs, num_tokens):
-        return [Proposal(lookup(seq.token_ids, self.ngram_min, self.ngram_max, k)) for seq, k in zip(seqs, num_tokens)]
+    def propose(self, requests):
+        return [Proposal(lookup(r.token_ids, self.ngram_min, self.ngram_max, r.num_tokens)) for r in requests]
 
 
 @hookimpl

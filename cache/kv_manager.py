@@ -1,0 +1,195 @@
+"""Per-sequence block tables on the L1 pool: allocation, prefix reuse, rollback and window release.
+
+The scheduler owns one ``KVCacheManager`` and asks it for everything KV:
+
+    match_prefix(seq)        a new or preempted sequence starts from its longest cached prefix
+    allocate_slots(seq, n)   grow the table to cover positions [0, n) (lookahead slots for drafts included)
+    cache_computed(seq)      publish newly completed blocks to the prefix cache
+    trim(seq, n)             give back blocks past position n (rejected drafts)
+    release_out_of_window(seq)   free blocks no future token attends to (sliding windows)
+    free(seq) / reset(seq)   finished, aborted or preempted
+
+Released blocks leave a placeholder in the table (``PLACEHOLDER_BLOCK``) so
+positions keep their indices; the chunk tells the backend which key
+positions were released (``ScheduledChunk.released``), and no backend ever
+reads a placeholder's content unmasked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tierserve.cache.block_pool import BlockPool
+from tierserve.core.outputs import RequestCacheInfo
+
+if TYPE_CHECKING:
+    from tierserve.cache.store import TieredStore
+    from tierserve.core.sequence import Sequence
+
+PLACEHOLDER_BLOCK = 0  # what a released entry of a block table points at; never written through it
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """What the KV manager must know of a model's KV layout (``ModelBackend.kv_spec``).
+
+    Attributes:
+        block_bytes: bytes one block of ``block_size`` tokens takes across all layers.
+        sliding_window: set when EVERY layer attends only to the last
+            ``sliding_window`` positions (a trained window, e.g. Mistral's), so
+            older KV is never read again and its blocks can be released.
+    """
+
+    block_bytes: int
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingWindow:
+    """Opt-in long-sequence mode: keep ``sink_tokens`` plus the last ``window_size`` tokens;
+    release in steps once ``window_overlap`` tokens past the window have piled up."""
+
+    sink_tokens: int
+    window_size: int
+    window_overlap: int
+
+
+@dataclass(slots=True)
+class WindowStats:
+    """Sliding-window counters: slides, tokens whose KV was dropped, blocks released."""
+
+    windows_slid: int = 0
+    tokens_dropped: int = 0
+    blocks_released: int = 0
+
+
+class KVCacheManager:
+    """Block tables on top of a ``BlockPool``, with prefix reuse when a store is attached.
+
+    Args:
+        pool: the L1 block pool.
+        store: the tiered prefix store, or ``None`` (no prefix caching).
+        spec: the model's KV layout (a trained sliding window releases blocks).
+        streaming: the settings of streaming mode, for sequences that use it.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        store: TieredStore | None = None,
+        spec: KVSpec | None = None,
+        streaming: StreamingWindow | None = None,
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.spec = spec or KVSpec(block_bytes=0)
+        self.streaming = streaming
+        self.block_size = pool.block_size
+        self.window_stats = WindowStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.pool.num_blocks * self.block_size
+
+    def blocks_needed(self, num_tokens: int, num_held: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - num_held)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``allocate_slots(seq, num_tokens)`` would succeed now."""
+        return self.blocks_needed(num_tokens, len(seq.block_table)) <= self.pool.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq.block_table`` to cover positions ``[0, num_tokens)``; False (and no change) if the pool is short."""
+        needed = self.blocks_needed(num_tokens, len(seq.block_table))
+        if needed > self.pool.num_free_blocks:
+            return False
+        if needed:
+            seq.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Start a sequence that holds no blocks from its longest cached prefix, and record the accounting."""
+        if seq.block_table or seq.num_computed_tokens:
+            return
+        usable = (seq.num_tokens - 1) // self.block_size  # never the last token: its logits are needed
+        if self.store is not None and seq.use_prefix_cache:
+            match = self.store.match_prefix(seq)
+            info = RequestCacheInfo(match.lookup_blocks, dict(match.hits), seq.num_cached_tokens, match.seconds)
+        else:
+            info = RequestCacheInfo(lookup_blocks=usable)
+        seq.cache_info = info
+        seq.cache_info_pending = True
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed blocks to the prefix cache."""
+        if self.store is not None:
+            self.store.register_computed(seq)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free trailing blocks that ``num_tokens`` tokens no longer need (rejected drafts)."""
+        keep = -(-num_tokens // self.block_size)
+        table = seq.block_table
+        if len(table) > keep:
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks, tail first so shared prefix blocks stay cached longest."""
+        first, end = seq.released_blocks
+        held = [block for index, block in enumerate(seq.block_table) if not first <= index < end]
+        self.pool.free(held[::-1])
+        seq.block_table.clear()
+        seq.released_blocks = (0, 0)
+
+    def reset(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and forget its progress (preemption, or a failed admission)."""
+        self.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_registered_blocks = 0
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Free the blocks no future token of ``seq`` will attend to (a trained window, or streaming mode)."""
+        bs = self.block_size
+        if self.spec.sliding_window is not None:
+            start, end = 0, max(0, (seq.num_computed_tokens - self.spec.sliding_window) // bs) * bs
+        elif seq.streaming and self.streaming is not None:
+            window = self.streaming
+            start = -(-window.sink_tokens // bs) * bs  # sinks are kept in whole blocks
+            kept_from = max(seq.kv_drop_end, start)
+            if seq.num_computed_tokens - kept_from <= window.window_size + window.window_overlap:
+                return
+            end = max(start, (seq.num_computed_tokens - window.window_size) // bs * bs)
+        else:
+            return
+        if end <= seq.kv_drop_end or end <= start:
+            return
+        first = max(start, seq.kv_drop_end) // bs
+        released = self._release(seq, first, end // bs)
+        stats = self.window_stats
+        stats.windows_slid += 1
+        stats.tokens_dropped += end - max(start, seq.kv_drop_end)
+        stats.blocks_released += released
+        seq.windows_slid += 1
+        seq.kv_drop_start, seq.kv_drop_end = start, end
+
+    def _release(self, seq: Sequence, first: int, last: int) -> int:
+        """Free table entries ``first..last-1`` (placeholders afterwards); returns how many were held."""
+        table = seq.block_table
+        done_first, done_end = seq.released_blocks
+        held = [table[i] for i in range(first, last) if not done_first <= i < done_end]
+        self.pool.free(held)
+        table[first:last] = [PLACEHOLDER_BLOCK] * (last - first)
+        if done_end == done_first:
+            seq.released_blocks = (first, last)
+        else:
+            seq.released_blocks = (min(done_first, first), max(done_end, last))
+        return len(held)

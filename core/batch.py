@@ -1,0 +1,108 @@
+"""The typed records one engine step passes along: scheduler → model runner → scheduler.
+
+    Scheduler.schedule() ─► SchedulerOutput (chunks: which tokens of which sequence run now)
+    ModelRunner.execute(SchedulerOutput) ─► RunnerOutput (sampled tokens, next drafts)
+    Scheduler.update_from_output(SchedulerOutput, RunnerOutput) ─► CoreOutputs
+
+A chunk names its tokens explicitly: the sequence's own tokens from ``start``,
+then any speculative drafts, which live apart from the sequence's tokens
+(``Sequence.spec_token_ids``) until verification accepts them. A decoding
+sequence with drafts is still a decode (one real token), scheduled with
+lookahead slots for its drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierserve.core.sampler import SampledToken
+    from tierserve.core.sequence import Sequence
+    from tierserve.core.speculation import Proposal
+
+
+@dataclass(slots=True, eq=False)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` from position ``start`` run this step.
+
+    The last ``num_draft`` of them are the sequence's speculative drafts
+    (``seq.spec_token_ids[:num_draft]``); the others are
+    ``seq.token_ids[start : start + num_tokens - num_draft]``. Their KV goes to
+    the slots of ``seq.block_table`` (already allocated by the scheduler).
+    """
+
+    seq: Sequence
+    num_tokens: int
+    num_draft: int = 0
+    start: int = -1  # -1: the sequence's num_computed_tokens when the chunk was made
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.seq.num_computed_tokens
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the sequence itself (not drafts) this chunk computes."""
+        return self.num_tokens - self.num_draft
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens, drafts last."""
+        end = self.start + self.num_tokens - self.num_draft
+        ids = self.seq.token_ids[self.start : end]
+        if self.num_draft:
+            ids = ids + self.seq.spec_token_ids[: self.num_draft]
+        return ids
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk brings the sequence up to date, so the step samples its next token."""
+        return self.start + self.num_tokens - self.num_draft == self.seq.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows the backend returns for this chunk: one per draft plus one, if it samples."""
+        return self.num_draft + 1 if self.samples else 0
+
+    @property
+    def released(self) -> tuple[int, int]:
+        """Key positions ``[first, end)`` whose KV a sliding window released: never attend to them.
+
+        Their block-table entries point at a placeholder block. ``(0, 0)``: nothing released.
+        """
+        return self.seq.kv_drop_start, self.seq.kv_drop_end
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch: the chunks to run, and the sequences preempted to make room."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)  # when the step began (monotonic clock)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the model runner made of a batch.
+
+    Attributes:
+        sampled: per ``seq_id`` of every chunk that sampled, the tokens to
+            append, in order: one, or with drafts the accepted drafts then the
+            target's own token.
+        proposals: per ``seq_id``, drafts for the sequence's next step (only
+            for sequences that speculate).
+    """
+
+    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
+    proposals: dict[int, Proposal] = field(default_factory=dict)

@@ -1,0 +1,38 @@
+"""The engine: an ``EngineCore`` that steps (schedule → run → update) behind an ``EngineClient``.
+
+    client.py            EngineClient: tokenize, validate, submit, stream, abort, cache admin, statistics
+    output_processor.py  token ids → text deltas, stop strings, timings (client side)
+    drivers.py           the core inline or on a background thread
+    process.py           the core in a child process
+    loop.py              applies messages between steps, publishes outputs and snapshots
+    core.py              EngineCore: requests, scheduler, runner; one step = three calls
+    runner.py            ModelRunner: forward, sampling, draft verification, next drafts
+    builder.py           settings → backend, pool, store, KV manager, scheduler, runner, core
+    requests.py          EngineRequest, RequestError, the context-length rule
+    messages.py          what crosses between client and core
+    stats.py             typed statistics and the published snapshot
+
+The server and the CLI import ``EngineClient`` (and the request/output types) only.
+"""
+
+from __future__ import annotations
+
+from tierserve.core.engine.client import EngineClient
+from tierserve.core.engine.messages import ModelInfo
+from tierserve.core.engine.output_processor import RequestStream
+from tierserve.core.engine.requests import RequestError, read_warm_prompts
+from tierserve.core.engine.stats import EngineSnapshot
+from tierserve.core.outputs import CompletedRequest, RequestOutput, RequestTimings, TokenLogprob
+
+__all__ = [
+    "CompletedRequest",
+    "EngineClient",
+    "EngineSnapshot",
+    "ModelInfo",
+    "RequestError",
+    "RequestOutput",
+    "RequestStream",
+    "RequestTimings",
+    "TokenLogprob",
+    "read_warm_prompts",
+]

@@ -1,0 +1,144 @@
+"""Assembling an engine from settings: backend, pool, store, KV manager, scheduler, runner, core, client.
+
+Every component comes from the plugin registries, by the names the settings
+give, exactly as an outside plugin's would.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from tierserve.cache.block_pool import BlockPool
+from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
+from tierserve.cache.store import TieredStore
+from tierserve.core.engine.core import EngineCore
+from tierserve.core.engine.messages import ModelInfo
+from tierserve.core.engine.requests import read_warm_prompts
+from tierserve.core.engine.runner import ModelRunner
+from tierserve.core.errors import ConfigError
+from tierserve.core.plugins import PluginManager, load_plugins
+from tierserve.core.scheduler import ModelLimits
+
+if TYPE_CHECKING:
+    from tierserve.core.backend import ModelBackend
+    from tierserve.core.config import Settings
+    from tierserve.core.engine.client import EngineClient
+
+log = structlog.get_logger(__name__)
+
+
+def build_core(settings: Settings, plugins: PluginManager | None = None) -> EngineCore:
+    """The engine core ``settings`` describe, built in this process."""
+    plugins = plugins or load_plugins()
+    backend: ModelBackend = plugins.registry("backends").get(settings.model.backend).factory(settings)
+    kv = settings.kv_cache
+    spec = backend.kv_spec(kv.block_size)
+    num_blocks = kv.l1_capacity
+    if kv.l1_max_bytes is not None and spec.block_bytes:
+        num_blocks = max(1, kv.l1_max_bytes // spec.block_bytes)
+    policies = plugins.registry("eviction_policies")
+    pool = BlockPool(num_blocks, kv.block_size, policies.get(kv.eviction_policy).factory(num_blocks))
+    backend.allocate_kv_cache(num_blocks, kv.block_size)
+    store = build_store(settings, plugins, backend, pool)
+    window = settings.sliding_window
+    manager = KVCacheManager(
+        pool, store, spec, StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap)
+    )
+    limits = ModelLimits(backend.max_model_len, backend.eos_token_ids)
+    scheduler = plugins.registry("schedulers").get(settings.scheduler.name).factory(settings.scheduler, manager, model=limits)
+    speculative = settings.speculative
+    speculator = None
+    if speculative.method and not backend.paged:
+        raise ConfigError(
+            f"speculative.method = {speculative.method!r} needs a paged backend (drafts are rolled "
+            f"back in the block arena); model.backend {settings.model.backend!r} keeps its own cache"
+        )
+    if speculative.method:
+        speculator = plugins.registry("speculators").get(speculative.method).factory(settings, backend)
+    runner = ModelRunner(
+        backend, speculator, max_draft_tokens=speculative.num_speculative_tokens, adaptive=speculative.adaptive
+    )
+    core = EngineCore(settings, scheduler, runner, store)
+    log.info(
+        "engine_ready",
+        model=str(getattr(backend, "path", settings.model.path)),
+        device=str(backend.device),
+        dtype=str(backend.dtype),
+        kv_blocks=num_blocks,
+        block_size=kv.block_size,
+        prefix_cache=store is not None,
+        tiers=store.tier_names if store is not None else [],
+    )
+    return core
+
+
+def build_store(settings: Settings, plugins: PluginManager, backend: ModelBackend, pool: BlockPool) -> TieredStore | None:
+    """The tiered prefix store, or None when prefix caching is off or the backend is not paged."""
+    kv = settings.kv_cache
+    if not kv.enable_prefix_caching or not backend.paged:
+        return None
+    policies = plugins.registry("eviction_policies")
+    tiers = plugins.registry("cache_tiers")
+    l2 = l3 = None
+    if kv.l2_capacity > 0 and kv.max_memory_bytes > 0:
+        policy = policies.get(kv.l2_eviction_policy or kv.eviction_policy).factory
+        l2 = tiers.get(kv.l2_tier).factory(kv, policy, backend.fingerprint)
+    if kv.disk_path:
+        policy = policies.get(kv.l3_eviction_policy or kv.eviction_policy).factory
+        l3 = tiers.get(kv.l3_tier).factory(kv, policy, backend.fingerprint)
+    return TieredStore(pool, backend, backend.fingerprint, l2, l3, write_through=kv.persistence)
+
+
+def model_info(core: EngineCore) -> ModelInfo:
+    """The static facts a client needs about the model ``core`` serves."""
+    backend = core.backend
+    settings = core.settings
+    store = core.store
+    return ModelInfo(
+        path=str(getattr(backend, "path", settings.model.path)),
+        backend=settings.model.backend,
+        device=str(backend.device),
+        dtype=str(backend.dtype).removeprefix("torch."),
+        fingerprint=backend.fingerprint,
+        max_model_len=backend.max_model_len,
+        vocab_size=backend.vocab_size,
+        eos_token_ids=frozenset(backend.eos_token_ids),
+        paged=backend.paged,
+        block_size=core.kv.block_size,
+        kv_blocks=core.kv.num_blocks,
+        kv_block_bytes=core.kv.spec.block_bytes,
+        tier_names=tuple(store.tier_names) if store is not None else (),
+        speculator=settings.speculative.method if core.runner.speculator is not None else None,
+        supports_streaming_window=backend.paged and backend.supports_released_kv,
+    )
+
+
+def warm_prompts(settings: Settings) -> list[str]:
+    """The prompts ``[kv_cache] warm_prompts`` and ``warm_prompts_file`` ask to warm at start."""
+    kv = settings.kv_cache
+    prompts = list(kv.warm_prompts)
+    if kv.warm_prompts_file:
+        prompts += read_warm_prompts(kv.warm_prompts_file)
+    return prompts
+
+
+def connect(settings: Settings, plugins: PluginManager | None, *, process: bool) -> EngineClient:
+    """A client attached to a new core: in this process (stepped by hand until ``start``), or in a child process."""
+    from tierserve.core.engine.client import EngineClient
+
+    if process:
+        from tierserve.core.engine.process import spawn_core
+
+        client = spawn_core(settings, plugins)
+    else:
+        from tierserve.core.engine.drivers import InProcessDriver
+
+        core = build_core(settings, plugins)
+        client = EngineClient(settings, model_info(core), core.backend.tokenizer)
+        client.driver = InProcessDriver(core, client.receive)
+    prompts = warm_prompts(settings)
+    if prompts:
+        client.warm(prompts)
+    return client

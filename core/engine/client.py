@@ -1,0 +1,385 @@
+"""``EngineClient``: the one object the server, the CLI and scripts use to talk to an engine core.
+
+    tokenize, validate ─► submit ─► driver queue ─► EngineCore (thread or child process)
+                                                        │ StepOutputs (token ids, snapshot)
+    request streams ◄── output processor (detokenize, stop strings) ◄──┘
+
+It never reads the core's pool, scheduler or backend: static facts come in a
+``ModelInfo`` at start, statistics in the snapshots the core publishes, and
+everything else is a message. ``EngineClient.from_settings`` picks where the
+core runs (``[server] engine_process``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+from collections.abc import AsyncIterator, Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+from tierserve.core.detokenizer import IncrementalDetokenizer
+from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
+from tierserve.core.engine.output_processor import OutputProcessor, RequestState, RequestStream
+from tierserve.core.engine.requests import EngineRequest, RequestError, batch_by_tokens, check_fits, check_request
+from tierserve.core.engine.stats import EngineSnapshot, empty_snapshot
+from tierserve.core.outputs import CompletedRequest, RequestOutput, TokenLogprob
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.scheduler import QueueFullError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierserve.core.beam_search import BeamResult, BeamSearchParams
+    from tierserve.core.config import Settings
+    from tierserve.core.plugins import PluginManager
+
+
+class EngineClient:
+    """Submit, stream, abort, manage the cache and read statistics of one engine core.
+
+    Built with ``from_settings``; ``driver`` is where the core runs (see
+    ``drivers.py`` and ``process.py``), ``tokenizer`` the checkpoint's.
+    """
+
+    def __init__(self, settings: Settings, info: ModelInfo, tokenizer: Any) -> None:
+        self.settings = settings
+        self.info = info
+        self.tokenizer = tokenizer
+        self.driver: Any = None  # attached by the builder before any request
+        self._processor = OutputProcessor(info.eos_token_ids, info.kv_block_bytes, self._abort_in_core)
+        self._snapshot = empty_snapshot(info.kv_blocks)
+        self._core_waiting = 0
+        self._unacknowledged = 0
+        self._counter = itertools.count()
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, plugins: PluginManager | None = None, *, process: bool | None = None
+    ) -> EngineClient:
+        """Build the core (in this process, or in a child process when ``process`` or
+        ``settings.server.engine_process`` says so) and a client attached to it; warm the preset prompts."""
+        from tierserve.core.engine.builder import connect
+
+        return connect(settings, plugins, process=settings.server.engine_process if process is None else process)
+
+    # ---- prompts ----------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: Seq[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids for a text prompt, token ids, or chat messages (the checkpoint's chat template)."""
+        if messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError("messages: this model's tokenizer has no chat template; send a prompt instead", param="messages")
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if prompt is None:
+            raise RequestError("prompt: required (a string or a list of token ids)", param="prompt")
+        ids = list(prompt)
+        vocab = self.info.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt: token ids must be integers in [0, {vocab})", param="prompt")
+        return ids
+
+    def decode(self, token_ids: Seq[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        use_prefix_cache: bool = True,
+        speculate: bool | None = None,
+        sliding_window: bool | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> tuple[str, RequestStream]:
+        """Queue a tokenised request from any thread; deltas arrive on the returned stream.
+
+        ``speculate``: ``None`` follows the settings (on when ``[speculative] method``
+        is set); requests with penalties or logprobs decode without drafts.
+
+        Raises:
+            RequestError: empty prompt, or prompt + max_tokens beyond the context or KV capacity.
+            QueueFullError: the waiting queue is full (back-pressure).
+        """
+        ids = list(prompt_token_ids)
+        streaming = self.settings.sliding_window.enabled if sliding_window is None else sliding_window
+        speculate = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
+        request_id = request_id or f"req-{next(self._counter)}-{self._rng.getrandbits(32):08x}"
+        with self._lock:
+            waiting = self._core_waiting + self._unacknowledged
+            limit = self.settings.scheduler.max_waiting_requests
+            if waiting >= limit:
+                raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests = {limit}); retry later")
+            if request_id in self._processor.requests:
+                raise RequestError(f"request_id: {request_id!r} is already in flight", param="request_id")
+            stream = RequestStream(loop)
+            request = EngineRequest(request_id, ids, params, priority, cache_salt, use_prefix_cache, speculate, streaming)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            )
+            self._processor.add(RequestState(request_id, stream, detokenizer, params, len(ids), request.arrival_time))
+            self._unacknowledged += 1
+        try:
+            self.driver.send(request)
+        except BaseException:
+            with self._lock:
+                self._processor.requests.pop(request_id, None)
+                self._unacknowledged -= 1
+            raise
+        return request_id, stream
+
+    async def add_request(
+        self,
+        prompt: str | Seq[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Seq[dict[str, Any]] | None = None,
+        **options: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas; leaving the loop early (client gone) aborts it.
+
+        ``options`` are ``submit``'s keyword arguments (``request_id``, ``priority``, ...).
+        """
+        ids = self.encode_prompt(prompt, messages)
+        request_id, stream = self.submit(ids, params or SamplingParams(), loop=asyncio.get_running_loop(), **options)
+        async for output in self.outputs(request_id, stream):
+            yield output
+
+    async def outputs(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """A submitted request's deltas; leaving early (client gone, cancelled) aborts it and frees its blocks."""
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get_async()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step and free its blocks (thread-safe; unknown ids are ignored)."""
+        self.driver.send(Abort([request_id]))
+
+    def in_flight(self) -> list[str]:
+        """Ids of the requests this client is still streaming."""
+        return list(self._processor.requests)
+
+    def fail(self, request_id: str) -> None:
+        """End a request's stream as aborted without asking the core (its core is gone)."""
+        self._processor.fail(request_id)
+
+    def _abort_in_core(self, request_id: str) -> None:
+        """The client ended a request on a stop string: the core stops it too (not counted as an abort)."""
+        self.driver.send(Abort([request_id], "stop"))
+
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        priorities: Seq[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[CompletedRequest]:
+        """Run prompts to completion (all submitted at once, batched continuously)."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        submitted = []
+        for index, prompt in enumerate(prompts):
+            ids = self.encode_prompt(prompt)
+            priority = priorities[index] if priorities else 0
+            submitted.append((ids, *self.submit(ids, params_list[index], priority=priority, cache_salt=cache_salt)))
+        results = []
+        for ids, request_id, stream in submitted:
+            tokens: list[int] = []
+            text: list[str] = []
+            logprobs: list[TokenLogprob] = []
+            while True:
+                output = self.next_output(stream)
+                tokens.extend(output.token_ids)
+                text.append(output.text)
+                logprobs.extend(output.logprobs or [])
+                if output.finished:
+                    break
+            results.append(
+                CompletedRequest(
+                    request_id, ids, tokens, "".join(text), output.finish_reason, output.cached_tokens,
+                    logprobs if logprobs else None,
+                )
+            )
+        return results
+
+    def next_output(self, stream: RequestStream) -> RequestOutput:
+        """The next delta of a blocking stream, stepping the core meanwhile if nothing else drives it."""
+        import queue
+
+        if self.driver.threaded or self.driver.running:
+            return stream.get()
+        while True:
+            try:
+                return stream.get(timeout=0)
+            except queue.Empty:
+                self.driver.step()
+
+    def receive(self, message: StepOutputs) -> None:
+        """Called by the driver (on the core's thread, or the pipe reader's) with each round's outputs."""
+        with self._lock:
+            if message.snapshot is not None:
+                self._snapshot = message.snapshot
+            self._unacknowledged -= message.num_added
+            self._core_waiting = message.requests_waiting
+        self._processor.process(message.outputs)
+
+    # ---- cache and statistics --------------------------------------------------------------
+
+    def warm(self, prompts: Seq[str | Seq[int]], cache_salt: str | None = None) -> int:
+        """Prefill ``prompts`` and keep their KV in the cache tiers; returns the tokens now cached."""
+        if not self.info.tier_names:
+            raise RequestError(
+                "warm: prefix caching is off (kv_cache.enable_prefix_caching) or the backend is not paged", param="prompts"
+            )
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        ids = [self.encode_prompt(p) for p in prompts]
+        streams = [self.submit(i, params, cache_salt=cache_salt)[1] for i in ids]
+        for stream in streams:
+            while not self.next_output(stream).finished:
+                pass
+        self.driver.call("flush_cache")
+        bs = self.info.block_size
+        return sum((len(i) // bs) * bs for i in ids)
+
+    def clear_cache(self, tier: str = "all") -> dict[str, int]:
+        """Drop cached prefixes of one tier (a name from ``info.tier_names``) or ``all``; safe while requests run."""
+        return self.driver.call("clear_cache", tier)
+
+    def offload_cache(self) -> int:
+        """Move idle L1 prefix blocks down to the next tier, freeing the live pool; returns blocks moved."""
+        return self.driver.call("offload_cache")
+
+    def flush_cache(self) -> None:
+        """Wait until queued tier writes are stored."""
+        self.driver.call("flush_cache")
+
+    def stats(self) -> EngineSnapshot:
+        """The latest statistics the core published (never waits for a step)."""
+        if not (self.driver.threaded or self.driver.running):
+            return self.driver.call("snapshot")  # nothing else drives the core: read it now
+        return self._snapshot
+
+    cache_stats = stats
+
+    def check_integrity(self) -> None:
+        """Assert the pool's, index's and tiers' invariants (between steps)."""
+        self.driver.call("check_integrity")
+
+    def embed(self, inputs: Seq[str | Seq[int]]) -> tuple[torch.Tensor, int]:
+        """Mean-pooled, L2-normalised final hidden states of each input, and the tokens they took.
+
+        Inputs are texts or token ids; each is embedded on its own (no KV is read
+        or cached), between steps, in batches of at most
+        ``scheduler.max_num_batched_tokens`` tokens.
+
+        Raises:
+            RequestError: an input that is empty, holds invalid token ids, or is
+                longer than the model's context length.
+        """
+        import torch
+
+        if not inputs:
+            raise RequestError("input: must hold at least one text or list of token ids", param="input")
+        token_ids: list[list[int]] = []
+        for index, item in enumerate(inputs):
+            try:
+                ids = self.encode_prompt(item)
+            except RequestError as exc:  # encode_prompt names the field "prompt"
+                raise RequestError(f"input: item {index}: {exc.message.partition(': ')[2]}", param="input") from None
+            if not ids:
+                raise RequestError(f"input: item {index} is empty; send at least one token of text", param="input")
+            if len(ids) > self.info.max_model_len:
+                raise RequestError(
+                    f"input: item {index} has {len(ids)} tokens, which exceeds the model's context length "
+                    f"{self.info.max_model_len}; shorten or split it",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+            token_ids.append(ids)
+        batches = batch_by_tokens(token_ids, self.settings.scheduler.max_num_batched_tokens)
+        vectors = [self.driver.call("embed", batch) for batch in batches]
+        return torch.cat(vectors), sum(len(ids) for ids in token_ids)
+
+    def beam_search(self, prompt: str | Seq[int], params: BeamSearchParams) -> list[BeamResult]:
+        """Beam search, equal to transformers' ``generate(num_beams=params.beam_width, do_sample=False)``.
+
+        The whole search runs as one command between steps, so a beam request
+        occupies the engine from prefill to its last token.
+
+        Raises:
+            RequestError: an empty prompt, a backend without a paged KV arena, or
+                prompt + max_tokens beyond the context length or beyond what the
+                whole KV cache can hold for ``beam_width`` beams.
+            QueueFullError: too few KV blocks are free now; retry later.
+        """
+        from tierserve.core.beam_search import beam_search_blocks
+
+        info = self.info
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise RequestError("prompt: must contain at least one token", param="prompt")
+        if not info.paged:
+            raise RequestError(
+                f"beam_width: beam search needs a paged KV arena, which the {info.backend!r} "
+                'backend does not keep; serve the model with model.backend = "native"',
+                param="beam_width",
+            )
+        check_fits(len(ids), params.max_tokens, info.max_model_len, None)
+        needed = beam_search_blocks(len(ids), params, info.block_size)
+        if needed > info.kv_blocks:
+            raise RequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) over "
+                f"{params.beam_width} beams may need {needed} KV blocks, more than the cache holds "
+                f"({info.kv_blocks}); lower max_tokens or beam_width",
+                param="max_tokens",
+            )
+        return self.driver.call("beam_search", ids, params)
+
+    # ---- running --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the core on its own (a background thread; a child process already runs)."""
+        self.driver.start()
+
+    def step(self) -> None:
+        """Run one step on the caller's thread (a core nothing else drives: scripts and tests)."""
+        self.driver.step()
+
+    def has_work(self) -> bool:
+        return self.driver.has_work()
+
+    def shutdown(self) -> None:
+        """Stop driving the core; every unfinished request ends as aborted."""
+        self.driver.shutdown()
+
+    def close(self) -> None:
+        """Shut down, flush queued tier writes and release the tiers and the model."""
+        self.driver.close()

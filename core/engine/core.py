@@ -1,0 +1,225 @@
+"""The engine core: one step at a time, three calls, on one thread (or in its own process).
+
+    step():  batch  = scheduler.schedule()                    which tokens of which sequences, KV slots allocated
+             result = runner.execute(batch)                   forward, sampling, draft verification, next drafts
+             outputs = scheduler.update_from_output(batch, result)   append, stop checks, free, publish blocks
+
+Everything else arrives between steps as a command from the client: add,
+abort, cache management, embeddings, beam search. Nothing here is touched
+by any other thread, so nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from tierserve.core.engine.requests import EngineRequest, RequestError
+from tierserve.core.engine.runner import ModelRunner
+from tierserve.core.engine.stats import EngineCounters, EngineSnapshot, SpeculationSnapshot, WindowSnapshot
+from tierserve.core.outputs import CoreOutput
+from tierserve.core.scheduler import QueueFullError, Scheduler
+from tierserve.core.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from tierserve.cache.store import TieredStore
+    from tierserve.core.beam_search import BeamResult, BeamSearchParams
+    from tierserve.core.config import Settings
+    from tierserve.core.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class EngineCore:
+    """Requests, a scheduler (which owns the KV manager) and a model runner, stepped together.
+
+    Args:
+        settings: all settings (budgets, speculation and window defaults).
+        scheduler: the scheduler plugin, already holding its ``KVCacheManager``.
+        runner: the model runner over the backend (and speculator).
+        store: the tiered prefix store, or ``None`` when prefix caching is off.
+    """
+
+    def __init__(
+        self, settings: Settings, scheduler: Scheduler, runner: ModelRunner, store: TieredStore | None = None
+    ) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.runner = runner
+        self.store = store
+        self.kv = scheduler.kv
+        self.counters = EngineCounters()
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._rng = random.Random()
+        scheduler.on_release = runner.release
+
+    @property
+    def backend(self):
+        return self.runner.backend
+
+    # ---- requests ------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> list[CoreOutput]:
+        """Queue a request; a full queue or a duplicate id ends it at once (an ``abort`` output)."""
+        if request.request_id in self.requests:
+            log.warning("request_id_in_flight", request_id=request.request_id)
+            return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
+        seq = Sequence(
+            seq_id=self.next_seq_id(),
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=request.params,
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+            generator=self._generator(request.params),
+            cache_salt=request.cache_salt,
+            use_prefix_cache=request.use_prefix_cache,
+            speculate=request.speculate,
+            spec_k=self.runner.max_draft_tokens,
+            streaming=request.streaming,
+        )
+        try:
+            self.scheduler.add(seq)
+        except QueueFullError:
+            return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
+        self.requests[request.request_id] = seq
+        self.counters.requests_added += 1
+        self.counters.prompt_tokens += seq.num_prompt_tokens
+        return []
+
+    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> list[CoreOutput]:
+        """End requests now and free their blocks (unknown or finished ids are ignored).
+
+        ``reason`` is ``STOP`` when the client ended the request itself (a stop string).
+        """
+        outputs = []
+        for request_id in request_ids:
+            seq = self.requests.pop(request_id, None)
+            if seq is None or seq.is_finished:
+                continue
+            self.scheduler.finish_sequence(seq, reason)
+            if reason is FinishReason.ABORT:
+                self.counters.requests_aborted += 1
+            self.counters.requests_finished += 1
+            outputs.append(CoreOutput(request_id, [], reason.value))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[CoreOutput]:
+        """One schedule → execute → update round; the outputs of every request it advanced."""
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch)
+        outputs = self.scheduler.update_from_output(batch, result)
+        if not batch.is_empty:
+            self.counters.steps += 1
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.requests.pop(output.request_id, None)
+                self.counters.requests_finished += 1
+        return outputs
+
+    def fail_all(self) -> list[CoreOutput]:
+        """After a step failed, end every request rather than leave clients waiting."""
+        return self.abort(list(self.requests))
+
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        generator = torch.Generator(device=self.backend.device)
+        generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        return generator
+
+    # ---- commands (between steps) ----------------------------------------------------
+
+    def clear_cache(self, tier: str = "all") -> dict[str, int]:
+        """Drop cached prefixes of one tier or ``all``; blocks in use keep their data."""
+        if self.store is None:
+            return {}
+        try:
+            return self.store.clear(tier)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="tiers") from None
+
+    def offload_cache(self) -> int:
+        """Move idle L1 prefix blocks down a tier, freeing the live pool; returns blocks moved."""
+        return self.store.offload() if self.store is not None else 0
+
+    def flush_cache(self) -> None:
+        """Wait until queued tier writes are stored."""
+        if self.store is not None:
+            self.store.flush()
+
+    def embed(self, batch: list[list[int]]) -> torch.Tensor:
+        """Embeddings of token id lists (each attends to itself only; no KV is read or kept)."""
+        return self.backend.embed(batch).cpu()
+
+    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams) -> list[BeamResult]:
+        """A whole beam search, run now on the step thread (running generations wait meanwhile)."""
+        from tierserve.core.beam_search import run_beam_search
+
+        return run_beam_search(
+            self.backend,
+            self.kv,
+            prompt_ids,
+            params,
+            self.backend.eos_token_ids,
+            prefill_budget=self.settings.scheduler.max_num_batched_tokens,
+            new_seq_id=self.next_seq_id,
+        )
+
+    def check_integrity(self) -> None:
+        """The pool's, index's and tiers' invariants (``AssertionError`` on a violation)."""
+        if self.store is not None:
+            self.store.check_integrity()
+        else:
+            self.kv.pool.check_integrity()
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every statistic, O(1) to build: what the client publishes to the server."""
+        import time
+
+        sched = self.scheduler.stats
+        counters = self.counters
+        counters.generation_tokens = sched.generation_tokens
+        counters.preemptions = sched.preemptions
+        counters.finish_reasons = dict(sched.finish_reasons)
+        window = self.kv.window_stats
+        spec = self.settings.speculative
+        return EngineSnapshot(
+            created=time.time(),
+            cache=self.store.snapshot() if self.store is not None else None,
+            speculation=SpeculationSnapshot.of(
+                self.runner.speculator is not None, spec.method, self.runner.spec_stats, sched.early_stops
+            ),
+            sliding_window=WindowSnapshot(
+                self.settings.sliding_window.enabled,
+                window.windows_slid,
+                window.tokens_dropped,
+                window.blocks_released,
+                self.kv.pool.num_used_blocks,
+            ),
+            counters=EngineCounters(**{name: getattr(counters, name) for name in EngineCounters.__slots__}),
+            requests_running=self.scheduler.num_running,
+            requests_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+        )
+
+    def close(self) -> None:
+        """Abort what runs, flush queued tier writes, release the tiers and the model."""
+        self.fail_all()
+        if self.store is not None:
+            self.store.close()
+        self.runner.close()

@@ -1,0 +1,87 @@
+"""The core loop: apply the client's messages between steps, step while there is work, report what happened.
+
+Transport-free: a driver feeds it messages (from an in-process queue or a
+pipe) and gives it an ``emit`` callback for ``StepOutputs`` and
+``CallResult`` records. Statistics are published with the outputs: after a
+command, after a step that finished a request, when going idle, and at
+least every ``snapshot_interval`` seconds while busy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import structlog
+
+from tierserve.core.engine.core import EngineCore
+from tierserve.core.engine.messages import Abort, Call, CallResult, StepOutputs
+from tierserve.core.engine.requests import EngineRequest
+from tierserve.core.sequence import FinishReason
+
+log = structlog.get_logger(__name__)
+
+Emit = Callable[[StepOutputs | CallResult], None]
+
+
+class CoreLoop:
+    """Drives one ``EngineCore`` for one driver.
+
+    Args:
+        core: the engine core (touched only from the thread that calls this loop).
+        emit: where outputs and call results go, in order.
+        snapshot_interval: the most seconds between two statistics snapshots while busy.
+    """
+
+    def __init__(self, core: EngineCore, emit: Emit, snapshot_interval: float = 0.1) -> None:
+        self.core = core
+        self.emit = emit
+        self.snapshot_interval = snapshot_interval
+        self._last_snapshot = 0.0
+
+    def run_once(self, messages: Iterable[Any], *, step: bool = True) -> None:
+        """Apply ``messages`` in order, then (if ``step``) run one step if any request is unfinished, then report."""
+        core = self.core
+        outputs = []
+        results: list[CallResult] = []
+        added = 0
+        for message in messages:
+            if isinstance(message, EngineRequest):
+                outputs += core.add_request(message)
+                added += 1
+            elif isinstance(message, Abort):
+                outputs += core.abort(message.request_ids, FinishReason(message.reason))
+            elif isinstance(message, Call):
+                results.append(self._call(message))
+            else:
+                raise TypeError(f"the engine core got an unknown message: {type(message).__name__}")
+        if step and core.has_unfinished():
+            try:
+                outputs += core.step()
+            except Exception:
+                log.exception("engine_step_failed")
+                outputs += core.fail_all()
+        finished = any(output.finish_reason is not None for output in outputs)
+        snapshot = None
+        now = time.monotonic()
+        if results or finished or now - self._last_snapshot >= self.snapshot_interval:
+            snapshot = core.snapshot()
+            self._last_snapshot = now
+        if outputs or snapshot is not None or added:
+            self.emit(StepOutputs(outputs, snapshot, added, core.scheduler.num_waiting))
+        for result in results:
+            self.emit(result)
+
+    def publish_if_stale(self) -> None:
+        """Publish statistics while idle, if the last snapshot is older than the interval."""
+        now = time.monotonic()
+        if now - self._last_snapshot >= self.snapshot_interval:
+            self._last_snapshot = now
+            self.emit(StepOutputs([], self.core.snapshot(), 0, self.core.scheduler.num_waiting))
+
+    def _call(self, message: Call) -> CallResult:
+        try:
+            return CallResult(message.call_id, getattr(self.core, message.method)(*message.args))
+        except Exception as exc:  # the caller gets it; the loop goes on
+            return CallResult(message.call_id, error=exc)

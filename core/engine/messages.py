@@ -1,0 +1,98 @@
+"""What travels between an ``EngineClient`` and its engine core, in either direction.
+
+    client ──► core:  EngineRequest | Abort | Call | Shutdown
+    core ──► client:  ModelInfo (once, at start) | StepOutputs | CallResult
+
+Every message is a plain picklable dataclass, so the same protocol runs over
+an in-process queue or a pipe to a child process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierserve.core.engine.stats import EngineSnapshot
+from tierserve.core.outputs import CoreOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The static facts about the served model the client needs (it never looks inside the core)."""
+
+    path: str  # the checkpoint directory (the client loads the tokenizer from it)
+    backend: str
+    device: str
+    dtype: str
+    fingerprint: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    paged: bool
+    block_size: int
+    kv_blocks: int
+    kv_block_bytes: int
+    tier_names: tuple[str, ...]  # ("l1", ...) when prefix caching is on, else ()
+    speculator: str | None  # the configured speculation method, if any
+    supports_streaming_window: bool
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+
+@dataclass(slots=True)
+class Abort:
+    """End these requests and free their blocks (unknown ids are ignored).
+
+    ``reason`` is ``"abort"`` (client gone, cancelled) or ``"stop"`` (the client
+    found a stop string: the request ended normally, the core just did not know).
+    """
+
+    request_ids: list[str]
+    reason: str = "abort"
+
+
+@dataclass(slots=True)
+class Call:
+    """Run ``EngineCore.<method>(*args)`` between steps and answer with a ``CallResult``."""
+
+    call_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(slots=True)
+class CallResult:
+    call_id: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Abort everything, flush the tiers, release the model, and stop."""
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What one round of the core loop produced.
+
+    Attributes:
+        outputs: per-request records of this round (steps, aborts, refused adds).
+        snapshot: fresh statistics, when the round published some.
+        num_added: requests the core took off its queue this round.
+        requests_waiting: the scheduler's waiting queue after the round (back-pressure).
+    """
+
+    outputs: list[CoreOutput] = field(default_factory=list)
+    snapshot: EngineSnapshot | None = None
+    num_added: int = 0
+    requests_waiting: int = 0
+
+
+@dataclass(slots=True)
+class LoadFailed:
+    """The core could not be built (sent instead of ``ModelInfo``)."""
+
+    error: str

@@ -1,0 +1,200 @@
+"""The engine core in a child process (``[server] engine_process = true``).
+
+    server process                                   core process (spawned)
+    EngineClient ── send: EngineRequest/Abort/Call ──► pipe ──► CoreLoop ─► EngineCore.step()
+    reader thread ◄── StepOutputs/CallResult ──────── pipe ◄──┘
+      └► output processor (detokenize) ─► request streams
+
+The child owns the model and the KV cache; the server process only
+tokenizes, detokenizes and speaks HTTP, so the step loop never waits for
+the server's GIL. If the child dies, every request in flight ends as
+aborted and later calls fail with a clear error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import signal
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from tierserve.core.engine.messages import Abort, Call, CallResult, LoadFailed, ModelInfo, Shutdown, StepOutputs
+
+if TYPE_CHECKING:
+    from tierserve.core.config import Settings
+    from tierserve.core.engine.client import EngineClient
+    from tierserve.core.plugins import PluginManager
+
+log = structlog.get_logger(__name__)
+
+IDLE_POLL_SECONDS = 0.5
+STARTUP_TIMEOUT_SECONDS = 600.0
+
+
+class EngineProcessError(RuntimeError):
+    """The engine core process failed to start or is gone."""
+
+
+def core_process_main(conn: Connection, settings: Settings, allowlist: list[str] | None) -> None:
+    """The child's entry point: build the core, say so, then serve messages until ``Shutdown``."""
+    from tierserve.core.engine.builder import build_core, model_info
+    from tierserve.core.engine.loop import CoreLoop
+    from tierserve.core.logs import configure_logging
+    from tierserve.core.plugins import load_plugins
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
+    configure_logging(settings.logging)
+    try:
+        core = build_core(settings, load_plugins(allowlist=allowlist))
+    except Exception as exc:
+        log.exception("engine_core_load_failed")
+        conn.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(model_info(core))
+    loop = CoreLoop(core, conn.send)
+    while True:
+        messages: list[Any] = []
+        idle = not core.has_unfinished()
+        if conn.poll(IDLE_POLL_SECONDS if idle else 0):
+            try:
+                messages.append(conn.recv())
+                while conn.poll(0):
+                    messages.append(conn.recv())
+            except EOFError:  # the server process is gone
+                messages.append(Shutdown())
+        if any(isinstance(message, Shutdown) for message in messages):
+            loop.run_once([m for m in messages if not isinstance(m, Shutdown)] + [Abort(list(core.requests))])
+            core.close()
+            conn.send(Shutdown())
+            return
+        if not messages and idle:
+            loop.publish_if_stale()
+            continue
+        loop.run_once(messages)
+
+
+class ProcessDriver:
+    """The parent's handle on a core process: sends messages, and a reader thread hands back outputs."""
+
+    threaded = True
+    running = True
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection, client: EngineClient) -> None:
+        self.process = process
+        self._conn = conn
+        self._client = client
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="tierserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, message: Any) -> None:
+        if self._dead is not None:
+            raise EngineProcessError(f"the engine core process is gone ({self._dead})")
+        with self._send_lock:
+            self._conn.send(message)
+
+    def call(self, method: str, *args: Any) -> Any:
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self.send(Call(call_id, method, args))
+        return future.result()
+
+    def has_work(self) -> bool:
+        return bool(self._client.in_flight())
+
+    def step(self) -> None:
+        raise RuntimeError("the engine core runs in its own process; step() is for an in-process core")
+
+    def start(self) -> None:
+        """The child runs from the moment it is spawned."""
+
+    def shutdown(self) -> None:
+        """Ask the child to abort everything, flush its tiers and exit; wait for it."""
+        if self._dead is None and self.process.is_alive():
+            try:
+                self.send(Shutdown())
+            except (OSError, EngineProcessError):
+                pass
+            self._closed.wait(timeout=60)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            log.warning("engine_process_kill", pid=self.process.pid)
+            self.process.kill()
+            self.process.join()
+
+    def close(self) -> None:
+        self.shutdown()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, StepOutputs):
+                self._client.receive(message)
+            elif isinstance(message, CallResult):
+                future = self._calls.pop(message.call_id)
+                if message.error is not None:
+                    future.set_exception(message.error)
+                else:
+                    future.set_result(message.value)
+            elif isinstance(message, Shutdown):
+                break
+        self._on_exit()
+
+    def _on_exit(self) -> None:
+        code = self.process.exitcode
+        self._dead = "it exited" if code in (0, None) else f"it exited with code {code}"
+        if not self._closed.is_set() and code not in (0, None):
+            log.error("engine_process_died", pid=self.process.pid, exitcode=code)
+        for request_id in self._client.in_flight():
+            self._client.fail(request_id)
+        for future in self._calls.values():
+            future.set_exception(EngineProcessError(f"the engine core process is gone ({self._dead})"))
+        self._calls.clear()
+        self._closed.set()
+
+
+def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClient:
+    """Start a core process for ``settings`` and return a client attached to it (after the model loaded)."""
+    from transformers import AutoTokenizer
+
+    from tierserve.core.checkpoints import resolve_model_path
+    from tierserve.core.engine.client import EngineClient
+
+    resolve_model_path(settings.model.path)  # a builtin checkpoint is written once, here, before the child reads it
+    allowlist = None if plugins is None else plugins.allowlist
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(
+        target=core_process_main, args=(child, settings, allowlist), name="tierserve-engine-core", daemon=True
+    )
+    process.start()
+    child.close()
+    if not parent.poll(STARTUP_TIMEOUT_SECONDS):
+        process.kill()
+        raise EngineProcessError(f"the engine core process did not start within {STARTUP_TIMEOUT_SECONDS:.0f} s")
+    try:
+        first = parent.recv()
+    except EOFError:
+        process.join()
+        raise EngineProcessError(f"the engine core process exited with code {process.exitcode} while loading") from None
+    if isinstance(first, LoadFailed):
+        process.join()
+        raise EngineProcessError(f"the engine core failed to load: {first.error}")
+    info: ModelInfo = first
+    client = EngineClient(settings, info, AutoTokenizer.from_pretrained(info.path))
+    client.driver = ProcessDriver(process, parent, client)
+    log.info("engine_process_started", pid=process.pid)
+    return client

@@ -1,0 +1,139 @@
+"""A request on its way into the engine core, the rules it must pass first, and their errors.
+
+The context-length rule lives here and nowhere else: the server, the client,
+beam search and embeddings all ask ``output_room`` and ``check_fits``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierserve.core.errors import RequestError
+from tierserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tierserve.core.config import SlidingWindowSettings
+    from tierserve.core.engine.messages import ModelInfo
+
+__all__ = [
+    "EngineRequest",
+    "RequestError",
+    "batch_by_tokens",
+    "check_fits",
+    "check_request",
+    "output_room",
+    "read_warm_prompts",
+]
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A tokenised request as the engine core receives it (through the client's queue)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    use_prefix_cache: bool = True
+    speculate: bool = False
+    streaming: bool = False  # sliding-window streaming mode
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+def output_room(num_prompt_tokens: int, max_model_len: int, *, param: str = "prompt") -> int:
+    """Tokens the context leaves for the output after a prompt (at least one, else ``RequestError``)."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise RequestError(
+            f"{param}: {num_prompt_tokens} tokens; the model's context length is {max_model_len} tokens "
+            "and at least one must be left for the output",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return room
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, kv_capacity_tokens: int | None) -> None:
+    """Raise ``RequestError`` (param ``max_tokens``) unless prompt + output fit the context and the KV cache."""
+    total = num_prompt_tokens + max_tokens
+    where = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens})"
+    if total > max_model_len:
+        raise RequestError(
+            f"max_tokens: {where} exceeds the model's context length ({max_model_len})",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if kv_capacity_tokens is not None and total > kv_capacity_tokens:
+        raise RequestError(
+            f"max_tokens: {where} exceeds the KV cache capacity ({kv_capacity_tokens} tokens)", param="max_tokens"
+        )
+
+
+def check_request(
+    info: ModelInfo,
+    window: SlidingWindowSettings,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    speculate: bool | None,
+    streaming: bool,
+) -> bool:
+    """Raise ``RequestError`` unless the model can serve this request; returns whether it speculates.
+
+    ``speculate``: ``None`` follows the model (on when a speculator is
+    configured); requests with penalties or logprobs decode without drafts.
+    """
+    num_prompt = len(prompt_token_ids)
+    if not num_prompt:
+        raise RequestError("prompt: must contain at least one token", param="prompt")
+    if streaming and not info.supports_streaming_window:
+        raise RequestError(
+            "enable_sliding_window: needs the native backend (paged KV); allowed: false", param="enable_sliding_window"
+        )
+    if streaming:
+        needed = window.sink_tokens + window.window_size + window.window_overlap + 2 * info.block_size
+        if num_prompt > info.max_model_len or needed + num_prompt > info.kv_capacity_tokens:
+            raise RequestError(
+                f"prompt: {num_prompt} tokens; with sliding_window the prompt must fit the context "
+                f"({info.max_model_len}) and the KV cache with room for the window",
+                param="prompt",
+            )
+    else:
+        check_fits(num_prompt, params.max_tokens, info.max_model_len, info.kv_capacity_tokens)
+    if speculate and info.speculator is None:
+        raise RequestError(
+            "enable_speculation: no speculator is configured ([speculative] method); allowed: false",
+            param="enable_speculation",
+        )
+    speculate = info.speculator is not None if speculate is None else speculate
+    return speculate and not params.has_penalties and params.logprobs is None
+
+
+def batch_by_tokens(items: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """Split token id lists into consecutive batches of at most ``budget`` tokens (a longer item goes alone)."""
+    batches: list[list[list[int]]] = []
+    room = 0
+    for ids in items:
+        if len(ids) > room:
+            batches.append([])
+            room = budget
+        batches[-1].append(ids)
+        room -= len(ids)
+    return batches
+
+
+def read_warm_prompts(path: str) -> list[str]:
+    """Prompts to warm at start-up: a JSON list of strings, or one prompt per non-empty line."""
+    text = Path(path).expanduser().read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        prompts = json.loads(text)
+        if not all(isinstance(p, str) for p in prompts):
+            raise RequestError(
+                f"kv_cache.warm_prompts_file: {path} must hold a JSON list of strings", param="warm_prompts_file"
+            )
+        return prompts
+    return [line for line in text.splitlines() if line.strip()]

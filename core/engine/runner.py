@@ -1,0 +1,127 @@
+"""The model runner: one forward over a scheduled batch, then tokens: sampling, draft verification, next drafts.
+
+    SchedulerOutput ─► backend.forward(chunks) ─► logits
+                                                   ├─ plain chunks ─► Sampler (penalties, greedy/filtered draws)
+                                                   └─ chunks with drafts ─► verify (keep the longest valid run + 1)
+                        speculating sequences ─► speculator.propose ─► drafts for the next step
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
+from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
+from tierserve.core.speculation import DraftRequest, Proposal, SpeculationStats, Speculator, verify
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierserve.core.backend import ModelBackend
+    from tierserve.core.sequence import Sequence
+
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """What the sampler needs of a sequence (its history only when penalties read it)."""
+    if seq.params.has_penalties:
+        return SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
+    return SamplingRow(seq.params, seq.generator, [], [])
+
+
+class ModelRunner:
+    """Runs batches on one backend; owns the sampler and the speculator.
+
+    Args:
+        backend: the model.
+        speculator: proposes drafts for sequences that speculate, or ``None``.
+        max_draft_tokens: the most drafts per step (``speculative.num_speculative_tokens``).
+        adaptive: shrink a sequence's draft count after rejections, grow it after full acceptance.
+    """
+
+    def __init__(
+        self,
+        backend: ModelBackend,
+        speculator: Speculator | None = None,
+        *,
+        max_draft_tokens: int = 4,
+        adaptive: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.speculator = speculator
+        self.sampler = Sampler()
+        self.spec_stats = SpeculationStats()
+        self.max_draft_tokens = max_draft_tokens
+        self.adaptive = adaptive
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        """Compute every chunk's KV and the tokens of every chunk that samples."""
+        output = RunnerOutput()
+        if batch.is_empty:
+            return output
+        logits = self.backend.forward(batch.chunks)
+        plain: list[tuple[ScheduledChunk, int]] = []  # (chunk, its logits row)
+        speculative: list[tuple[ScheduledChunk, int]] = []
+        row = 0
+        for chunk in batch.chunks:
+            rows = chunk.num_logits
+            if rows:
+                (speculative if chunk.num_draft else plain).append((chunk, row))
+            row += rows
+        if plain:
+            rows_of = [sampling_row(chunk.seq) for chunk, _ in plain]
+            picked = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
+            for (chunk, _), sampled in zip(plain, self.sampler(picked, rows_of)):
+                output.sampled[chunk.seq.seq_id] = [sampled]
+        for chunk, first in speculative:
+            output.sampled[chunk.seq.seq_id] = self._verify(chunk, logits[first : first + chunk.num_draft + 1])
+        if self.speculator is not None:
+            self._propose(batch.chunks, output)
+        return output
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> list[SampledToken]:
+        seq = chunk.seq
+        k = chunk.num_draft
+        drafted = seq.spec_proposal
+        probs = drafted.probs[:k] if drafted is not None and drafted.probs is not None else None
+        proposal = Proposal(seq.spec_token_ids[:k], probs)
+        emitted = verify(logits, proposal, sampling_row(seq), seq.params.greedy)
+        accepted = len(emitted) - 1
+        stats = self.spec_stats
+        stats.verifications += 1
+        stats.proposed += k
+        stats.accepted += accepted
+        stats.emitted += len(emitted)
+        if self.adaptive:
+            seq.spec_k = min(self.max_draft_tokens, seq.spec_k + 1) if accepted == k else max(1, accepted)
+        return [SampledToken(token, None, None) for token in emitted]
+
+    def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput) -> None:
+        """Drafts for the next step of every speculating sequence this step sampled for."""
+        requests = []
+        limit = self.backend.max_model_len
+        for chunk in chunks:
+            seq = chunk.seq
+            sampled = output.sampled.get(seq.seq_id)
+            if not seq.speculate or sampled is None:
+                continue
+            history = seq.token_ids + [s.token_id for s in sampled]
+            generated = len(history) - seq.num_prompt_tokens
+            room = min(seq.params.max_tokens - generated - 1, limit - len(history) - 1)
+            k = min(seq.spec_k, room)
+            if k > 0:
+                requests.append(DraftRequest(seq, history, k))
+        if requests:
+            for request, proposal in zip(requests, self.speculator.propose(requests)):
+                if proposal.token_ids:
+                    output.proposals[request.seq.seq_id] = proposal
+
+    def release(self, seq: Sequence) -> None:
+        """Forget what the backend and the speculator keep for a sequence (finished or preempted)."""
+        self.backend.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def close(self) -> None:
+        if self.speculator is not None:
+            self.speculator.close()
+        self.backend.close()

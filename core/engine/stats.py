@@ -1,0 +1,130 @@
+"""The engine's statistics as typed records: counters kept as work happens, and the snapshot the core publishes.
+
+The core builds an ``EngineSnapshot`` between steps (every piece is O(1) to
+read) and hands it to the client, which keeps the latest; the server, the
+Prometheus collector and the monitor read that, never the core's live state,
+so a stats request never waits for, or delays, a step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierserve.core.speculation import SpeculationStats
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Request and token counters of one engine core."""
+
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationSnapshot:
+    """Speculative decoding: whether it is configured, and how drafts fared."""
+
+    enabled: bool
+    method: str | None
+    verifications: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    early_stops: int = 0
+
+    @classmethod
+    def of(cls, enabled: bool, method: str | None, stats: SpeculationStats, early_stops: int) -> SpeculationSnapshot:
+        return cls(enabled, method, stats.verifications, stats.proposed, stats.accepted, stats.emitted, early_stops)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return round(self.accepted / self.proposed, 4) if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return round(self.accepted / self.verifications, 4) if self.verifications else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "method": self.method,
+            "verifications": self.verifications,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "early_stops": self.early_stops,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSnapshot:
+    """Sliding windows: whether streaming mode is on by default, and what windows released."""
+
+    enabled: bool
+    windows_slid: int
+    tokens_dropped: int
+    blocks_released: int
+    blocks_in_use: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "windows_slid": self.windows_slid,
+            "tokens_dropped": self.tokens_dropped,
+            "blocks_released": self.blocks_released,
+            "blocks_in_use": self.blocks_in_use,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Everything the engine reports, as of ``created`` (``time.time()``).
+
+    ``cache`` is the tiered store's ``CacheSnapshot``, or ``None`` when prefix
+    caching is off (or the backend keeps no paged arena).
+    """
+
+    created: float
+    cache: Any
+    speculation: SpeculationSnapshot
+    sliding_window: WindowSnapshot
+    counters: EngineCounters
+    requests_running: int
+    requests_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of L1 blocks in use."""
+        return 1 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def requests_queued(self) -> int:
+        return self.requests_running + self.requests_waiting
+
+
+def empty_snapshot(kv_blocks_total: int = 0) -> EngineSnapshot:
+    """The snapshot of an engine that has done nothing yet."""
+    return EngineSnapshot(
+        created=time.time(),
+        cache=None,
+        speculation=SpeculationSnapshot(False, None),
+        sliding_window=WindowSnapshot(False, 0, 0, 0, 0),
+        counters=EngineCounters(),
+        requests_running=0,
+        requests_waiting=0,
+        kv_blocks_total=kv_blocks_total,
+        kv_blocks_free=kv_blocks_total,
+    )

@@ -1,0 +1,113 @@
+"""What comes out of the engine: the core's per-step records, and the deltas a client streams.
+
+    EngineCore.step() ─► CoreOutput (token ids, finish, per-request counters)
+                                │   (same process, or pickled across the process boundary)
+                                ▼
+    EngineClient's output processor ─► RequestOutput (text delta, usage, timings) ─► a request's stream
+
+The core never decodes text; the client never touches KV blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the top alternatives (``(token id, logprob)``, best first)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestCacheInfo:
+    """Where one request's prompt came from: the store's accounting of its latest prefix lookup.
+
+    Attributes:
+        lookup_blocks: full prompt blocks the lookup could have served (a hit
+            never covers the prompt's last token).
+        hits: blocks served, per tier name (``"l1"`` first); tiers without hits may be absent.
+        cached_tokens: prompt tokens whose KV came from the cache.
+        lookup_seconds: time spent finding and loading those blocks.
+    """
+
+    lookup_blocks: int = 0
+    hits: dict[str, int] = field(default_factory=dict)
+    cached_tokens: int = 0
+    lookup_seconds: float = 0.0
+
+    @property
+    def hit_blocks(self) -> int:
+        return sum(self.hits.values())
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one core step did for one request.
+
+    ``new_token_ids`` are appended to the sequence (several with accepted
+    speculative drafts); ``finish_reason`` (``"stop"``, ``"length"``,
+    ``"abort"``) applies after the last of them. A ``"stop"`` whose last token
+    is an eos or stop token id means that token's text is not part of the
+    output. The counters are the request's running totals, so a client that
+    ends a request early (a stop string) still has them.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    cache: RequestCacheInfo | None = None  # set when a prefix lookup ran since the last output
+    first_scheduled_time: float | None = None
+    accepted_drafts: int = 0
+    windows_slid: int = 0
+    peak_blocks: int = 0
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Measured per request (seconds, monotonic clock) for the server's performance report."""
+
+    queued: float  # arrival -> first scheduled
+    cache_lookup: float  # time spent finding and loading cached prefix blocks
+    inference: float  # first scheduled -> finished
+    time_to_first_token: float | None
+    peak_kv_bytes: int
+    accepted_drafts: int = 0  # speculative draft tokens this request accepted
+    windows_slid: int = 0  # times a sliding window released this request's old KV
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to a request (a streaming delta), plus running totals.
+
+    ``timings`` and ``cache`` are set on the final output only.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    timings: RequestTimings | None = None
+    cache: RequestCacheInfo | None = None
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    """The whole result of ``generate``: deltas folded together."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None

@@ -1,0 +1,227 @@
+"""A generation request turned into engine work: prompts as token ids, sampling parameters, submission, merged outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar import Request
+
+from tierserve.core.engine import EngineClient, RequestOutput, RequestTimings, TokenLogprob
+from tierserve.core.engine.requests import output_room
+from tierserve.core.outputs import RequestCacheInfo
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.server.errors import APIError
+from tierserve.server.schemas import ChatRequest, SamplingFields
+from tierserve.server.state import ServerState, ready_engine, state_of
+
+NAMED_PREFIXES_MAX = 1024
+
+
+@dataclass
+class Choice:
+    """One generated sequence, folded from its deltas."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    timings: RequestTimings | None = None
+    cache: RequestCacheInfo | None = None
+
+
+@dataclass
+class Job:
+    """A validated request: its prompts as token ids and one SamplingParams per choice."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # per choice, choice i uses prompts[i // n]
+    n: int
+    chat: bool
+    cached: bool
+    body: SamplingFields
+    started: float = field(default_factory=time.perf_counter)
+    id: str = ""
+
+
+# ---- building a job ---------------------------------------------------------------------
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in (state.model_name, state.settings.model.path):
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items or any(len(item) == 0 for item in items):
+        raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+    return [engine.encode_prompt(item) for item in items]
+
+
+def chat_prompt(engine: EngineClient, body: ChatRequest) -> list[int]:
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    return engine.encode_prompt(messages=messages)
+
+
+def named_prefixes(state: ServerState) -> OrderedDict[str, list[int]]:
+    """``cache_key`` -> prefix token ids, most recently used last (kept in memory, bounded)."""
+    return state.extras.setdefault("named_prefixes", OrderedDict())
+
+
+def remember_prefix(state: ServerState, key: str, token_ids: list[int]) -> None:
+    table = named_prefixes(state)
+    table[key] = list(token_ids)
+    table.move_to_end(key)
+    while len(table) > NAMED_PREFIXES_MAX:
+        table.popitem(last=False)
+
+
+def apply_cache_key(state: ServerState, key: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    """A known key prepends its prefix; an unknown one names this request's first prompt as the prefix."""
+    if key is None:
+        return prompts
+    prefix = named_prefixes(state).get(key)
+    if prefix is None:
+        remember_prefix(state, key, prompts[0])
+        return prompts
+    named_prefixes(state).move_to_end(key)
+    return [prefix + p for p in prompts]
+
+
+def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
+    state = state_of(request)
+    check_model(state, body.model)
+    engine = ready_engine(request)
+    prompts = [chat_prompt(engine, body)] if chat else completion_prompts(engine, body.prompt)
+    if cached:
+        prompts = apply_cache_key(state, body.cache_key, prompts)
+    limit = engine.info.max_model_len
+    requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if chat:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+        if body.echo and logprobs is not None:
+            raise APIError(400, "echo: prompt logprobs are not computed; use echo without logprobs",
+                           param="echo", code="unsupported")
+    params: list[SamplingParams] = []
+    for ids in prompts:
+        room = output_room(len(ids), limit, param="messages" if chat else "prompt")
+        if cached and body.enable_sliding_window:  # a window lets generation run past the context
+            room = requested if requested is not None else room
+        max_tokens = min(requested if requested is not None else (room if chat else 16), room)
+        for i in range(body.n):
+            params.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=body.top_k or 0,
+                    min_p=body.min_p or 0.0,
+                    repetition_penalty=body.repetition_penalty,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    seed=None if body.seed is None else body.seed + i,
+                    stop=stop,
+                    stop_token_ids=list(body.stop_token_ids or []),
+                    ignore_eos=body.ignore_eos,
+                    logprobs=logprobs,
+                )
+            )
+    prefix = "chatcmpl" if chat else "cmpl"
+    request_id = getattr(body, "request_id", None) if cached else None
+    return Job(prompts, params, body.n, chat, cached, body, id=request_id or f"{prefix}-{uuid.uuid4().hex}")
+
+
+# ---- running a job ------------------------------------------------------------------------
+
+
+def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) -> list[tuple[str, Any]]:
+    """Submit every choice now (so queue-full and bad input become HTTP errors before any byte is sent)."""
+    body = job.body
+    use_cache = getattr(body, "enable_caching", True)
+    submitted: list[tuple[str, Any]] = []
+    try:
+        for index, params in enumerate(job.params):
+            submitted.append(
+                engine.submit(
+                    job.prompts[index // job.n],
+                    params,
+                    request_id=f"{job.id}-{index}",
+                    priority=body.priority,
+                    cache_salt=body.cache_salt,
+                    use_prefix_cache=use_cache,
+                    speculate=getattr(body, "enable_speculation", None),
+                    sliding_window=getattr(body, "enable_sliding_window", None),
+                    loop=loop,
+                )
+            )
+    except Exception:
+        for request_id, _ in submitted:
+            engine.abort(request_id)
+        raise
+    return submitted
+
+
+async def merged(engine: EngineClient, submitted: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of all choices as they come, tagged with the choice index."""
+    if len(submitted) == 1:  # the common case needs no fan-in task per choice
+        request_id, stream = submitted[0]
+        async for output in engine.outputs(request_id, stream):
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, request_id: str, stream: Any) -> None:
+        try:
+            async for output in engine.outputs(request_id, stream):
+                await queue.put((index, output))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, rid, s)) for i, (rid, s) in enumerate(submitted)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output = await queue.get()
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def fold(choice: Choice, output: RequestOutput) -> None:
+    choice.text.append(output.text)
+    choice.token_ids.extend(output.token_ids)
+    choice.logprobs.extend(output.logprobs or [])
+    choice.prompt_tokens = output.prompt_tokens
+    choice.cached_tokens = output.cached_tokens
+    if output.finished:
+        choice.finish_reason = output.finish_reason
+        choice.timings = output.timings
+        choice.cache = output.cache

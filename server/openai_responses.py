@@ -1,0 +1,139 @@
+"""Response shapes of the OpenAI-compatible routes: usage, logprobs, the cached routes' report, SSE, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tierserve.core.engine import EngineClient, TokenLogprob
+from tierserve.server.generation_jobs import Choice, Job
+from tierserve.server.state import ServerState
+
+
+def usage_of(job: Job, choices: list[Choice]) -> dict[str, Any]:
+    firsts = [c for c in choices if c.index % job.n == 0]  # a prompt counts once, whatever n
+    prompt = sum(len(p) for p in job.prompts)
+    cached = sum(c.cached_tokens for c in firsts)
+    completion = sum(len(c.token_ids) for c in choices)
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    if job.cached:
+        usage["cached_tokens"] = cached
+    return usage
+
+
+def completion_logprobs(engine: EngineClient, items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for item in items:
+        text = engine.token_text(item.token_id)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        token_logprobs.append(item.logprob)
+        top.append({engine.token_text(t): lp for t, lp in item.top_logprobs})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(engine: EngineClient, items: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = engine.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top_logprobs]}
+            for i in items
+        ]
+    }
+
+
+def cache_report(job: Job, choices: list[Choice]) -> dict[str, Any]:
+    """The measured ``cache_stats`` and ``performance`` of a /v1/cached/* response (the store's own accounting)."""
+    firsts = [c for c in choices if c.index % job.n == 0 and c.cache is not None]
+    hits = sum(c.cache.hit_blocks for c in firsts)
+    misses = sum(c.cache.lookup_blocks for c in firsts) - hits
+    timings = [c.timings for c in choices if c.timings is not None]
+    total = time.perf_counter() - job.started
+    completion = sum(len(c.token_ids) for c in choices)
+    return {
+        "cache_stats": {
+            "cache_used": hits > 0,
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "cache_hits": hits,
+            "cache_misses": max(misses, 0),
+            "speculation_hits": sum(c.timings.accepted_drafts for c in choices if c.timings is not None),
+            "prefix_matches": sum(1 for c in firsts if c.cached_tokens > 0),
+            "window_reuse": sum(1 for c in choices if c.timings is not None and c.timings.windows_slid),
+        },
+        "performance": {
+            "total_time_ms": round(total * 1000, 3),
+            "cache_time_ms": round(sum(t.cache_lookup for t in timings) * 1000, 3),
+            "inference_time_ms": round(max((t.inference for t in timings), default=0.0) * 1000, 3),
+            "tokens_per_second": round(completion / total, 3) if total > 0 else 0.0,
+            "memory_usage_bytes": sum(t.peak_kv_bytes for t in timings),
+        },
+    }
+
+
+def full_response(engine: EngineClient, state: ServerState, job: Job, choices: list[Choice]) -> dict[str, Any]:
+    created = int(time.time())
+    if job.chat:
+        body_choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": chat_logprobs(engine, c.logprobs) if job.params[c.index].logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        kind = "chat.completion"
+    else:
+        body_choices = [
+            {
+                "index": c.index,
+                "text": "".join(c.text),
+                "logprobs": completion_logprobs(engine, c.logprobs) if job.params[c.index].logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        kind = "text_completion"
+    response = {
+        "id": job.id,
+        "object": kind,
+        "created": created,
+        "model": state.model_name,
+        "choices": body_choices,
+        "usage": usage_of(job, choices),
+    }
+    if job.cached:
+        response.update(cache_report(job, choices))
+    return response
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def observe(state: ServerState, job: Job, choices: list[Choice], first_token_at: float | None) -> None:
+    metrics = state.extras.get("metrics")
+    if metrics is None:
+        return
+    now = time.perf_counter()
+    usage = usage_of(job, choices)
+    metrics.count_tokens(usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+    metrics.observe_e2e(now - job.started)
+    if first_token_at is not None:
+        metrics.observe_ttft(first_token_at - job.started)
+        generated = usage["completion_tokens"]
+        if generated > len(choices):
+            metrics.observe_tpot((now - first_token_at) / (generated - len(choices)))
+    aborted = any(c.finish_reason == "abort" for c in choices)
+    metrics.count_outcome("abort" if aborted else "success")

@@ -1,0 +1,106 @@
+"""The engine core in a child process (``server.engine_process = true``): same outputs, same API, faults survived."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
+from tierserve.core.beam_search import BeamSearchParams
+from tierserve.core.config import load_settings
+from tierserve.core.engine import EngineClient
+from tierserve.core.engine.process import EngineProcessError
+from tierserve.core.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("process"), "llama", "llama")
+
+
+def process_engine(path, **settings) -> EngineClient:
+    overrides = {("model", "path"): str(path), ("model", "device"): "cpu", ("kv_cache", "block_size"): 4}
+    for dotted, value in settings.items():
+        section, key = dotted.split("__")
+        overrides[(section, key)] = value
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    return EngineClient.from_settings(loaded.settings, loaded.plugins, process=True)
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    engine = process_engine(llama)
+    yield engine
+    engine.close()
+
+
+def test_outputs_equal_transformers_and_the_in_process_engine(llama, engine):
+    assert engine.driver.process.pid != os.getpid()
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == hf_greedy(llama, PROMPTS, GREEDY.max_tokens)
+    again = engine.generate(PROMPTS, GREEDY)  # now from the child's prefix cache
+    assert [r.token_ids for r in again] == hf_greedy(llama, PROMPTS, GREEDY.max_tokens)
+    assert any(r.cached_tokens for r in again)
+
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=7, ignore_eos=True)
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[again[4].text[5:8]])
+    local = make_engine(llama, kv_cache__block_size=4)
+    for params in (sampled, stop):
+        [here] = local.generate([PROMPTS[4]], params)
+        [there] = engine.generate([PROMPTS[4]], params)
+        assert (there.token_ids, there.text, there.finish_reason) == (here.token_ids, here.text, here.finish_reason)
+    assert there.finish_reason == "stop"
+    local.close()
+
+
+def test_commands_and_statistics_cross_the_process_boundary(engine):
+    engine.generate([PROMPTS[4]], GREEDY)
+    stats = engine.stats()
+    assert stats.cache is not None and stats.counters.generation_tokens >= GREEDY.max_tokens
+    assert stats.kv_blocks_free == stats.kv_blocks_total  # nothing running
+    vectors, tokens = engine.embed(["hello", "world"])
+    assert vectors.shape[0] == 2 and tokens > 0
+    [beam] = engine.beam_search(PROMPTS[1], BeamSearchParams(2, 6))
+    assert len(beam.token_ids) == 6
+    cleared = engine.clear_cache("l1")
+    assert cleared["l1"] > 0 and engine.stats().cache.tiers["l1"].entries == 0
+    engine.check_integrity()
+
+
+def test_a_client_that_leaves_frees_its_blocks(engine):
+    async def leave_early() -> int:
+        seen = 0
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        async for output in engine.add_request(PROMPTS[4], params):
+            seen += len(output.token_ids)
+            if seen >= 3:
+                break
+        return seen
+
+    before = engine.stats().counters.requests_aborted
+    assert asyncio.run(leave_early()) >= 3
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and engine.stats().counters.requests_aborted == before:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats.counters.requests_aborted == before + 1 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_a_killed_core_ends_requests_and_fails_cleanly(llama):
+    engine = process_engine(llama)
+    _, stream = engine.submit(engine.encode_prompt(PROMPTS[1]), SamplingParams(max_tokens=400, ignore_eos=True))
+    stream.get(timeout=60)  # it is running
+    os.kill(engine.driver.process.pid, signal.SIGKILL)
+    while not (out := stream.get(timeout=60)).finished:
+        pass
+    assert out.finish_reason == "abort"
+    with pytest.raises(EngineProcessError, match="engine core process is gone"):
+        engine.submit(engine.encode_prompt(PROMPTS[1]), GREEDY)
+    with pytest.raises(EngineProcessError):
+        engine.clear_cache()
+    engine.close()  # nothing left to stop: returns at once
