@@ -70,10 +70,10 @@ def live_blocks(ctx: BenchContext, block_size: int, tokens: int) -> Iterator[tup
         engine.close()
 
 
-def _kv_settings(**values):
-    from tierserve.core.config import KVCacheSettings
+def _tier(plugin: str, options):
+    from tierserve.core.tier_settings import TierSettings
 
-    return KVCacheSettings(**values)
+    return TierSettings(name=plugin, plugin=plugin, eviction_policy="lru", ttl_seconds=None, options=options)
 
 
 def _policy(capacity):
@@ -112,8 +112,8 @@ def _row(tier: str, block_size: int, entries, put_s: list[float] | float, get_s:
 def run(ctx: BenchContext, block_sizes: list[int], tokens: int, levels: list[int]) -> dict:
     from tierserve.cache.codec import KVCodec
     from tierserve.cache.tier import CacheEntry
-    from tierserve.plugins.tiers.disk import DiskTier
-    from tierserve.plugins.tiers.memory import MemoryTier
+    from tierserve.plugins.tiers.disk import DiskTier, DiskTierSettings
+    from tierserve.plugins.tiers.memory import MemoryTier, MemoryTierSettings
 
     tiers: list[dict] = []
     codec_rows: list[dict] = []
@@ -136,22 +136,18 @@ def run(ctx: BenchContext, block_sizes: list[int], tokens: int, levels: list[int
                     assert found is not None, "the tier lost an entry"
                     backend.write_blocks([block_id], found.kv[None])
 
-                memory = MemoryTier(
-                    _kv_settings(block_size=block_size, l2_capacity=len(entries) * 2, max_memory_bytes=raw * 2),
-                    _policy,
-                    fingerprint,
-                )
+                options = MemoryTierSettings(capacity=len(entries) * 2, max_bytes=raw * 2)
+                memory = MemoryTier(_tier("memory", options), _policy, fingerprint)
                 put = _latencies(lambda pair: demote(memory, pair), pairs)
                 get = _latencies(lambda pair: promote(memory, pair), pairs)
                 tiers.append(_row("memory (L2)", block_size, entries, put, get))
                 bar.update(1)
 
                 with tempfile.TemporaryDirectory(prefix="tierserve-bench-l3-") as folder:
-                    settings = _kv_settings(
-                        block_size=block_size, disk_path=folder, persistence=True, max_disk_bytes=0,
-                        compression_level=3, l3_write_queue=len(entries) + 1,
-                    )  # fmt: skip
-                    disk = DiskTier(settings, _policy, fingerprint)
+                    options = DiskTierSettings(
+                        path=folder, persistent=True, max_bytes=0, compression_level=3, write_queue=len(entries) + 1
+                    )
+                    disk = DiskTier(_tier("disk", options), _policy, fingerprint)
                     start = time.perf_counter()
                     for pair in pairs:
                         demote(disk, pair)

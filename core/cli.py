@@ -23,7 +23,7 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one setting (repeatable), e.g. --set kv_cache.l1_capacity=1000",
+        help="override one setting (repeatable), e.g. --set kv_cache.l1_capacity=1000 or --set plugins.ngram.max_n=3",
     )
 
 
@@ -47,6 +47,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  hooks: {', '.join(plugin.hooks) or '-'}")
         for kind, names in plugin.components.items():
             print(f"  {kind}: {', '.join(names)}")
+        for name, keys in plugin.settings.items():
+            print(f"  settings of {name}: {', '.join(keys) or '-'}")
     for failure in manager.failures:
         print(f"FAILED {failure.name} ({failure.source}): {failure.error}")
     return 0
@@ -56,6 +58,14 @@ def _format_value(value: Any) -> str:
     return json.dumps(value) if value is not None else "(unset)"
 
 
+def _print_table(header: str, values: dict[str, dict[str, Any]]) -> None:
+    print(header)
+    width = max((len(key) for key in values), default=0)
+    for key, item in values.items():
+        print(f"{key.ljust(width)} = {_format_value(item['value'])}    # {item['source']}")
+    print()
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     loaded = _settings_from(args)
     explained = loaded.explain()
@@ -63,11 +73,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         print(json.dumps(explained, indent=2))
         return 0
     for section, values in explained.items():
-        print(f"[{section}]")
-        width = max(len(key) for key in values)
-        for key, item in values.items():
-            print(f"{key.ljust(width)} = {_format_value(item['value'])}    # {item['source']}")
-        print()
+        if isinstance(values, list):  # an array of tables: [[kv_cache.tiers]]
+            if not values:
+                print(f"# [[{section}]]: none\n")
+            for table in values:
+                _print_table(f"[[{section}]]", table)
+        else:
+            _print_table(f"[{section}]", values)
     return 0
 
 

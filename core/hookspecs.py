@@ -19,6 +19,29 @@ and in the plugin's ``pyproject.toml``::
 
     [project.entry-points.tierserve]
     fifo = "my_package.plugin"
+
+A component that has knobs declares them as a pydantic model and passes it as
+``settings=``; its table ``[plugins.NAME]`` (also ``TIERSERVE_PLUGINS__NAME__KEY``
+and ``--set plugins.NAME.KEY=VALUE``) is validated by that model when the
+settings load, with errors naming the key, value and source, and shown by
+``tierserve config show``. The component reads it with
+``settings.plugin_options("NAME", Model)``::
+
+    class EchoSettings(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        depth: int = Field(2, ge=1)
+
+    @hookimpl
+    def register_speculators(register):
+        register("echo", EchoSpeculator, settings=EchoSettings)
+
+    # in EchoSpeculator.__init__(self, settings, target):
+    #     self.depth = settings.plugin_options("echo", EchoSettings).depth
+
+Only one component may own a table: two components of different kinds with
+the same name both declaring settings fail the second plugin. A cache tier's
+model is different: its keys go in each ``[[kv_cache.tiers]]`` entry that
+uses it (see ``register_cache_tiers``).
 """
 
 from __future__ import annotations
@@ -26,6 +49,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import pluggy
+from pydantic import BaseModel
 
 PROJECT_NAME = "tierserve"
 
@@ -36,10 +60,39 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class Register(Protocol):
     """The callback handed to every ``register_*`` hook."""
 
-    def __call__(self, name: str, factory: Any, /, **metadata: Any) -> None:
-        """Record ``factory`` under ``name``; ``metadata`` (e.g. ``description``)
-        is shown by ``tierserve plugins``. Raises ``DuplicateComponentError``
-        if another plugin already registered that name for this kind."""
+    def __call__(
+        self,
+        name: str,
+        factory: Any,
+        /,
+        *,
+        settings: type[BaseModel] | None = None,
+        aliases: dict[str, str] | None = None,
+        **metadata: Any,
+    ) -> None:
+        """Record ``factory`` under ``name``.
+
+        Args:
+            name: unique within the kind, case-insensitive.
+            factory: what tierserve calls to build the component (its
+                signature is in the hook's docstring).
+            settings: a pydantic ``BaseModel`` subclass (``extra="forbid"``)
+                of the component's own settings. For every kind but cache
+                tiers it validates the ``[plugins.NAME]`` table, read with
+                ``settings.plugin_options(NAME, Model)``; for a cache tier it
+                validates the tier's own keys in each ``[[kv_cache.tiers]]``
+                entry (``tier.options``).
+            aliases: old names of those keys, ``{"section.key": "model_key"}``
+                (e.g. ``{"speculative.ngram_min": "min_n"}``): they keep
+                working in presets, environment and ``--set``, and sources say
+                which name a value came through. An alias may not be a key
+                core has, nor one another component took; cache tiers take none.
+            metadata: e.g. ``description``, shown by ``tierserve plugins``.
+
+        Raises:
+            DuplicateComponentError: another plugin registered that name for
+                this kind, or the same ``[plugins.NAME]`` table or alias.
+        """
 
 
 @hookspec
@@ -55,7 +108,9 @@ def register_backends(register: Register) -> None:
     positions; see ``ModelBackend.forward``), and for paged backends
     ``kv_spec``, the KV arena and whole-block copies for the cache tiers. The
     name is what ``[model] backend`` selects, e.g. ``"native"`` or
-    ``"transformers"``.
+    ``"transformers"``. A backend registered with ``settings=Model`` reads its
+    ``[plugins.NAME]`` table as ``settings.plugin_options("NAME", Model)``
+    (``native`` has ``linear_kernel``).
     """
 
 
@@ -76,7 +131,9 @@ def register_schedulers(register: Register) -> None:
     chunk is returned, preemption through ``self.preempt``, prefix matching on
     admission, speculative drafts as lookahead slots). Applying a step's
     results (``update_from_output``) is shared by every scheduler. The name
-    is what ``[scheduler] name`` selects, e.g. ``"fcfs"``.
+    is what ``[scheduler] name`` selects, e.g. ``"fcfs"``. A scheduler
+    registered with ``settings=Model`` also gets its validated
+    ``[plugins.NAME]`` table: ``factory(..., options=model_instance)``.
     """
 
 
@@ -87,9 +144,10 @@ def register_eviction_policies(register: Register) -> None:
     ``factory(capacity)`` returns a subclass of
     ``tierserve.cache.eviction.EvictionPolicy``; ``capacity`` is the size the
     owning tier holds, in the same units as the sizes it will ``insert``.
-    Every cache tier (L1 block pool, L2 memory, L3 disk) asks its policy
-    which entry to evict. The name is what ``[kv_cache] eviction_policy``
-    selects (case-insensitive), e.g. ``"lru"`` or ``"adaptive"``.
+    Every cache tier (the L1 block pool and each ``[[kv_cache.tiers]]``
+    entry) asks its policy which entry to evict. The name is what
+    ``[kv_cache] eviction_policy`` or a tier's ``eviction_policy`` selects
+    (case-insensitive), e.g. ``"lru"`` or ``"adaptive"``.
     """
 
 
@@ -104,6 +162,9 @@ def register_speculators(register: Register) -> None:
     ``factory(settings, target_backend)`` returns a
     ``tierserve.core.speculation.Speculator``. The name is what
     ``[speculative] method`` selects, e.g. ``"ngram"`` or ``"draft_model"``.
+    Its own knobs go in ``[plugins.NAME]`` (``settings=Model``), read with
+    ``settings.plugin_options("NAME", Model)``; ``ngram`` has ``min_n`` and
+    ``max_n``, ``draft_model`` has ``path``.
     """
 
 
@@ -111,13 +172,42 @@ def register_speculators(register: Register) -> None:
 def register_cache_tiers(register: Register) -> None:
     """Register KV cache tiers (storage below the live L1 block pool).
 
-    ``factory(settings, policy_factory, fingerprint)`` returns a
+    Tiers are an ordered list in the settings, one ``[[kv_cache.tiers]]``
+    entry each; ``plugin`` names the tier plugin, and one plugin may serve
+    several entries::
+
+        [[kv_cache.tiers]]
+        name = "redis"            # unique; "l1" and "all" are reserved
+        plugin = "redis"          # the name registered here
+        eviction_policy = "lru"   # optional, default [kv_cache] eviction_policy
+        ttl_seconds = 600         # optional, default [kv_cache] ttl_seconds
+        write_through = false     # every newly computed block is also written here
+        url = "redis://cache:6379"   # the plugin's own keys
+
+    Register the plugin's own keys as a pydantic model (``extra="forbid"``):
+    ``register("redis", RedisTier, settings=RedisTierSettings)``; each entry's
+    own keys are validated by it when the settings load (unknown keys and bad
+    values name ``kv_cache.tiers[i].KEY``, the value and the source).
+
+    ``factory(tier, policy_factory, fingerprint)`` returns a
     ``tierserve.cache.tier.CacheTier``: a bounded, thread-safe map from block
-    hash to ``CacheEntry`` that evicts with ``policy_factory(capacity)`` (the
-    policy named in ``[kv_cache]``) and never returns a corrupt or foreign
-    entry. ``settings`` is the ``[kv_cache]`` section; ``fingerprint``
-    identifies the model. Built-in: ``"memory"`` (L2, host RAM) and
-    ``"disk"`` (L3, persistent, zstd-compressed).
+    hash to ``CacheEntry`` that evicts with ``policy_factory(capacity)`` and
+    never returns a corrupt or foreign entry.
+
+    Args:
+        tier: the entry, a ``tierserve.core.tier_settings.TierSettings``:
+            ``name``, ``plugin``, ``eviction_policy`` and ``ttl_seconds``
+            (resolved), ``write_through``, and ``options``, the plugin's own
+            settings; read them as ``tier.options_as(RedisTierSettings)``
+            (the validated instance, or validated then when the Settings
+            were built directly).
+        policy_factory: the factory of ``tier.eviction_policy``; call it with
+            the capacity, in the units the tier inserts sizes in.
+        fingerprint: identifies the model; never serve another's entries.
+
+    Built-in: ``"memory"`` (host RAM: ``capacity``, ``max_bytes``) and
+    ``"disk"`` (``path``, ``max_bytes``, ``persistent``, ``compression_level``,
+    ``write_queue``, ``writer_nice``).
     """
 
 

@@ -22,7 +22,9 @@ import pluggy
 import structlog
 
 from tierserve.core import hookspecs
-from tierserve.core.registry import Registry
+from tierserve.core.errors import DuplicateComponentError
+from tierserve.core.registry import Component, Registry
+from tierserve.core.sections import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +55,8 @@ COMPONENT_KINDS: dict[str, tuple[str, str]] = {
     "cache_tiers": ("register_cache_tiers", "cache tier"),
     "routes": ("register_routes", "route"),
 }
+# a tier's settings are per [[kv_cache.tiers]] entry, not a [plugins.NAME] table
+TIER_KIND = "cache_tiers"
 
 
 @dataclass(slots=True)
@@ -64,6 +68,7 @@ class PluginInfo:
     source: str
     hooks: list[str]
     components: dict[str, list[str]] = field(default_factory=dict)
+    settings: dict[str, list[str]] = field(default_factory=dict)  # component name -> its settings keys
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +77,7 @@ class PluginInfo:
             "source": self.source,
             "hooks": self.hooks,
             "components": self.components,
+            "settings": self.settings,
         }
 
 
@@ -122,9 +128,10 @@ class PluginManager:
         except Exception as exc:  # pluggy validation errors, duplicate plugin names
             self._fail(name, source, exc)
             return False
+        settings: dict[str, list[str]] = {}
         try:
             self.pm.check_pending()
-            components = self._collect_components(plugin, name)
+            components = self._collect_components(plugin, name, settings)
         except Exception as exc:
             self.remove_plugin(name)
             self._fail(name, source, exc)
@@ -132,7 +139,7 @@ class PluginManager:
         hooks = sorted(
             caller.name for caller in self.pm.get_hookcallers(plugin) or [] if caller.name
         )
-        self._info[name] = PluginInfo(name, version, source, hooks, components)
+        self._info[name] = PluginInfo(name, version, source, hooks, components, settings)
         return True
 
     def remove_plugin(self, name: str) -> None:
@@ -143,6 +150,62 @@ class PluginManager:
         for registry in self.registries.values():
             registry.remove_plugin(name)
         self._info.pop(name, None)
+
+    def settings_components(self) -> dict[str, Component]:
+        """Components that own a ``[plugins.NAME]`` table (every kind but cache tiers), by name."""
+        return {name: component for name, (_, component) in self._table_owners().items()}
+
+    def aliases(self) -> dict[str, tuple[str, str]]:
+        """Old setting names that components keep: ``"section.key"`` -> ``(component name, key)``."""
+        return {
+            alias: (component.name, target)
+            for component in self.settings_components().values()
+            for alias, target in component.aliases.items()
+        }
+
+    def _table_owners(self) -> dict[str, tuple[str, Component]]:
+        return {
+            component.name: (kind, component)
+            for kind, registry in self.registries.items()
+            if kind != TIER_KIND
+            for component in registry
+            if component.settings is not None
+        }
+
+    def _check_settings_claim(self, kind: str, name: Any, plugin: str, metadata: dict[str, Any]) -> None:
+        """One component per ``[plugins.NAME]`` table and per alias; aliases name keys core does not have."""
+        settings, aliases = metadata.get("settings"), metadata.get("aliases") or {}
+        key = name.strip().lower() if isinstance(name, str) else name
+        label = COMPONENT_KINDS[kind][1]
+        if kind == TIER_KIND and aliases:
+            raise ValueError(
+                f"plugin {plugin!r}: cache tier {key!r} cannot take aliases; its keys live in [[kv_cache.tiers]] entries"
+            )
+        if kind == TIER_KIND or settings is None:
+            return
+        if key == "enabled":
+            raise ValueError(f"plugin {plugin!r}: a {label} with settings cannot be called 'enabled' ([plugins] enabled)")
+        owner_kind, owner = self._table_owners().get(key, (kind, None))
+        if owner is not None and owner_kind != kind:
+            raise DuplicateComponentError(
+                f"[plugins.{key}] is claimed twice: {COMPONENT_KINDS[owner_kind][1]} {key!r} of plugin "
+                f"{owner.plugin!r} and {label} {key!r} of plugin {plugin!r} both declare settings; "
+                "uninstall or disable one of them"
+            )
+        sections, taken = Settings.model_fields, self.aliases()
+        for alias in aliases:
+            section, _, old = str(alias).partition(".")
+            core_keys = sections[section].annotation.model_fields if section in sections else {}
+            if section not in sections or section == "plugins" or not old or old in core_keys:
+                raise ValueError(
+                    f"plugin {plugin!r}: alias {alias!r} of {key!r} must be SECTION.KEY naming a key [{section}] does not have"
+                )
+            if alias in taken:
+                other = self.settings_components()[taken[alias][0]]
+                raise DuplicateComponentError(
+                    f"alias {alias} is claimed twice: by {other.name!r} of plugin {other.plugin!r} "
+                    f"and by {key!r} of plugin {plugin!r}; uninstall or disable one of them"
+                )
 
     def plugins(self) -> list[PluginInfo]:
         """Every loaded plugin, built-ins first, in load order."""
@@ -164,7 +227,7 @@ class PluginManager:
             except Exception:
                 log.exception("plugin_hook_failed", plugin=impl.plugin_name, hook=hook_name)
 
-    def _collect_components(self, plugin: object, name: str) -> dict[str, list[str]]:
+    def _collect_components(self, plugin: object, name: str, settings: dict[str, list[str]]) -> dict[str, list[str]]:
         components: dict[str, list[str]] = {}
         for kind, (hook_name, _) in COMPONENT_KINDS.items():
             registry = self.registries[kind]
@@ -173,8 +236,11 @@ class PluginManager:
                     continue
 
                 def register(component_name: str, factory: Any, /, **metadata: Any) -> None:
+                    self._check_settings_claim(kind, component_name, name, metadata)
                     added = registry.add(component_name, factory, name, **metadata)
                     components.setdefault(kind, []).append(added.name)
+                    if added.settings is not None:
+                        settings[added.name] = list(added.settings.model_fields)
 
                 impl.function(**{arg: register for arg in impl.argnames})
         return components

@@ -39,9 +39,7 @@ def components(state: ServerState) -> dict[str, Any]:
         tiers = list(engine.info.tier_names)
     else:  # not built yet: what the settings ask for
         kv = settings.kv_cache
-        tiers = ["l1"] if kv.enable_prefix_caching else []
-        tiers += ["l2"] if tiers and kv.l2_capacity > 0 and kv.max_memory_bytes > 0 else []
-        tiers += ["l3"] if tiers and kv.disk_path else []
+        tiers = ["l1", *(tier.name for tier in kv.tiers)] if kv.enable_prefix_caching else []
     return {
         "engine": status,
         "backend": settings.model.backend,

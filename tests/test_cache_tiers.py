@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tierserve.cache.codec import KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier
-from tierserve.core.config import KVCacheSettings
+from tierserve.core.tier_settings import TierSettings
 from tierserve.core.plugins import load_plugins
 
 FINGERPRINT = "tiny:float32:bs16"
@@ -48,9 +48,15 @@ def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-def make_tier(name: str, **overrides) -> CacheTier:
-    values = {"ttl_seconds": None, "l2_capacity": 100, "max_memory_bytes": 0} | overrides
-    return TIERS.get(name).factory(KVCacheSettings(**values), LRU, FINGERPRINT)
+def make_tier(plugin: str, ttl_seconds: float | None = None, fingerprint: str = FINGERPRINT, **options) -> CacheTier:
+    """A tier built the way the engine builds one: ``factory(TierSettings, policy_factory, fingerprint)``."""
+    component = TIERS.get(plugin)
+    defaults = {"capacity": 100, "max_bytes": 0} if plugin == "memory" else {}
+    tier = TierSettings(
+        name="t", plugin=plugin, eviction_policy="lru", ttl_seconds=ttl_seconds,
+        options=component.settings(**(defaults | options)),
+    )  # fmt: skip
+    return component.factory(tier, LRU, fingerprint)
 
 
 def keys_of(evicted: list[CacheEntry]) -> list[bytes]:
@@ -65,7 +71,7 @@ def keys_of(evicted: list[CacheEntry]) -> list[bytes]:
 def test_both_tiers_are_registered_as_builtin_plugins(tmp_path):
     assert {"memory", "disk"} <= set(TIERS.names())
     memory = make_tier("memory")
-    disk = make_tier("disk", disk_path=str(tmp_path / "l3"))
+    disk = make_tier("disk", path=str(tmp_path / "l3"))
     try:
         assert (memory.name, disk.name) == ("memory", "disk")
     finally:
@@ -75,7 +81,7 @@ def test_both_tiers_are_registered_as_builtin_plugins(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is a Linux feature")
 def test_disk_writer_thread_runs_at_the_configured_niceness(tmp_path):
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    disk = make_tier("disk", disk_path=str(tmp_path / "l3"), l3_writer_nice=7)
+    disk = make_tier("disk", path=str(tmp_path / "l3"), writer_nice=7)
     try:
         disk.put(entry(1))
         disk.flush()  # the writer has started and done its work
@@ -92,7 +98,7 @@ def test_disk_writer_thread_runs_at_the_configured_niceness(tmp_path):
 
 
 def test_memory_bound_by_entries_evicts_least_recently_used_and_returns_it():
-    tier = make_tier("memory", l2_capacity=3)
+    tier = make_tier("memory", capacity=3)
     for i in range(3):
         assert tier.put(entry(i)) == []
     assert tier.get(key(0)) is not None  # 1 is now the least recently used
@@ -105,7 +111,7 @@ def test_memory_bound_by_entries_evicts_least_recently_used_and_returns_it():
 
 
 def test_memory_bound_by_bytes():
-    tier = make_tier("memory", l2_capacity=100, max_memory_bytes=3 * ENTRY_BYTES)
+    tier = make_tier("memory", capacity=100, max_bytes=3 * ENTRY_BYTES)
     for i in range(3):
         tier.put(entry(i))
     big = entry(10, floats=2 * FLOATS)
@@ -116,7 +122,7 @@ def test_memory_bound_by_bytes():
 
 
 def test_memory_entry_bigger_than_the_tier_is_handed_back_unstored():
-    tier = make_tier("memory", max_memory_bytes=ENTRY_BYTES)
+    tier = make_tier("memory", max_bytes=ENTRY_BYTES)
     tier.put(entry(0))
     huge = entry(1, floats=FLOATS + 1)
     assert tier.put(huge) == [huge]
@@ -125,14 +131,14 @@ def test_memory_entry_bigger_than_the_tier_is_handed_back_unstored():
 
 
 def test_memory_with_zero_capacity_stores_nothing():
-    tier = make_tier("memory", l2_capacity=0)
+    tier = make_tier("memory", capacity=0)
     e = entry(0)
     assert tier.put(e) == [e]
     assert len(tier) == 0 and tier.get(key(0)) is None
 
 
 def test_memory_replacing_a_key_keeps_one_entry():
-    tier = make_tier("memory", max_memory_bytes=10 * ENTRY_BYTES)
+    tier = make_tier("memory", max_bytes=10 * ENTRY_BYTES)
     tier.put(entry(0))
     tier.put(entry(0, floats=2 * FLOATS))
     assert len(tier) == 1 and tier.bytes_used == 2 * ENTRY_BYTES
@@ -140,7 +146,7 @@ def test_memory_replacing_a_key_keeps_one_entry():
 
 
 def test_memory_pinned_entries_are_never_evicted():
-    tier = make_tier("memory", l2_capacity=2)
+    tier = make_tier("memory", capacity=2)
     tier.put(entry(0))
     tier.put(entry(1))
     tier.pin(key(0))
@@ -173,7 +179,7 @@ def test_memory_ttl_expires_old_entries_on_lookup():
 @pytest.mark.parametrize("name", ["memory", "disk"])
 def test_fields_of_a_returned_entry_belong_to_the_caller(name, tmp_path):
     # the tiered store reuses ``created`` of what it fetched; the tier's own record must not change
-    tier = make_tier(name, ttl_seconds=60, disk_path=str(tmp_path / "l3"))
+    tier = make_tier(name, ttl_seconds=60, **({"path": str(tmp_path / "l3")} if name == "disk" else {}))
     try:
         writer = BlockedWriter(tier) if name == "disk" else None
         tier.put(entry(0))
@@ -219,7 +225,7 @@ OPS = st.lists(
 @settings(max_examples=100, deadline=None)
 @given(OPS)
 def test_memory_bounds_and_bookkeeping_hold_under_any_operations(ops):
-    tier = make_tier("memory", l2_capacity=4, max_memory_bytes=6 * ENTRY_BYTES)
+    tier = make_tier("memory", capacity=4, max_bytes=6 * ENTRY_BYTES)
     for op, i, size in ops:
         if op == "put":
             e = entry(i, floats=size * FLOATS)
@@ -245,7 +251,7 @@ def disk(tmp_path):
     opened: list[CacheTier] = []
 
     def open_tier(**overrides) -> CacheTier:
-        tier = make_tier("disk", disk_path=str(tmp_path / "l3"), **overrides)
+        tier = make_tier("disk", path=str(tmp_path / "l3"), **overrides)
         opened.append(tier)
         return tier
 
@@ -295,12 +301,12 @@ def test_disk_compresses(disk):
 
 
 def test_disk_restart_rebuilds_the_index_with_parents(disk):
-    tier = disk(persistence=True)
+    tier = disk(persistent=True)
     for i in range(4):
         tier.put(entry(i, parent=i - 1 if i else None))
     tier.close()
 
-    again = disk(persistence=True)
+    again = disk(persistent=True)
     assert sorted(again.keys()) == [key(i) for i in range(4)]
     assert [again.parent_of(key(i)) for i in range(4)] == [None, key(0), key(1), key(2)]
     assert again.bytes_used == sum(encoded_size(entry(i, parent=i - 1 if i else None)) for i in range(4))
@@ -311,16 +317,16 @@ def test_disk_restart_rebuilds_the_index_with_parents(disk):
 
 
 def test_disk_restart_without_persistence_starts_empty(disk, tmp_path):
-    tier = disk(persistence=True)
+    tier = disk(persistent=True)
     tier.put(entry(0))
     tier.close()
-    again = disk(persistence=False)
+    again = disk(persistent=False)
     assert len(again) == 0 and again.get(key(0)) is None
     assert value_files(tmp_path / "l3") == []
 
 
 def test_disk_restart_uses_the_public_api_when_sql_is_unavailable(disk, monkeypatch):
-    tier = disk(persistence=True)
+    tier = disk(persistent=True)
     tier.put(entry(0))
     tier.put(entry(1, parent=0))
     tier.close()
@@ -330,7 +336,7 @@ def test_disk_restart_uses_the_public_api_when_sql_is_unavailable(disk, monkeypa
         raise RuntimeError("schema changed")
 
     monkeypatch.setattr(disk_tier_class, "_rows_from_sql", no_sql)
-    again = disk(persistence=True)
+    again = disk(persistent=True)
     assert sorted(again.keys()) == [key(0), key(1)] and again.parent_of(key(1)) == key(0)
     assert torch.equal(again.get(key(1)).kv, entry(1).kv)
     again.check_integrity()
@@ -338,7 +344,7 @@ def test_disk_restart_uses_the_public_api_when_sql_is_unavailable(disk, monkeypa
 
 def test_disk_byte_bound_evicts_least_recently_used(disk, tmp_path):
     size = encoded_size(entry(0))
-    tier = disk(max_disk_bytes=int(2.5 * size))
+    tier = disk(max_bytes=int(2.5 * size))
     for i in range(2):
         tier.put(entry(i))
         tier.flush()
@@ -353,12 +359,12 @@ def test_disk_byte_bound_evicts_least_recently_used(disk, tmp_path):
 
 def test_disk_restart_with_a_smaller_bound_evicts_down_to_it(disk, tmp_path):
     size = encoded_size(entry(0))
-    tier = disk(persistence=True)
+    tier = disk(persistent=True)
     for i in range(4):
         tier.put(entry(i))
         tier.flush()
     tier.close()
-    again = disk(persistence=True, max_disk_bytes=2 * size)
+    again = disk(persistent=True, max_bytes=2 * size)
     assert len(again) == 2 and again.bytes_used <= 2 * size and again.stats.evictions == 2
     assert len(value_files(tmp_path / "l3")) == 2
     assert sorted(again.keys()) == [key(2), key(3)]  # the oldest went first
@@ -366,7 +372,7 @@ def test_disk_restart_with_a_smaller_bound_evicts_down_to_it(disk, tmp_path):
 
 def test_disk_pinned_entries_survive_the_bound(disk):
     size = encoded_size(entry(0))
-    tier = disk(max_disk_bytes=2 * size)
+    tier = disk(max_bytes=2 * size)
     tier.put(entry(0))
     tier.flush()
     tier.pin(key(0))
@@ -412,12 +418,10 @@ def test_disk_damaged_value_is_a_miss_and_is_deleted(disk, tmp_path, damage):
 
 
 def test_disk_entry_of_another_model_is_a_miss_and_is_deleted(disk, tmp_path):
-    tier = disk(persistence=True)
+    tier = disk(persistent=True)
     tier.put(entry(0))
     tier.close()
-    other = TIERS.get("disk").factory(
-        KVCacheSettings(disk_path=str(tmp_path / "l3"), persistence=True, ttl_seconds=None), LRU, "another-model"
-    )
+    other = make_tier("disk", path=str(tmp_path / "l3"), persistent=True, fingerprint="another-model")
     try:
         assert other.contains(key(0))  # the index does not read values
         assert other.get(key(0)) is None
@@ -428,11 +432,11 @@ def test_disk_entry_of_another_model_is_a_miss_and_is_deleted(disk, tmp_path):
 
 
 def test_disk_value_not_written_by_the_tier_is_never_unpickled(disk, tmp_path):
-    tier = disk(persistence=True)
+    tier = disk(persistent=True)
     tier.close()
     with diskcache.Cache(str(tmp_path / "l3")) as other_writer:
         other_writer.set(key(5).hex(), {"not": "bytes"})  # stored as a pickle
-    again = disk(persistence=True)
+    again = disk(persistent=True)
     assert again.contains(key(5))
     assert again.get(key(5)) is None and again.stats.corrupt == 1 and len(again) == 0
 
@@ -475,7 +479,7 @@ class BlockedWriter:
 
 
 def test_disk_full_write_queue_drops_without_blocking(disk):
-    tier = disk(l3_write_queue=2)
+    tier = disk(write_queue=2)
     writer = BlockedWriter(tier)
     tier.put(entry(0))
     assert writer.entered.wait(5)  # the writer holds entry 0; the queue is empty
@@ -529,13 +533,14 @@ def test_disk_put_after_close_is_dropped(disk):
 
 
 def test_disk_without_a_path_says_what_to_set():
-    with pytest.raises(Exception, match="disk_path"):
-        make_tier("disk", disk_path=None)
+    tier = TierSettings.model_validate({"name": "l3", "plugin": "disk", "eviction_policy": "lru", "ttl_seconds": None})
+    with pytest.raises(Exception, match=r"kv_cache.tiers\[l3\].path .*Field required"):
+        TIERS.get("disk").factory(tier, LRU, FINGERPRINT)
 
 
 def test_disk_concurrent_use_keeps_the_books(disk):
     size = encoded_size(entry(0))
-    tier = disk(max_disk_bytes=5 * size, l3_write_queue=8)
+    tier = disk(max_bytes=5 * size, write_queue=8)
     errors: list[BaseException] = []
     stop = time.perf_counter() + 0.7
 

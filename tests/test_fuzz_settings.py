@@ -1,4 +1,8 @@
-"""Hypothesis over config files: ``load_settings`` returns valid settings or a ConfigError naming the key and file."""
+"""Hypothesis over config files: ``load_settings`` returns valid settings or a ConfigError naming the key and file.
+
+Documents cover core sections, plugins' own ``[plugins.NAME]`` tables, the old
+key names plugins keep as aliases, and ``[[kv_cache.tiers]]`` lists.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,15 @@ from hypothesis import strategies as st
 
 from tierserve.core.config import LoadedSettings, Settings, load_settings
 from tierserve.core.errors import ConfigError
+from tierserve.core.plugins import load_plugins
+from tierserve.core.tier_settings import TIER_KEYS
 
 SECTIONS = {name: list(field.annotation.model_fields) for name, field in Settings.model_fields.items()}
 DEFAULTS = Settings().model_dump(mode="json")
+_BUILTINS = load_plugins(allowlist=[])
+ALIASES = _BUILTINS.aliases()  # "section.key" -> (component, key)
+PLUGIN_TABLES = {name: list(c.settings.model_fields) for name, c in _BUILTINS.settings_components().items()}
+TIER_PLUGINS = {c.name: list(c.settings.model_fields) for c in _BUILTINS.registry("cache_tiers")}
 BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -88,6 +98,33 @@ values = st.recursive(
 
 
 @st.composite
+def tables_of(draw, keys: list[str], good: dict[str, Any]) -> dict[str, Any]:
+    """Mostly the given keys (a plausible value or anything), sometimes an unknown one."""
+    table: dict[str, Any] = {}
+    for _ in range(draw(st.integers(0, 4))):
+        key = draw(st.sampled_from(keys)) if keys and draw(st.integers(0, 15)) else draw(names)
+        plausible = good.get(key)
+        table[key] = draw(st.just(plausible) | values) if plausible is not None else draw(values)
+    return table
+
+
+@st.composite
+def tiers(draw) -> list[Any]:
+    """A ``[[kv_cache.tiers]]`` list: entries of core keys plus a tier plugin's own."""
+    entries: list[Any] = []
+    for index in range(draw(st.integers(0, 3))):
+        if draw(st.integers(0, 15)) == 0:
+            entries.append(draw(scalars))
+            continue
+        plugin = draw(st.sampled_from(sorted(TIER_PLUGINS)))
+        good = {"name": f"t{index}", "plugin": plugin, "eviction_policy": "lru", "path": "fuzz-l3", "capacity": 8}
+        entry = {"name": f"t{index}", "plugin": plugin} if draw(st.booleans()) else {}
+        entry |= draw(tables_of([*TIER_KEYS, *TIER_PLUGINS[plugin]], good))
+        entries.append(entry)
+    return entries
+
+
+@st.composite
 def documents(draw) -> dict[str, Any]:
     """Mostly real sections and keys (so values reach validation), sometimes unknown ones."""
     doc: dict[str, Any] = {}
@@ -96,15 +133,34 @@ def documents(draw) -> dict[str, Any]:
         if draw(st.integers(0, 15)) == 0:  # a section that is not a table
             doc[section] = draw(scalars)
             continue
-        known = SECTIONS.get(section)
+        old = [alias.split(".", 1)[1] for alias in ALIASES if alias.startswith(f"{section}.")]
+        known = SECTIONS.get(section, []) + old
         table = doc.setdefault(section, {}) if isinstance(doc.get(section, {}), dict) else {}
-        for _ in range(draw(st.integers(0, 4))):
-            key = draw(st.sampled_from(known)) if known and draw(st.integers(0, 15)) else draw(names)
-            default = DEFAULTS.get(section, {}).get(key)
-            # the default is valid, so some documents load and the success path is fuzzed too
-            table[key] = draw(st.just(default) | values) if default is not None else draw(values)
+        # the default is valid, so some documents load and the success path is fuzzed too
+        table |= draw(tables_of(known, DEFAULTS.get(section, {})))
+        if section == "kv_cache" and draw(st.integers(0, 3)) == 0:
+            table["tiers"] = draw(tiers())
+        if section == "plugins":
+            for _ in range(draw(st.integers(0, 2))):
+                name = draw(st.sampled_from(sorted(PLUGIN_TABLES))) if draw(st.integers(0, 7)) else draw(names)
+                table[name] = draw(tables_of(PLUGIN_TABLES.get(name, []), {}))
         doc[section] = table
     return doc
+
+
+def expected_sources(doc: dict[str, Any], label: str) -> dict[tuple[str, str], str]:
+    """Where each key of ``doc`` should say it came from: plugin tables and aliases land on ``plugins.NAME``."""
+    out = {}
+    for section, table in doc.items():
+        for key, value in table.items():
+            if section == "plugins" and key != "enabled":
+                out |= {(f"plugins.{key.lower()}", inner): label for inner in value}
+            elif f"{section}.{key}" in ALIASES:
+                name, target = ALIASES[f"{section}.{key}"]
+                out[(f"plugins.{name}", target)] = f"{label}, as {section}.{key}"
+            else:
+                out[(section, key)] = label
+    return out
 
 
 def named_keys(doc: dict[str, Any]) -> list[str]:
@@ -132,9 +188,9 @@ def test_any_config_file_loads_or_names_the_bad_key(tmp_path: Path, doc: dict[st
     result = load(path)
     event("loaded" if isinstance(result, LoadedSettings) else "ConfigError: " + " ".join(str(result).split()[:2])[:40])
     if isinstance(result, LoadedSettings):
-        for section, table in doc.items():
-            assert section in SECTIONS and isinstance(table, dict), text
-            assert all(result.source_of(section, key) == f"config file {path}" for key in table), text
+        assert all(section in SECTIONS and isinstance(table, dict) for section, table in doc.items()), text
+        for (section, key), source in expected_sources(doc, f"config file {path}").items():
+            assert result.source_of(section, key) == source, text
         return
     message = str(result)
     assert str(path) in message, f"{message}\n--- file:\n{text}"

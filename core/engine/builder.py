@@ -81,14 +81,21 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
         return None
     policies = plugins.registry("eviction_policies")
     tiers = plugins.registry("cache_tiers")
-    l2 = l3 = None
-    if kv.l2_capacity > 0 and kv.max_memory_bytes > 0:
-        policy = policies.get(kv.l2_eviction_policy or kv.eviction_policy).factory
-        l2 = tiers.get(kv.l2_tier).factory(kv, policy, backend.fingerprint)
-    if kv.disk_path:
-        policy = policies.get(kv.l3_eviction_policy or kv.eviction_policy).factory
-        l3 = tiers.get(kv.l3_tier).factory(kv, policy, backend.fingerprint)
-    return TieredStore(pool, backend, backend.fingerprint, l2, l3, write_through=kv.persistence)
+    names = [tier.name for tier in kv.tiers]
+    if len(names) > 2:
+        raise ConfigError(f"kv_cache.tiers: this engine builds at most two tiers below L1, got {names}")
+    if names in (["l2"], ["l3"], ["l2", "l3"]):
+        slots = {tier.name: tier for tier in kv.tiers}
+    elif len(names) == 2:
+        slots = dict(zip(("l2", "l3"), kv.tiers))
+    else:
+        slots = {"l3" if tier.write_through else "l2": tier for tier in kv.tiers}
+    built = {
+        slot: tiers.get(tier.plugin).factory(tier, policies.get(tier.eviction_policy).factory, backend.fingerprint)
+        for slot, tier in slots.items()
+    }
+    write_through = "l3" in slots and slots["l3"].write_through
+    return TieredStore(pool, backend, backend.fingerprint, built.get("l2"), built.get("l3"), write_through)
 
 
 def model_info(core: EngineCore) -> ModelInfo:

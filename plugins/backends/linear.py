@@ -57,11 +57,11 @@ class LinearFactory:
 
     def __init__(self, kernel: str, device: torch.device, dtype: torch.dtype) -> None:
         if kernel not in KERNELS:
-            raise ValueError(f"model.linear_kernel: got {kernel!r}, allowed: {', '.join(KERNELS)}")
+            raise ValueError(f"plugins.native.linear_kernel: got {kernel!r}, allowed: {', '.join(KERNELS)}")
         available = _onednn_available(device, dtype)
         if kernel == "onednn" and not available:
             raise ValueError(
-                f"model.linear_kernel: 'onednn' needs a CPU device and a PyTorch build with oneDNN "
+                f"plugins.native.linear_kernel: 'onednn' needs a CPU device and a PyTorch build with oneDNN "
                 f"linear support for {dtype}; use 'auto' or 'torch'"
             )
         self.packed = available and kernel != "torch"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
 from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
@@ -46,6 +48,16 @@ def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 SHORT_CHUNK_TOKENS = 16  # chunks this short share one padded attention call
 
 
+class NativeSettings(BaseModel):
+    """``[plugins.native]``: how the native backend runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    linear_kernel: Literal["auto", "onednn", "torch"] = Field(
+        "auto", description="dense matmuls: oneDNN prepacked weights on CPU (auto), or torch's F.linear"
+    )
+
+
 class NativeBackend(ModelBackend):
     """Loads a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory and runs it paged."""
 
@@ -66,7 +78,11 @@ class NativeBackend(ModelBackend):
         self.config = AutoConfig.from_pretrained(self.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = PagedLlama(
-            self.config, load_safetensors(self.path), self.device, self.dtype, linear_kernel=model.linear_kernel
+            self.config,
+            load_safetensors(self.path),
+            self.device,
+            self.dtype,
+            linear_kernel=settings.plugin_options("native", NativeSettings).linear_kernel,
         )
         self.vocab_size = self.config.vocab_size
         self.max_model_len = min(
@@ -218,4 +234,10 @@ class NativeBackend(ModelBackend):
 
 @hookimpl
 def register_backends(register):
-    register("native", NativeBackend, description="Llama/Mistral/Qwen2/Qwen3 on the paged KV arena (fast path)")
+    register(
+        "native",
+        NativeBackend,
+        settings=NativeSettings,
+        aliases={"model.linear_kernel": "linear_kernel"},
+        description="Llama/Mistral/Qwen2/Qwen3 on the paged KV arena (fast path)",
+    )

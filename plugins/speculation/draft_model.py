@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.core.batch import ScheduledChunk
@@ -10,6 +12,14 @@ from tierserve.core.hookspecs import hookimpl
 from tierserve.core.sequence import Sequence
 from tierserve.core.speculation import Proposal, Speculator
 from tierserve.plugins.eviction.lru import LRUPolicy
+
+
+class DraftModelSettings(BaseModel):
+    """``[plugins.draft_model]``: which checkpoint drafts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="checkpoint directory or builtin:NAME; same tokenizer as the target")
 
 
 class DraftModelSpeculator(Speculator):
@@ -25,16 +35,19 @@ class DraftModelSpeculator(Speculator):
         super().__init__(settings, target)
         from tierserve.plugins.backends.native import NativeBackend
 
-        path = settings.speculative.draft_model
+        path = settings.plugin_options("draft_model", DraftModelSettings).path
         if not path:
-            raise ConfigError("speculative.draft_model: set it to a checkpoint directory (or builtin:NAME) when method is draft_model")
+            raise ConfigError(
+                "plugins.draft_model.path (formerly speculative.draft_model): set it to a checkpoint directory "
+                "(or builtin:NAME) when [speculative] method is draft_model"
+            )
         draft_settings = settings.model_copy(deep=True)
         draft_settings.model.path = path
         draft_settings.model.max_model_len = None
         self.draft = NativeBackend(draft_settings)
         if self.draft.vocab_size != target.vocab_size:
             raise ConfigError(
-                f"speculative.draft_model: {path} has a vocabulary of {self.draft.vocab_size} tokens, "
+                f"plugins.draft_model.path: {path} has a vocabulary of {self.draft.vocab_size} tokens, "
                 f"the target {target.vocab_size}; the draft must share the target's tokenizer"
             )
         block_size = settings.kv_cache.block_size
@@ -114,4 +127,10 @@ class DraftModelSpeculator(Speculator):
 
 @hookimpl
 def register_speculators(register):
-    register("draft_model", DraftModelSpeculator, description="a smaller checkpoint with the same tokenizer drafts k tokens")
+    register(
+        "draft_model",
+        DraftModelSpeculator,
+        settings=DraftModelSettings,
+        aliases={"speculative.draft_model": "path"},
+        description="a smaller checkpoint with the same tokenizer drafts k tokens",
+    )

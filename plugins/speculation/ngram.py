@@ -1,12 +1,29 @@
 """``ngram``: prompt-lookup decoding. Find the latest earlier occurrence of the sequence's last n
-tokens (n from ``ngram_max`` down to ``ngram_min``) and propose the tokens that followed it."""
+tokens (n from ``max_n`` down to ``min_n``, ``[plugins.ngram]``) and propose the tokens that followed it."""
 
 from __future__ import annotations
 
 from array import array
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from tierserve.core.hookspecs import hookimpl
 from tierserve.core.speculation import Proposal, Speculator
+
+
+class NgramSettings(BaseModel):
+    """``[plugins.ngram]``: the n-gram lengths matched, longest first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_n: int = Field(1, ge=1, description="shortest suffix n-gram looked up")
+    max_n: int = Field(4, ge=1, description="longest suffix n-gram looked up (tried first)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramSettings:
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        return self
 
 
 def lookup(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
@@ -39,10 +56,8 @@ class NgramSpeculator(Speculator):
 
     def __init__(self, settings, target) -> None:
         super().__init__(settings, target)
-        spec = settings.speculative
-        if spec.ngram_min > spec.ngram_max:
-            raise ValueError(f"speculative.ngram_min ({spec.ngram_min}) must not exceed ngram_max ({spec.ngram_max})")
-        self.ngram_min, self.ngram_max = spec.ngram_min, spec.ngram_max
+        options = settings.plugin_options("ngram", NgramSettings)
+        self.ngram_min, self.ngram_max = options.min_n, options.max_n
 
     def propose(self, requests):
         return [Proposal(lookup(r.token_ids, self.ngram_min, self.ngram_max, r.num_tokens)) for r in requests]
@@ -50,4 +65,10 @@ class NgramSpeculator(Speculator):
 
 @hookimpl
 def register_speculators(register):
-    register("ngram", NgramSpeculator, description="prompt lookup: propose what followed the last n-gram earlier")
+    register(
+        "ngram",
+        NgramSpeculator,
+        settings=NgramSettings,
+        aliases={"speculative.ngram_min": "min_n", "speculative.ngram_max": "max_n"},
+        description="prompt lookup: propose what followed the last n-gram earlier",
+    )

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import diskcache
 import structlog
+from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier
@@ -30,11 +31,29 @@ from tierserve.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
-    from tierserve.core.config import KVCacheSettings
+    from tierserve.core.tier_settings import TierSettings
 
 log = structlog.get_logger(__name__)
 
-_UNBOUNDED = 2**63 - 1  # policy capacity when max_disk_bytes is 0 (no byte bound)
+
+class DiskTierSettings(BaseModel):
+    """A ``plugin = "disk"`` tier's own keys in its ``[[kv_cache.tiers]]`` entry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="the cache directory (created if missing; ~ is expanded)")
+    max_bytes: int = Field(10 * 1024**3, ge=0, description="bytes on disk; 0: no byte bound")
+    persistent: bool = Field(
+        False, description="keep entries across restarts and rebuild the index at start; false clears the directory"
+    )
+    compression_level: int = Field(3, ge=1, le=22, description="zstd level")
+    write_queue: int = Field(256, gt=0, description="pending writes before new ones are dropped")
+    writer_nice: int = Field(
+        10, ge=0, le=19, description="added to the writer thread's niceness, so disk writes yield the CPU to decoding"
+    )
+
+
+_UNBOUNDED = 2**63 - 1  # policy capacity when max_bytes is 0 (no byte bound)
 _DISKCACHE_SIZE_LIMIT = 2**62  # diskcache must never cull on its own; this tier's policy bounds the bytes
 
 
@@ -58,48 +77,44 @@ class _BytesOnlyDisk(diskcache.Disk):
 
 
 class DiskTier(CacheTier):
-    """A persistent (or spill-only) tier in ``settings.disk_path``, bounded by ``max_disk_bytes``.
+    """A persistent (or spill-only) tier in its ``path``, bounded by ``max_bytes`` (``DiskTierSettings``).
 
     ``put`` only enqueues: one writer thread encodes and writes, so callers
     never wait on the disk. A put that finds the queue
-    (``l3_write_queue`` entries) full is dropped and counted; queued entries
+    (``write_queue`` entries) full is dropped and counted; queued entries
     are already visible to ``contains``/``get``. A key already on disk is not
     rewritten (keys are content hashes, the bytes would be the same): it
     counts as a use. Evicted entries are deleted, not returned (there is no
     tier below).
 
-    With ``persistence`` off the directory's entries are deleted at start; with
+    With ``persistent`` off the directory's entries are deleted at start; with
     it on, the index is rebuilt from what is there. Disk faults (full, read
     only, a missing, truncated, damaged or foreign file) are logged and
     counted, never raised: a bad entry is deleted and reads as a miss.
-    ``max_disk_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
+    ``max_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
     """
 
     name = "disk"
 
     def __init__(
-        self, settings: KVCacheSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
+        self, tier: TierSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
     ) -> None:
         super().__init__()
-        if not settings.disk_path:
-            raise TierserveError(
-                "the disk tier needs a directory: set [kv_cache] disk_path, "
-                "or leave the disk tier out to run without L3"
-            )
-        self.directory = Path(settings.disk_path).expanduser()
+        options = tier.options_as(DiskTierSettings)
+        self.directory = Path(options.path).expanduser()
         self.fingerprint = fingerprint
-        self.persistent = settings.persistence
-        self.max_bytes = settings.max_disk_bytes
-        self.ttl = settings.ttl_seconds or None
-        self.codec = KVCodec(fingerprint, settings.compression_level)
-        self.writer_nice = settings.l3_writer_nice
+        self.persistent = options.persistent
+        self.max_bytes = options.max_bytes
+        self.ttl = tier.ttl_seconds or None
+        self.codec = KVCodec(fingerprint, options.compression_level)
+        self.writer_nice = options.writer_nice
         self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
         self._index: dict[bytes, _Stored] = {}
         self._pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
         self._pinned: set[bytes] = set()
         self._stored_bytes = 0
         self._raw_bytes = 0
-        self._queue: queue.Queue[CacheEntry | None] = queue.Queue(maxsize=settings.l3_write_queue)
+        self._queue: queue.Queue[CacheEntry | None] = queue.Queue(maxsize=options.write_queue)
         self._unwritten = 0  # puts accepted and not yet finished by the writer
         self._drained = threading.Condition(self.lock)
         self._closed = False
@@ -113,8 +128,8 @@ class DiskTier(CacheTier):
             )
         except Exception as exc:
             raise TierserveError(
-                f"cannot open the L3 cache directory {str(self.directory)!r} ([kv_cache] disk_path): {exc}; "
-                "point disk_path at a writable directory"
+                f"cannot open the cache directory {str(self.directory)!r} (path of tier {tier.name!r}): {exc}; "
+                "point path at a writable directory"
             ) from exc
         if self.persistent:
             self._rebuild()
@@ -523,4 +538,9 @@ class DiskTier(CacheTier):
 
 @hookimpl
 def register_cache_tiers(register):
-    register("disk", DiskTier, description="L3: local disk, zstd-compressed, persistent across restarts")
+    register(
+        "disk",
+        DiskTier,
+        settings=DiskTierSettings,
+        description="local disk, zstd-compressed, persistent across restarts",
+    )

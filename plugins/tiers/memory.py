@@ -7,19 +7,30 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from tierserve.cache.tier import CacheEntry, CacheTier
 from tierserve.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
-    from tierserve.core.config import KVCacheSettings
+    from tierserve.core.tier_settings import TierSettings
+
+
+class MemoryTierSettings(BaseModel):
+    """A ``plugin = "memory"`` tier's own keys in its ``[[kv_cache.tiers]]`` entry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity: int = Field(50000, ge=0, description="entries (KV blocks) held; 0 stores nothing")
+    max_bytes: int = Field(1_000_000_000, ge=0, description="bytes of tensors held; 0: no byte bound")
 
 
 class MemoryTier(CacheTier):
     """Holds ``CacheEntry`` objects as given (no copy, no encoding).
 
-    Bounds: ``l2_capacity`` entries (0 stores nothing) and ``max_memory_bytes``
-    bytes of tensors (0: no byte bound). The policy orders entries by bytes,
+    Bounds: ``capacity`` entries (0 stores nothing) and ``max_bytes``
+    bytes of tensors (0: no byte bound), from ``MemoryTierSettings``. The policy orders entries by bytes,
     or by count when there is no byte bound. ``put`` evicts until both bounds
     hold and returns what it evicted, for demotion; an entry that cannot fit
     (bigger than the tier, or everything else is pinned) is returned without
@@ -36,13 +47,14 @@ class MemoryTier(CacheTier):
     name = "memory"
 
     def __init__(
-        self, settings: KVCacheSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
+        self, tier: TierSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
     ) -> None:
         super().__init__()
+        options = tier.options_as(MemoryTierSettings)
         self.fingerprint = fingerprint
-        self.max_entries = settings.l2_capacity
-        self.max_bytes = settings.max_memory_bytes
-        self.ttl = settings.ttl_seconds or None
+        self.max_entries = options.capacity
+        self.max_bytes = options.max_bytes
+        self.ttl = tier.ttl_seconds or None
         self._by_bytes = self.max_bytes > 0
         self.policy = policy_factory(self.max_bytes if self._by_bytes else max(self.max_entries, 1))
         self._entries: dict[bytes, CacheEntry] = {}
@@ -189,4 +201,4 @@ class MemoryTier(CacheTier):
 
 @hookimpl
 def register_cache_tiers(register):
-    register("memory", MemoryTier, description="L2: host RAM, bounded by entries and bytes")
+    register("memory", MemoryTier, settings=MemoryTierSettings, description="host RAM, bounded by entries and bytes")

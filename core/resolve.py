@@ -1,0 +1,141 @@
+"""After the plugins load: component names, tier entries and plugin tables checked against what they registered.
+
+Every error names the full key, the value, its source and the reason, e.g.
+``kv_cache.tiers[1].plugin = 'dsik' (from config file x.toml): unknown cache tier 'dsik'; ...; did you mean 'disk'?``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tierserve.core.errors import ConfigError, UnknownComponentError
+from tierserve.core.merge import Merged
+from tierserve.core.plugins import PluginManager
+from tierserve.core.registry import Component
+from tierserve.core.sections import Settings
+from tierserve.core.tables import DEFAULT_SOURCE, validate_table
+from tierserve.core.tier_settings import LEGACY_TIER_KEYS, LEGACY_TIERS, TIER_KEYS, TierSettings
+
+# (section, key) -> registry kind whose names the value must be
+COMPONENT_KEYS: dict[tuple[str, str], str] = {
+    ("model", "backend"): "backends",
+    ("scheduler", "name"): "schedulers",
+    ("kv_cache", "eviction_policy"): "eviction_policies",
+    ("kv_cache", "l2_eviction_policy"): "eviction_policies",
+    ("kv_cache", "l3_eviction_policy"): "eviction_policies",
+    ("kv_cache", "l2_tier"): "cache_tiers",
+    ("kv_cache", "l3_tier"): "cache_tiers",
+    ("speculative", "method"): "speculators",
+}
+INHERITED_TIER_KEYS = ("eviction_policy", "ttl_seconds")  # from [kv_cache] unless the entry sets them
+
+
+class NoSettings(BaseModel):
+    """The settings of a tier plugin that registered no model: no keys of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _component(plugins: PluginManager, kind: str, name: str, key: str, source: str) -> Component:
+    try:
+        return plugins.registry(kind).get(name)
+    except UnknownComponentError as exc:
+        raise ConfigError(f"{key} = {name!r} (from {source}): {exc}") from None
+
+
+def check_components(settings: Settings, plugins: PluginManager, sources: Mapping[tuple[str, str], str]) -> None:
+    """Fail on a component name no plugin registered; store names in canonical (lower) case."""
+    for (section, key), kind in COMPONENT_KEYS.items():
+        value = getattr(getattr(settings, section), key)
+        if value is None:
+            continue
+        where = sources.get((section, key), DEFAULT_SOURCE)
+        component = _component(plugins, kind, value, f"{section}.{key}", where)
+        setattr(getattr(settings, section), key, component.name)
+
+
+def check_tier_keys(merged: Merged) -> None:
+    """``kv_cache.tiers`` replaces the legacy tier keys of earlier layers (a preset's); set in the same
+    layer or a later one, they contradict it."""
+    tiers_key = ("kv_cache", "tiers")
+    if tiers_key not in merged.sources:
+        return
+    for legacy in sorted(LEGACY_TIER_KEYS):
+        key = ("kv_cache", legacy)
+        if key not in merged.sources:
+            continue
+        if merged.ranks[key] >= merged.ranks[tiers_key]:
+            raise ConfigError(
+                f"kv_cache.tiers (from {merged.sources[tiers_key]}) and kv_cache.{legacy} "
+                f"(from {merged.sources[key]}) both describe the cache tiers; use kv_cache.tiers: give each "
+                f"tier all its keys in its [[kv_cache.tiers]] entry and remove kv_cache.{legacy}"
+            )
+        merged.sources[key] += "; not used: kv_cache.tiers replaces it"
+
+
+def _tier_sources(
+    tier: TierSettings, raw: Mapping[str, Any] | None, sources: Mapping[tuple[str, str], str]
+) -> Callable[[str], str]:
+    """Where each key of a tier entry came from: the list's source, ``[kv_cache]``, or a legacy key."""
+
+    def kv_source(key: str, how: str) -> str:
+        return f"{sources.get(('kv_cache', key), DEFAULT_SOURCE)}, {how} kv_cache.{key}"
+
+    def source_of(key: str) -> str:
+        if raw is not None:  # an entry of an explicit [[kv_cache.tiers]]
+            if key in raw and not (key == "eviction_policy" and raw[key] is None):
+                return sources[("kv_cache", "tiers")]
+            return kv_source(key, "via") if key in INHERITED_TIER_KEYS else DEFAULT_SOURCE
+        legacy = LEGACY_TIERS[tier.name].get(key)
+        if key == "eviction_policy" and (legacy is None or ("kv_cache", legacy) not in sources):
+            return kv_source("eviction_policy", "via")
+        if legacy is not None:
+            return kv_source(legacy, "as")
+        return kv_source(key, "via") if key in INHERITED_TIER_KEYS else DEFAULT_SOURCE
+
+    return source_of
+
+
+def resolve_tiers(settings: Settings, plugins: PluginManager, merged: Merged) -> None:
+    """Check each tier's plugin and policy names and validate its own keys by the model its
+    plugin registered; record the source of every key as ``("kv_cache.tiers[i]", key)``."""
+    kv = settings.kv_cache
+    explicit = ("kv_cache", "tiers") in merged.sources
+    raw_entries = merged.values["kv_cache"]["tiers"] if explicit else None
+    resolved = []
+    for index, tier in enumerate(kv.tiers):
+        path = f"kv_cache.tiers[{index}]"
+        source_of = _tier_sources(tier, raw_entries[index] if raw_entries else None, merged.sources)
+        component = _component(plugins, "cache_tiers", tier.plugin, f"{path}.plugin", source_of("plugin"))
+        policy = _component(
+            plugins, "eviction_policies", tier.eviction_policy, f"{path}.eviction_policy", source_of("eviction_policy")
+        )
+        model = component.settings or NoSettings
+        own = tier.options.model_dump()
+        if not explicit:  # legacy keys are offered; the plugin takes the ones it declares
+            own = {key: value for key, value in own.items() if key in model.model_fields}
+        options = validate_table(
+            model, own, path, source_of, owner=f"a {component.name!r} tier", extra_keys=TIER_KEYS
+        )
+        entry = tier.model_copy(update={"plugin": component.name, "eviction_policy": policy.name, "options": options})
+        resolved.append(entry)
+        for key in entry.as_table():
+            merged.sources[(path, key)] = source_of(key)
+    kv.tiers = resolved
+
+
+def resolve_plugin_tables(settings: Settings, plugins: PluginManager, sources: Mapping[tuple[str, str], str]) -> None:
+    """Validate every ``[plugins.NAME]`` table (defaults too) by its component's model; keep the results
+    on ``settings`` for ``Settings.plugin_options``."""
+    for name, component in plugins.settings_components().items():
+        section = f"plugins.{name}"
+        options = validate_table(
+            component.settings,
+            settings.plugins.table(name),
+            section,
+            lambda key, section=section: sources.get((section, key), DEFAULT_SOURCE),
+        )
+        settings.set_plugin_options(name, options)

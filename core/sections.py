@@ -1,0 +1,252 @@
+"""The settings schema: one pydantic model per ``[section]``, and ``Settings`` holding them all.
+
+Plugins' own tables (``[plugins.NAME]``) and tier entries (``[[kv_cache.tiers]]``)
+are kept raw here and validated by the models their plugins registered, by
+``load_settings`` or on first access through ``Settings.plugin_options``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tierserve.core.tables import validate_table
+from tierserve.core.tier_settings import TierSettings, legacy_tiers, unique_names
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(Section):
+    """[server]: where and how the HTTP server listens."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None
+    max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    shutdown_grace_seconds: float = Field(30.0, ge=0)
+    rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
+    public_health: bool = True
+    public_metrics: bool = True
+    retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
+    engine_process: bool = Field(
+        False, description="run the engine core in a child process (tokenizing and HTTP stay in the server process)"
+    )
+
+
+class ModelSettings(Section):
+    """[model]: which checkpoint, which backend, on which device."""
+
+    path: str = "builtin:tiny"
+    backend: str = "native"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    max_model_len: int | None = Field(None, gt=0)
+    seed: int = 0
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        kind = value.split(":", 1)[0]
+        if kind not in {"auto", "cpu", "cuda", "mps"}:
+            raise ValueError("must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        return value
+
+
+class SchedulerSettings(Section):
+    """[scheduler]: batching budgets and queue bounds."""
+
+    name: str = "fcfs"
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    max_waiting_requests: int = Field(512, gt=0)
+
+
+class KVCacheSettings(Section):
+    """[kv_cache]: the L1 block pool and the ordered tiers below it (``[[kv_cache.tiers]]``).
+
+    ``tiers`` unset: the legacy keys (``l2_*``, ``max_memory_bytes``, ``disk_path``,
+    ``l3_*``, ...) build it, as ``tier_settings.legacy_tiers`` says.
+    """
+
+    block_size: int = Field(16, gt=0)
+    l1_capacity: int = Field(5000, gt=0, description="blocks in the L1 pool")
+    l1_max_bytes: int | None = Field(None, gt=0, description="size L1 by bytes instead (overrides l1_capacity)")
+    eviction_policy: str = Field("adaptive", description="L1's policy, and every tier's unless the tier sets one")
+    ttl_seconds: float | None = Field(3600, ge=0, description="0 or unset: entries never expire; tiers may override")
+    tiers: list[TierSettings] = Field(default_factory=list, description="the tiers below L1, in order")
+    enable_prefix_caching: bool = True
+    warm_prompts: list[str] = Field(default_factory=list)
+    warm_prompts_file: str | None = None
+    # legacy tier keys, used only when `tiers` is not set
+    l2_capacity: int = Field(50000, ge=0, description="legacy: blocks held in L2 host memory; 0 disables L2")
+    max_memory_bytes: int = Field(1_000_000_000, ge=0, description="legacy: byte bound of L2; 0 disables L2")
+    l2_tier: str = Field("memory", description="legacy: the L2 tier plugin")
+    l3_tier: str = Field("disk", description="legacy: the L3 tier plugin")
+    l2_eviction_policy: str | None = Field(None, description="legacy: L2's policy")
+    l3_eviction_policy: str | None = Field(None, description="legacy: L3's policy")
+    disk_path: str | None = Field(None, description="legacy: L3 directory; unset disables L3")
+    max_disk_bytes: int = Field(10 * 1024**3, ge=0, description="legacy: byte bound of L3; 0: none")
+    persistence: bool = Field(False, description="legacy: L3 keeps entries across restarts and is written through")
+    compression_level: int = Field(3, ge=1, le=22, description="legacy: L3 zstd level")
+    l3_write_queue: int = Field(256, gt=0, description="legacy: pending L3 writes before new ones are dropped")
+    l3_writer_nice: int = Field(
+        10, ge=0, le=19, description="legacy: added to the L3 writer thread's niceness (persistence yields the CPU)"
+    )
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tier_defaults(cls, value: Any, info: ValidationInfo) -> Any:
+        # eviction_policy and ttl_seconds are declared above tiers, so info.data holds them
+        if not isinstance(value, list):
+            return value
+        filled = []
+        for item in value:
+            if isinstance(item, Mapping):
+                item = dict(item)
+                if item.get("eviction_policy") is None:
+                    item["eviction_policy"] = info.data.get("eviction_policy")
+                item.setdefault("ttl_seconds", info.data.get("ttl_seconds"))
+            filled.append(item)
+        return filled
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_tier_names(cls, value: list[TierSettings]) -> list[TierSettings]:
+        return unique_names(value)
+
+    @model_validator(mode="after")
+    def _legacy_tiers(self) -> KVCacheSettings:
+        if "tiers" not in self.model_fields_set:
+            # rebuilt on every assignment until tiers is set; __dict__ so it stays "not set"
+            self.__dict__["tiers"] = legacy_tiers(self)
+        return self
+
+
+class SpeculativeSettings(Section):
+    """[speculative]: speculative decoding and beam search defaults."""
+
+    method: str | None = None
+    num_speculative_tokens: int = Field(4, ge=1, le=64)
+    adaptive: bool = True  # shrink k when drafts are rejected, grow it back when they are accepted
+    beam_width: int = Field(4, ge=1, le=16)
+    temperature: float = Field(0.8, ge=0)
+    top_k: int = Field(40, ge=-1)
+    top_p: float = Field(0.9, gt=0, le=1)
+
+
+class SlidingWindowSettings(Section):
+    """[sliding_window]: bounded-memory generation past the KV budget."""
+
+    enabled: bool = False
+    window_size: int = Field(512, gt=0)
+    window_overlap: int = Field(64, ge=0)
+    sink_tokens: int = Field(4, ge=0)
+    use_flash_attention: bool = True
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> SlidingWindowSettings:
+        if self.window_overlap >= self.window_size:
+            raise ValueError(
+                f"window_overlap ({self.window_overlap}) must be smaller than window_size ({self.window_size})"
+            )
+        return self
+
+
+class MonitoringSettings(Section):
+    """[monitoring]: metrics collection."""
+
+    enabled: bool = True
+    collection_interval_seconds: float = Field(30, gt=0)
+    detailed_profiling: bool = False
+    prometheus: bool = True
+    trend_samples: int = Field(120, gt=0, description="samples kept for /v1/cache/stats trends")
+    alert_hit_rate_below: float | None = Field(None, ge=0, le=1)
+    alert_memory_bytes_above: int | None = Field(None, gt=0)
+    alert_dropped_writes_above: int | None = Field(0, ge=0)
+    alert_queue_fraction_above: float | None = Field(0.9, gt=0, le=1)
+
+
+class PluginSettings(Section):
+    """[plugins]: which installed plugins load (``TIERSERVE_PLUGINS`` overrides), and one
+    ``[plugins.NAME]`` table per component that declares settings (kept raw here)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    enabled: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _tables_are_tables(self) -> PluginSettings:
+        for name, table in (self.model_extra or {}).items():
+            if not isinstance(table, Mapping):
+                raise ValueError(f"plugins.{name} must be a table of keys ([plugins.{name}]), got {table!r}")
+        return self
+
+    def table(self, name: str) -> dict[str, Any]:
+        """The raw ``[plugins.NAME]`` table (empty if not given)."""
+        return dict((self.model_extra or {}).get(name.strip().lower(), {}))
+
+
+class AuthSettings(Section):
+    """[auth]: API keys; with none configured the API is open."""
+
+    api_keys: list[str] = Field(default_factory=list)
+    admin_api_keys: list[str] = Field(default_factory=list)
+
+
+class LoggingSettings(Section):
+    """[logging]: structlog output."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["console", "json"] = "console"
+
+
+class Settings(BaseSettings):
+    """All of tierserve's settings, one section per concern."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    kv_cache: KVCacheSettings = Field(default_factory=KVCacheSettings)
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
+    sliding_window: SlidingWindowSettings = Field(default_factory=SlidingWindowSettings)
+    monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    plugins: PluginSettings = Field(default_factory=PluginSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+
+    _plugin_options: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, *args, **kwargs):
+        # load_settings() layers presets, files, env and flags itself so it can
+        # say where each value came from; the model only validates.
+        return (init_settings,)
+
+    def plugin_options(self, name: str, model: type[M]) -> M:
+        """A component's own settings: its ``[plugins.NAME]`` table as ``model``.
+
+        ``load_settings`` validated it already (with the source of every value
+        in its errors); on settings built directly the table, or the model's
+        defaults, is validated on first access. Raises ``ConfigError``.
+
+        Example: ``settings.plugin_options("ngram", NgramSettings).max_n``.
+        """
+        key = name.strip().lower()
+        options = self._plugin_options.get(key)
+        if not isinstance(options, model):
+            options = validate_table(model, self.plugins.table(key), f"plugins.{key}", lambda _: "the Settings object")
+            self._plugin_options[key] = options
+        return options
+
+    def set_plugin_options(self, name: str, options: BaseModel) -> None:
+        """Record a component's validated settings (``load_settings`` does, for each one)."""
+        self._plugin_options[name.strip().lower()] = options

@@ -1,0 +1,246 @@
+"""``[[kv_cache.tiers]]``: an ordered list of tier plugins, each validating its own keys;
+the legacy ``[kv_cache]`` keys map onto it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tierserve.core.config import Settings, load_settings
+from tierserve.core.engine import Engine
+from tierserve.core.errors import ConfigError
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.plugins.tiers.disk import DiskTierSettings
+from tierserve.plugins.tiers.memory import MemoryTierSettings
+from tests.engine_helpers import build_checkpoint
+from tests.test_cli import run
+from tests.test_config import ORIGINAL_DESIGN_TOML
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    def write(text: str, name: str = "config.toml"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+def error_of(path, preset=None, environ=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_settings(preset, config_file=path, environ=environ or {})
+    return str(info.value)
+
+
+def tables(loaded) -> list[dict]:
+    return [tier.as_table() for tier in loaded.settings.kv_cache.tiers]
+
+
+THREE_TIERS = """
+[kv_cache]
+eviction_policy = "LRU"
+ttl_seconds = 600
+
+[[kv_cache.tiers]]
+name = "ram"
+plugin = "memory"
+capacity = 1000
+
+[[kv_cache.tiers]]
+name = "ssd"
+plugin = "Disk"
+eviction_policy = "LFU"
+path = "{ssd}"
+max_bytes = 1000000
+
+[[kv_cache.tiers]]
+name = "archive"
+plugin = "disk"
+path = "{archive}"
+persistent = true
+write_through = true
+ttl_seconds = 0
+compression_level = 19
+"""
+
+
+def test_three_tiers_load_and_config_show_json_shows_them(toml_file, tmp_path):
+    path = toml_file(THREE_TIERS.format(ssd=tmp_path / "ssd", archive=tmp_path / "archive"))
+    result = run("config", "show", "--json", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)["kv_cache.tiers"]
+    values = [{key: item["value"] for key, item in tier.items()} for tier in shown]
+    assert values == [
+        {"name": "ram", "plugin": "memory", "eviction_policy": "lru", "ttl_seconds": 600.0, "write_through": False,
+         "capacity": 1000, "max_bytes": 1_000_000_000},
+        {"name": "ssd", "plugin": "disk", "eviction_policy": "lfu", "ttl_seconds": 600.0, "write_through": False,
+         "path": str(tmp_path / "ssd"), "max_bytes": 1_000_000, "persistent": False, "compression_level": 3,
+         "write_queue": 256, "writer_nice": 10},
+        {"name": "archive", "plugin": "disk", "eviction_policy": "lru", "ttl_seconds": 0.0, "write_through": True,
+         "path": str(tmp_path / "archive"), "max_bytes": 10 * 1024**3, "persistent": True, "compression_level": 19,
+         "write_queue": 256, "writer_nice": 10},
+    ]  # fmt: skip
+    ram = shown[0]
+    assert ram["capacity"]["source"] == f"config file {path}"
+    assert ram["max_bytes"]["source"] == "default"
+    assert ram["eviction_policy"]["source"] == f"config file {path}, via kv_cache.eviction_policy"
+    text = run("config", "show", "--config", str(path)).stdout
+    assert text.count("[[kv_cache.tiers]]") == 3
+    assert 'name              = "archive"' in text
+
+
+def test_unknown_tier_plugin_or_policy_suggests_a_name(toml_file):
+    path = toml_file('[[kv_cache.tiers]]\nname = "l2"\nplugin = "memroy"\n')
+    message = error_of(path)
+    assert f"kv_cache.tiers[0].plugin = 'memroy' (from config file {path})" in message
+    assert "unknown cache tier 'memroy'; available: disk, memory; did you mean 'memory'?" in message
+    path = toml_file('[[kv_cache.tiers]]\nname = "l2"\nplugin = "memory"\neviction_policy = "lruu"\n', "policy.toml")
+    message = error_of(path)
+    assert f"kv_cache.tiers[0].eviction_policy = 'lruu' (from config file {path})" in message
+    assert "did you mean 'lru'?" in message
+
+
+def test_a_tier_plugin_validates_its_own_keys(toml_file):
+    path = toml_file('[[kv_cache.tiers]]\nname = "ram"\nplugin = "memory"\ncapacity = -1\n')
+    assert f"kv_cache.tiers[0].capacity = -1 (from config file {path})" in error_of(path)
+    path = toml_file('[[kv_cache.tiers]]\nname = "ram"\nplugin = "memory"\ncapasity = 5\n', "typo.toml")
+    message = error_of(path)
+    assert f"unknown key kv_cache.tiers[0].capasity in config file {path}" in message
+    keys = "name, plugin, eviction_policy, ttl_seconds, write_through, capacity, max_bytes"
+    assert f"keys of a 'memory' tier: {keys}" in message
+    assert "did you mean 'capacity'?" in message
+    path = toml_file('[[kv_cache.tiers]]\nname = "l3"\nplugin = "disk"\n', "nopath.toml")
+    assert f"kv_cache.tiers[0].path (from config file {path}): Field required" in error_of(path)
+
+
+def test_tier_names_are_unique_and_l1_all_are_reserved(toml_file):
+    path = toml_file('[[kv_cache.tiers]]\nname = "L1"\nplugin = "memory"\n')
+    message = error_of(path)
+    assert f"kv_cache.tiers[0].name = 'L1' (from config file {path})" in message and "reserved" in message
+    path = toml_file('[[kv_cache.tiers]]\nname = "a"\nplugin = "memory"\n' * 2, "twice.toml")
+    message = error_of(path)
+    assert "kv_cache.tiers" in message and str(path) in message and "'a' is used twice" in message
+
+
+def test_the_legacy_keys_build_the_same_list(toml_file):
+    prod = load_settings("production", environ={})
+    explicit = toml_file(
+        """
+        [kv_cache]
+        eviction_policy = "adaptive"
+        [[kv_cache.tiers]]
+        name = "l2"
+        plugin = "memory"
+        capacity = 50000
+        max_bytes = 1000000000
+        [[kv_cache.tiers]]
+        name = "l3"
+        plugin = "disk"
+        path = "~/.cache/tierserve/kv"
+        max_bytes = 21474836480
+        persistent = true
+        write_through = true
+        """
+    )
+    assert tables(prod) == tables(load_settings(None, config_file=explicit, environ={}))
+    assert prod.source_of("kv_cache.tiers[1]", "persistent").endswith(", as kv_cache.persistence")
+    assert [t["name"] for t in tables(load_settings("development", environ={}))] == ["l2"]
+    original = load_settings(None, config_file=toml_file(ORIGINAL_DESIGN_TOML, "design.toml"), environ={})
+    assert tables(original) == [
+        {"name": "l2", "plugin": "memory", "eviction_policy": "adaptive", "ttl_seconds": 3600.0,
+         "write_through": False, "capacity": 50000, "max_bytes": 1_000_000_000},
+    ]  # fmt: skip
+    no_l2 = load_settings(None, environ={}, overrides={("kv_cache", "l2_capacity"): 0, ("kv_cache", "disk_path"): "/x"})
+    assert [t["name"] for t in tables(no_l2)] == ["l3"]
+
+
+def test_legacy_keys_report_their_source_in_errors_and_show(toml_file):
+    loaded = load_settings(
+        "production", environ={"TIERSERVE_KV_CACHE__L3_WRITER_NICE": "5"}, overrides={("kv_cache", "l3_tier"): "memory"}
+    )
+    [l2, l3] = loaded.explain()["kv_cache.tiers"]
+    # l3_tier = memory: the memory plugin takes the legacy keys it declares (max_bytes), not the disk's
+    assert set(l3) == {"name", "plugin", "eviction_policy", "ttl_seconds", "write_through", "capacity", "max_bytes"}
+    assert l3["max_bytes"]["source"].endswith(", as kv_cache.max_disk_bytes")
+    assert l3["plugin"] == {"value": "memory", "source": "command line, as kv_cache.l3_tier"}
+    shown = load_settings("production", environ={"TIERSERVE_KV_CACHE__L3_WRITER_NICE": "5"}).explain()
+    assert shown["kv_cache.tiers"][1]["writer_nice"] == {
+        "value": 5,
+        "source": "environment variable TIERSERVE_KV_CACHE__L3_WRITER_NICE, as kv_cache.l3_writer_nice",
+    }
+
+
+def test_explicit_list_and_legacy_keys_together_is_an_error_naming_both(toml_file, tmp_path):
+    path = toml_file(f'[kv_cache]\ndisk_path = "{tmp_path}"\n[[kv_cache.tiers]]\nname = "ram"\nplugin = "memory"\n')
+    message = error_of(path)
+    assert f"kv_cache.tiers (from config file {path}) and kv_cache.disk_path (from config file {path})" in message
+    assert "use kv_cache.tiers" in message
+    tiers_file = toml_file('[[kv_cache.tiers]]\nname = "ram"\nplugin = "memory"\n', "tiers.toml")
+    message = error_of(tiers_file, environ={"TIERSERVE_KV_CACHE__L2_CAPACITY": "7"})
+    assert "kv_cache.l2_capacity (from environment variable TIERSERVE_KV_CACHE__L2_CAPACITY)" in message
+    # a preset's legacy keys are replaced by a later list, and config show says they are not used
+    loaded = load_settings("production", config_file=tiers_file, environ={})
+    assert [t["name"] for t in tables(loaded)] == ["ram"]
+    assert loaded.source_of("kv_cache", "disk_path").endswith("; not used: kv_cache.tiers replaces it")
+
+
+def test_tiers_from_environment_and_command_line(tmp_path):
+    tiers = [{"name": "ram", "plugin": "memory", "capacity": 9}]
+    loaded = load_settings(None, environ={"TIERSERVE_KV_CACHE__TIERS": json.dumps(tiers)})
+    assert loaded.settings.kv_cache.tiers[0].options == MemoryTierSettings(capacity=9)
+    assert loaded.source_of("kv_cache.tiers[0]", "capacity") == "environment variable TIERSERVE_KV_CACHE__TIERS"
+    assignment = f'kv_cache.tiers=[{{name="d", plugin="disk", path="{tmp_path}"}}]'
+    result = run("config", "show", "--json", "--preset", "production", "--set", assignment)
+    assert result.returncode == 0, result.stderr
+    [disk] = json.loads(result.stdout)["kv_cache.tiers"]
+    assert disk["path"] == {"value": str(tmp_path), "source": "command line"}
+
+
+def test_settings_built_directly_resolve_tiers_on_access():
+    settings = Settings(kv_cache={"ttl_seconds": 5, "tiers": [{"name": "RAM", "plugin": "memory", "capacity": 3}]})
+    [tier] = settings.kv_cache.tiers
+    assert (tier.name, tier.eviction_policy, tier.ttl_seconds) == ("ram", "adaptive", 5)
+    assert tier.options_as(MemoryTierSettings) == MemoryTierSettings(capacity=3)
+    [legacy] = Settings(kv_cache={"l2_capacity": 0, "disk_path": "/d", "l3_writer_nice": 4}).kv_cache.tiers
+    assert legacy.options_as(DiskTierSettings).writer_nice == 4
+    [bad] = Settings(kv_cache={"tiers": [{"name": "ram", "plugin": "memory", "capacity": -2}]}).kv_cache.tiers
+    with pytest.raises(ConfigError, match=r"kv_cache.tiers\[ram\].capacity = -2"):
+        bad.options_as(MemoryTierSettings)
+
+
+def test_engine_builds_the_tiers_of_the_list(tmp_path, toml_file):
+    model = build_checkpoint(tmp_path, "m", "llama")
+    path = toml_file(
+        f"""
+        [model]
+        path = "{model}"
+        device = "cpu"
+        [kv_cache]
+        block_size = 4
+        l1_capacity = 64
+        [[kv_cache.tiers]]
+        name = "ram"
+        plugin = "memory"
+        capacity = 7
+        [[kv_cache.tiers]]
+        name = "ssd"
+        plugin = "disk"
+        path = "{tmp_path / 'ssd'}"
+        persistent = true
+        write_through = true
+        """
+    )
+    loaded = load_settings(None, config_file=path, environ={})
+    engine = Engine.from_settings(loaded.settings, loaded.plugins)
+    try:
+        engine.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        engine.store.flush()
+        stats = engine.cache_stats()["tiers"]
+        assert stats["l3"]["entries"] >= 9  # every full block written through to the persistent tier
+        assert engine.store.tiers_by_name["l2"].max_entries == 7
+    finally:
+        engine.close()
+    assert any((tmp_path / "ssd").iterdir())
