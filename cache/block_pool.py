@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from tierserve.cache.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
+    from tierserve.cache.stats import PrefixMatch
     from tierserve.cache.store import TieredStore
     from tierserve.core.sequence import Sequence
 
@@ -218,10 +219,15 @@ class KVCacheManager:
             block_table.extend(self.pool.allocate(needed))
         return True
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Start a sequence that holds no blocks from its longest cached prefix (no-op without a store)."""
+    def match_prefix(self, seq: Sequence) -> PrefixMatch | None:
+        """Start a sequence that holds no blocks from its longest cached prefix.
+
+        Returns what the lookup found, or ``None`` when there was no lookup
+        (no store, or the sequence already holds blocks or computed tokens).
+        """
         if self.store is not None and not seq.block_table and seq.num_computed_tokens == 0:
-            self.store.match_prefix(seq)
+            return self.store.match_prefix(seq)
+        return None
 
     def cache_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed blocks to the prefix cache."""

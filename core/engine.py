@@ -31,7 +31,7 @@ import structlog
 import torch
 
 from tierserve.cache.block_pool import BlockPool, KVCacheManager
-from tierserve.cache.store import TieredStore
+from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.backend import ModelBackend
 from tierserve.core.config import Settings
 from tierserve.core.errors import ConfigError
@@ -244,7 +244,7 @@ class Engine:
             kv_blocks=num_blocks,
             block_size=kv.block_size,
             prefix_cache=store is not None,
-            tiers=sorted(store.tiers_by_name) if store else [],
+            tiers=store.tier_names[1:] if store else [],
         )
         return engine
 
@@ -256,14 +256,16 @@ class Engine:
             return None
         policies = plugins.registry("eviction_policies")
         tiers = plugins.registry("cache_tiers")
-        l2 = l3 = None
+        lower: list[StoreTier] = []
         if kv.l2_capacity > 0 and kv.max_memory_bytes > 0:
             policy = policies.get(kv.l2_eviction_policy or kv.eviction_policy).factory
             l2 = tiers.get(kv.l2_tier).factory(kv, policy, backend.fingerprint)
+            lower.append(StoreTier("l2", l2))
         if kv.disk_path:
             policy = policies.get(kv.l3_eviction_policy or kv.eviction_policy).factory
             l3 = tiers.get(kv.l3_tier).factory(kv, policy, backend.fingerprint)
-        return TieredStore(pool, backend, backend.fingerprint, l2, l3, write_through=kv.persistence)
+            lower.append(StoreTier("l3", l3, write_through=kv.persistence))
+        return TieredStore(pool, backend, backend.fingerprint, lower)
 
     # ---- requests -----------------------------------------------------------
 
@@ -480,7 +482,7 @@ class Engine:
     def cache_stats(self) -> dict[str, Any]:
         """Per-tier and index statistics plus the engine's token counters, as plain data."""
         def collect() -> dict[str, Any]:
-            snapshot = self.store.snapshot() if self.store is not None else {"tiers": {}}
+            snapshot = self.store.snapshot().as_dict() if self.store is not None else {"tiers": {}}
             snapshot["speculation"] = {
                 "enabled": self.speculator is not None,
                 "method": self.settings.speculative.method,

@@ -228,7 +228,8 @@ async def cache_clear(request: Request, data: JSONBody[ClearRequest | None] = No
         for tier in tiers:
             for name in TIERS if tier == "all" else (tier,):
                 cleared.setdefault(name, 0)  # a tier that is not configured held nothing
-            cleared.update(engine.clear_cache(tier))
+            if tier == "all" or (engine.store is not None and tier in engine.store.tier_names):
+                cleared.update(engine.clear_cache(tier))
         return cleared
 
     cleared = await asyncio.to_thread(clear)

@@ -36,7 +36,7 @@ def components(state: ServerState) -> dict[str, Any]:
     else:
         status = "ready" if state.ready else "loading"
     if engine is not None:
-        tiers = ["l1", *sorted(engine.store.tiers_by_name)] if engine.store is not None else []
+        tiers = list(engine.store.tier_names) if engine.store is not None else []
     else:  # not built yet: what the settings ask for
         kv = settings.kv_cache
         tiers = ["l1"] if kv.enable_prefix_caching else []
