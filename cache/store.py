@@ -70,6 +70,10 @@ class TieredStore:
         transfer: the backend's block copier; may be ``None`` only without lower tiers.
         fingerprint: the model fingerprint; every hash is rooted in it.
         tiers: the tiers below L1, in the order data moves down.
+
+    Attributes:
+        tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
+            marks a block held at position ``i`` with bit ``1 << i``.
     """
 
     def __init__(
@@ -348,7 +352,8 @@ class TieredStore:
         self._sync_removed()
         self.pool.check_integrity()
         self.index.check_integrity()
-        assert set(self.index.keys_held_by(1 << L1)) == set(self.pool.cached), "hash index and block pool disagree about l1"
+        in_l1 = set(self.index.keys_held_by(1 << L1))
+        assert in_l1 == set(self.pool.cached), "hash index and block pool disagree about l1"
         for position, store_tier in enumerate(self.tiers, 1):
             indexed = set(self.index.keys_held_by(1 << position))
             assert indexed == set(store_tier.tier.keys()), f"hash index and tier {store_tier.name} disagree"

@@ -50,11 +50,13 @@ def kv_for(tokens: list[int]) -> torch.Tensor:
 
 
 def memory_tier(entries: int):
-    return TIERS.get("memory").factory(KVCacheSettings(l2_capacity=entries, max_memory_bytes=0, ttl_seconds=None), LRU, FINGERPRINT)
+    settings = KVCacheSettings(l2_capacity=entries, max_memory_bytes=0, ttl_seconds=None)
+    return TIERS.get("memory").factory(settings, LRU, FINGERPRINT)
 
 
 def disk_tier(path):
-    return TIERS.get("disk").factory(KVCacheSettings(disk_path=str(path), persistence=False, ttl_seconds=None), LRU, FINGERPRINT)
+    settings = KVCacheSettings(disk_path=str(path), persistence=False, ttl_seconds=None)
+    return TIERS.get("disk").factory(settings, LRU, FINGERPRINT)
 
 
 class Runner:
@@ -120,7 +122,8 @@ def test_blocks_demote_down_three_tiers_and_promote_back_as_computed(three_tiers
     assert isinstance(snap, CacheSnapshot)
     assert [name for name in snap.tiers] == store.tier_names
     assert snap.demotions == {"ram-small": 16, "ram-big": 12, "disk": 4}
-    assert {name: tier.entries for name, tier in snap.tiers.items()} == {"l1": 4, "ram-small": 4, "ram-big": 8, "disk": 4}
+    entries = {name: tier.entries for name, tier in snap.tiers.items()}
+    assert entries == {"l1": 4, "ram-small": 4, "ram-big": 8, "disk": 4}
 
     match, again = runner.run(prompt(0))
     assert match.hits == {"l1": 0, "ram-small": 0, "ram-big": 0, "disk": PROMPT_BLOCKS}
