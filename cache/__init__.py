@@ -1,1 +1,1 @@
-"""The KV cache store: block pool (L1), prefix index, tiers (L2/L3), eviction."""
+"""The KV cache store: block pool (L1), hash index, the tiers below L1, eviction, statistics."""

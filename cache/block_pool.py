@@ -3,12 +3,17 @@
 A block holds the K/V of ``block_size`` consecutive tokens of one sequence in
 every layer of the arena. Blocks are reference-counted so several sequences
 can share one (forked prompts, beams, cached prefixes). A block whose count
-drops to zero is free: if it carries a prefix hash it stays "cached-free"
-(its content is still valid and can be revived by a prefix hit) until the
-eviction policy picks it for reuse; otherwise it goes straight back to the
-plain free list.
+drops to zero is free: if it is registered under a prefix hash it stays
+"cached-free" (its content is still valid and can be revived by a prefix hit)
+until the eviction policy picks it for reuse; otherwise it goes straight back
+to the plain free list.
 
     total = free (no content) + cached_free (hash kept, ref 0) + in_use (ref > 0)
+
+The eviction policy orders cached content, keyed by block hash, not by slot:
+a block is tracked from registration until its hash leaves the pool, pinned
+while in use, and every prefix hit is a ``touch``. So frequency counts and
+ARC's ghost lists describe content coming back, not a slot being reused.
 """
 
 from __future__ import annotations
@@ -34,7 +39,14 @@ class Block:
 
 
 class BlockPool:
-    """Allocates, shares and frees blocks; the eviction policy picks which cached-free block to reuse."""
+    """Allocates, shares and frees blocks; the eviction policy picks which cached-free block to reuse.
+
+    Args:
+        num_blocks: blocks in the arena.
+        block_size: tokens per block.
+        policy: orders registered blocks by hash (unit size each); it must
+            be empty, and only the pool may drive it.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -42,16 +54,17 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
-        self._cached_free = policy  # block ids with a hash and ref_count 0
+        self.policy = policy  # every registered hash; pinned while its block is in use
         self.cached: dict[bytes, int] = {}  # block hash -> block id (in use or cached-free)
         self.evictions = 0
         self.on_evict: Callable[[Block], None] | None = None
+        self._free: deque[int] = deque(range(num_blocks))
+        self._num_cached_free = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (plain free + cached-free)."""
-        return len(self._free) + len(self._cached_free)
+        return len(self._free) + self._num_cached_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -70,27 +83,38 @@ class BlockPool:
             if self._free:
                 block = self.blocks[self._free.popleft()]
             else:
-                block = self.blocks[self._cached_free.evict()]
+                victim = self.policy.evict()  # a cached-free block exists, so one is unpinned
+                block = self.blocks[self.cached[victim]]
                 if self.on_evict is not None:
                     self.on_evict(block)  # write-back to the tier below before the data is overwritten
                 self._forget(block)
+                self._num_cached_free -= 1
                 self.evictions += 1
             block.ref_count = 1
             allocated.append(block.block_id)
         return allocated
 
     def share(self, block_id: int) -> None:
-        """Add a reference to a block in use, or revive a cached-free one."""
+        """Add a reference to a block in use, or revive a cached-free one.
+
+        Sharing a registered block is a use of its content (a prefix hit):
+        the policy is told, and a revived block is pinned while in use.
+        """
         block = self.blocks[block_id]
-        if block.ref_count == 0:
-            if block.block_hash is None or block_id not in self._cached_free:
+        if block.block_hash is None:
+            if block.ref_count == 0:
                 raise ValueError(f"block {block_id} is free and holds no cached content")
-            self._cached_free.remove(block_id)
+        else:
+            self.policy.touch(block.block_hash)
+            if block.ref_count == 0:
+                self.policy.pin(block.block_hash)
+                self._num_cached_free -= 1
         block.ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; pass them in eviction order
-        (the ones to reuse first come first)."""
+        (the ones to reuse first come first: a recency policy counts the
+        release as the block's latest use)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count <= 0:
@@ -100,15 +124,21 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.append(block_id)
                 else:
-                    self._cached_free.insert(block_id, 1)
+                    self.policy.unpin(block.block_hash)
+                    self._num_cached_free += 1
 
     def register(self, block_id: int, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool:
-        """Publish an in-use, fully computed block under its hash; False if that hash is already cached."""
+        """Publish an in-use, fully computed block under its hash; False if that hash is already cached
+        or the block already carries one."""
         block = self.blocks[block_id]
+        if block.ref_count == 0:
+            raise ValueError(f"block {block_id} is free; only a block in use can be registered")
         if block_hash in self.cached or block.block_hash is not None:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
         self.cached[block_hash] = block_id
+        self.policy.insert(block_hash, 1)
+        self.policy.pin(block_hash)
         return True
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
@@ -119,37 +149,45 @@ class BlockPool:
         return block_id
 
     def uncache(self, block_hash: bytes) -> bool:
-        """Withdraw a hash from the prefix cache; a cached-free block becomes plain free."""
+        """Withdraw a hash from the prefix cache; a cached-free block becomes plain free,
+        a block in use keeps its data until freed."""
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return False
         block = self.blocks[block_id]
+        self.policy.remove(block_hash)
         if block.ref_count == 0:
-            self._cached_free.remove(block_id)
+            self._num_cached_free -= 1
             self._free.append(block_id)
         self._forget(block)
         return True
 
     def _forget(self, block: Block) -> None:
-        if block.block_hash is not None and self.cached.get(block.block_hash) == block.block_id:
-            del self.cached[block.block_hash]
+        """Drop the block's registration (the caller settles the policy)."""
+        del self.cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = None
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + cached-free + in-use == total and every count is sane."""
+        """Raise AssertionError unless free + cached-free + in-use == total, every count is sane,
+        and the policy tracks exactly the registered hashes, pinned exactly while in use."""
         free = set(self._free)
-        cached = set(self._cached_free)
         in_use = {b.block_id for b in self.blocks if b.ref_count > 0}
+        cached = {b.block_id for b in self.blocks if b.ref_count == 0 and b.block_hash is not None}
         assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not (free & cached) and not (free & in_use) and not (cached & in_use), "a block is in two states"
+        assert not (free & cached) and not (free & in_use), "a block is in two states"
         assert len(free) + len(cached) + len(in_use) == self.num_blocks, (
             f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
         )
+        assert self._num_cached_free == len(cached), f"cached-free count {self._num_cached_free}, found {len(cached)}"
         for block_hash, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"cached map points at block {block_id} wrongly"
+        registered = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert registered == len(self.cached), "a block carries a hash the cached map does not know"
+        assert set(self.policy) == set(self.cached), "policy keys differ from the registered hashes"
+        pinned = {key for key in self.policy if self.policy.is_pinned(key)}
+        in_use_hashes = {key for key, block_id in self.cached.items() if self.blocks[block_id].ref_count > 0}
+        assert pinned == in_use_hashes, "pinned hashes differ from the registered blocks in use"
         for block in self.blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
-            if block.block_id in cached:
-                assert block.block_hash is not None, f"cached-free block {block.block_id} has no hash"
             if block.block_id in free:
                 assert block.block_hash is None, f"free block {block.block_id} still has a hash"

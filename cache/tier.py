@@ -1,4 +1,4 @@
-"""The cache tier interface (L2 memory, L3 disk, and any plugin tier) and what tiers store.
+"""The cache tier interface (the memory and disk tiers, and any plugin tier) and what tiers store.
 
 A tier is a bounded map from block hash to ``CacheEntry``. It owns an eviction
 policy (from the registry) that orders its keys; when a ``put`` needs room it
@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from tierserve.cache.stats import TierStats
 
 if TYPE_CHECKING:
     import torch
@@ -44,33 +46,6 @@ class CacheEntry:
         return self.kv.numel() * self.kv.element_size()
 
 
-@dataclass
-class TierStats:
-    """Counters of one tier; read by ``/v1/cache/stats`` and Prometheus."""
-
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    evictions: int = 0
-    expirations: int = 0
-    corrupt: int = 0
-    dropped_writes: int = 0
-    write_errors: int = 0
-    get_seconds: float = 0.0
-    put_seconds: float = 0.0
-    stored_bytes: int = 0  # bytes as stored (compressed for disk)
-    raw_bytes: int = 0  # bytes of the tensors they hold
-
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
-
-
 class CacheTier(ABC):
     """A bounded store of ``CacheEntry`` values keyed by block hash. Thread-safe.
 
@@ -83,6 +58,7 @@ class CacheTier(ABC):
     """
 
     name: str = "tier"
+    medium: str = "memory"  # where entries live: "memory", "disk" or "remote" (statistics group bytes by it)
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -130,7 +106,7 @@ class CacheTier(ABC):
 
     @abstractmethod
     def parent_of(self, key: bytes) -> bytes | None:
-        """The stored entry's parent hash, without reading its data (for the radix index)."""
+        """The stored entry's parent hash, without reading its data (for the store's hash index)."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -141,11 +117,21 @@ class CacheTier(ABC):
     def bytes_used(self) -> int:
         """Bytes held (as stored)."""
 
+    @abstractmethod
     def pin(self, key: bytes) -> None:
-        """Keep ``key`` from being evicted (it is being read, or it has cached children)."""
+        """Keep ``key`` from being evicted or expired until ``unpin`` (the tiered store pins a
+        block that cached children need, where eviction would lose it).
 
+        Pins do not nest: pinning twice and unpinning once leaves ``key``
+        evictable. A key not stored is ignored; ``remove`` and ``clear`` drop
+        the pins of what they delete. When everything else is pinned, a
+        ``put`` that needs room gives up the newcomer (returned, or dropped
+        by a tier that cannot return entries).
+        """
+
+    @abstractmethod
     def unpin(self, key: bytes) -> None:
-        """Undo ``pin``."""
+        """Make ``key`` evictable again; a key not stored or not pinned is ignored."""
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued background writes are on their medium."""

@@ -32,7 +32,7 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
         "hits": total_hits,
         "misses": misses,
         "hit_rate": round(total_hits / lookups, 4) if lookups else 0.0,
-        "memory_bytes": sum(t.bytes for t in tiers.values() if t.medium == "memory" and t.name != "l1"),
+        "memory_bytes": sum(t.bytes for t in tiers.values() if t.medium == "memory"),
         "disk_bytes": sum(t.bytes for t in tiers.values() if t.medium == "disk"),
         "evictions": sum(t.evictions for t in tiers.values()),
     }

@@ -7,8 +7,9 @@ every step the pool must agree with it and pass ``check_integrity()``.
 
 Semantics the reference encodes (from ``cache/block_pool.py``):
 
-* A block is free when its count is 0; it is *cached-free* if it also keeps a
-  hash. Both kinds count in ``num_free_blocks``.
+* A block is free when its count is 0; it is *cached-free* if it was
+  registered under a hash and keeps it. Both kinds count in
+  ``num_free_blocks``. Only a block in use can be registered, once.
 * ``allocate_slots`` takes plain free blocks first and evicts cached-free ones
   (clearing the hash, counting ``evictions``) only when those run out; if the
   pool is short it returns False and nothing changes.
@@ -145,10 +146,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(r > 0 for r in self.refs))
     @rule(data=st.data())
-    def set_hash(self, data) -> None:
+    def register(self, data) -> None:
         block = data.draw(st.sampled_from(self.in_use()))
-        self.pool.blocks[block].block_hash = f"h{self.next_hash}".encode()
+        registered = self.pool.register(block, f"h{self.next_hash}".encode(), None, (self.next_hash,))
         self.next_hash += 1
+        assert registered is (block not in self.hashed)  # a block is published once
         self.hashed.add(block)
 
     @rule(t=st.integers(0, NUM_TABLES - 1))
@@ -222,7 +224,7 @@ def test_hashed_block_becomes_cached_free_and_share_revives_it():
     table: list[int] = []
     assert kv.allocate_slots(table, 4)
     prefix = table[0]
-    pool.blocks[prefix].block_hash = b"prefix"
+    assert pool.register(prefix, b"prefix", None, (1, 2))
 
     kv.free(table)
     assert pool.num_free_blocks == 4  # cached-free still counts as free
@@ -254,8 +256,8 @@ def test_cached_free_blocks_are_evicted_only_after_plain_free_ones_run_out():
     table: list[int] = []
     assert kv.allocate_slots(table, 4)
     first, second = table[0], table[1]
-    pool.blocks[first].block_hash = b"a"
-    pool.blocks[second].block_hash = b"b"
+    assert pool.register(first, b"a", None, (1,))
+    assert pool.register(second, b"b", b"a", (2,))
     kv.free(table)  # tail first: `second` becomes cached-free before `first`
 
     plain = pool.allocate(2)
@@ -285,7 +287,7 @@ def test_allocation_that_does_not_fit_changes_nothing():
     kv = KVCacheManager(pool)
     held: list[int] = []
     assert kv.allocate_slots(held, 5)  # 2 blocks
-    pool.blocks[held[0]].block_hash = b"x"
+    assert pool.register(held[0], b"x", None, (1, 2, 3, 4))
     table: list[int] = []
     before = snapshot(pool)
     assert kv.allocate_slots(table, 9) is False  # 3 blocks, 1 free

@@ -12,7 +12,7 @@ import structlog
 
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
-from tierserve.cache.store import TieredStore
+from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
 from tierserve.core.engine.requests import read_warm_prompts
@@ -47,7 +47,10 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         pool, store, spec, StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap)
     )
     limits = ModelLimits(backend.max_model_len, backend.eos_token_ids)
-    scheduler = plugins.registry("schedulers").get(settings.scheduler.name).factory(settings.scheduler, manager, model=limits)
+    component = plugins.registry("schedulers").get(settings.scheduler.name)
+    options = component.settings
+    extra = {"options": settings.plugin_options(component.name, options)} if options is not None else {}
+    scheduler = component.factory(settings.scheduler, manager, model=limits, **extra)
     speculative = settings.speculative
     speculator = None
     if speculative.method and not backend.paged:
@@ -75,27 +78,22 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
 
 
 def build_store(settings: Settings, plugins: PluginManager, backend: ModelBackend, pool: BlockPool) -> TieredStore | None:
-    """The tiered prefix store, or None when prefix caching is off or the backend is not paged."""
+    """The tiered prefix store over ``[[kv_cache.tiers]]``, or None when prefix caching is off or the backend is not paged."""
     kv = settings.kv_cache
     if not kv.enable_prefix_caching or not backend.paged:
         return None
     policies = plugins.registry("eviction_policies")
-    tiers = plugins.registry("cache_tiers")
-    names = [tier.name for tier in kv.tiers]
-    if len(names) > 2:
-        raise ConfigError(f"kv_cache.tiers: this engine builds at most two tiers below L1, got {names}")
-    if names in (["l2"], ["l3"], ["l2", "l3"]):
-        slots = {tier.name: tier for tier in kv.tiers}
-    elif len(names) == 2:
-        slots = dict(zip(("l2", "l3"), kv.tiers))
-    else:
-        slots = {"l3" if tier.write_through else "l2": tier for tier in kv.tiers}
-    built = {
-        slot: tiers.get(tier.plugin).factory(tier, policies.get(tier.eviction_policy).factory, backend.fingerprint)
-        for slot, tier in slots.items()
-    }
-    write_through = "l3" in slots and slots["l3"].write_through
-    return TieredStore(pool, backend, backend.fingerprint, built.get("l2"), built.get("l3"), write_through)
+    registry = plugins.registry("cache_tiers")
+    tiers = []
+    try:
+        for tier in kv.tiers:
+            built = registry.get(tier.plugin).factory(tier, policies.get(tier.eviction_policy).factory, backend.fingerprint)
+            tiers.append(StoreTier(tier.name, built, tier.write_through))
+        return TieredStore(pool, backend, backend.fingerprint, tiers)
+    except BaseException:
+        for made in tiers:  # a later tier failed: release the ones already open (threads, files)
+            made.tier.close()
+        raise
 
 
 def model_info(core: EngineCore) -> ModelInfo:

@@ -95,6 +95,7 @@ class DiskTier(CacheTier):
     """
 
     name = "disk"
+    medium = "disk"
 
     def __init__(
         self, tier: TierSettings, policy_factory: Callable[[int], EvictionPolicy], fingerprint: str
@@ -216,8 +217,9 @@ class DiskTier(CacheTier):
             return stored.parent if stored is not None else None
 
     def __len__(self) -> int:
+        # O(queued writes), bounded by l3_write_queue, not by what is stored: stats read this per scrape
         with self.lock:
-            return len(self._index.keys() | self._pending.keys())
+            return len(self._index) + sum(1 for key in self._pending if key not in self._index)
 
     @property
     def bytes_used(self) -> int:
