@@ -35,7 +35,7 @@ def live_blocks(ctx: BenchContext, block_size: int, tokens: int) -> Iterator[tup
     from tierserve.cache.hashing import extend_hashes
     from tierserve.cache.tier import CacheEntry
     from tierserve.core.config import load_settings
-    from tierserve.core.engine import Engine
+    from tierserve.core.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
     loaded = load_settings(
@@ -50,18 +50,19 @@ def live_blocks(ctx: BenchContext, block_size: int, tokens: int) -> Iterator[tup
             ("logging", "level"): "warning",
         },
     )
-    engine = Engine.from_settings(loaded.settings, loaded.plugins)
+    engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
+    core = engine.driver.core  # the bench times the store's own paths on real arena blocks
     try:
         text = "the garden by the river in the morning " * (tokens // 4)
         ids = list(ctx.tokenizer(text)["input_ids"])[:tokens]
         engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         hashes: list[bytes] = []
-        extend_hashes(hashes, engine.store.root_for(None), ids, block_size, len(ids))
-        hashes = [h for h in hashes if h in engine.pool.cached]
-        block_ids = [engine.pool.cached[h] for h in hashes]
+        extend_hashes(hashes, core.store.root_for(None), ids, block_size, len(ids))
+        hashes = [h for h in hashes if h in core.kv.pool.cached]
+        block_ids = [core.kv.pool.cached[h] for h in hashes]
         entries = []
         parent = None
-        for index, (key, data) in enumerate(zip(hashes, engine.backend.read_blocks(block_ids))):
+        for index, (key, data) in enumerate(zip(hashes, core.backend.read_blocks(block_ids))):
             chunk = tuple(ids[index * block_size : (index + 1) * block_size])
             entries.append(CacheEntry(key, parent, chunk, data.clone()))
             parent = key
@@ -120,7 +121,7 @@ def run(ctx: BenchContext, block_sizes: list[int], tokens: int, levels: list[int
     with ctx.progress(len(block_sizes) * (2 + len(levels)), "cache-store") as bar:
         for block_size in block_sizes:
             with live_blocks(ctx, block_size, tokens) as (engine, entries, block_ids, per_token):
-                backend = engine.backend
+                backend = engine.driver.core.backend
                 raw = sum(e.nbytes for e in entries)
                 fingerprint = "bench"
                 pairs = list(zip(entries, block_ids))

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from tierserve.core.checkpoints import resolve_model_path
 from tierserve.core.config import load_settings
-from tierserve.core.engine import Engine
+from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 
 
@@ -45,7 +45,7 @@ def run_tierserve(model: str, prompts: list[list[int]], output_len: int) -> floa
         ("logging", "level"): "warning",
     }
     loaded = load_settings("development", environ={}, overrides=overrides)
-    engine = Engine.from_settings(loaded.settings, loaded.plugins)
+    engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     start = time.perf_counter()

@@ -27,13 +27,13 @@ import tempfile
 import time
 
 from tierserve.core.config import load_settings
-from tierserve.core.engine import Engine
+from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
-def build_engine(model: str, disk: str, prefix_len: int, suffix_len: int) -> Engine:
+def build_engine(model: str, disk: str, prefix_len: int, suffix_len: int) -> EngineClient:
     blocks_per_prompt = -(-(prefix_len + suffix_len + 1) // 16)
     overrides = {
         ("model", "path"): model,
@@ -50,12 +50,12 @@ def build_engine(model: str, disk: str, prefix_len: int, suffix_len: int) -> Eng
         ("logging", "level"): "warning",
     }
     loaded = load_settings("development", environ={}, overrides=overrides)
-    return Engine.from_settings(loaded.settings, loaded.plugins)
+    return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
 
 
-def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+def ttft(engine: EngineClient, prompt: list[int]) -> tuple[float, int]:
     # Background L3 writes of earlier requests would otherwise share the CPU with this one.
-    engine.store.flush()
+    engine.flush_cache()
     start = time.perf_counter()
     [result] = engine.generate([prompt], ONE_TOKEN)
     return time.perf_counter() - start, result.cached_tokens
@@ -72,7 +72,7 @@ def main() -> None:
     rng = random.Random(0)
     disk = tempfile.mkdtemp(prefix="tierserve-l3-")
     engine = build_engine(args.model, disk, args.prefix_len, args.suffix_len)
-    vocab = engine.backend.vocab_size
+    vocab = engine.info.vocab_size
     prefix = [rng.randrange(16, vocab) for _ in range(args.prefix_len)]
     other = [rng.randrange(16, vocab) for _ in range(args.prefix_len)]
 
@@ -89,7 +89,7 @@ def main() -> None:
         ttft(engine, other + fresh_suffix())  # evicts the prefix from L1 into L2
         l2.append(ttft(engine, prefix + fresh_suffix()))
     rows["L2 hit"] = (statistics.median(t for t, _ in l2), l2[0][1])
-    promotions = engine.cache_stats()["promotions"]
+    promotions = engine.stats().cache.promotions
     engine.close()
 
     l3 = []
@@ -97,22 +97,22 @@ def main() -> None:
         engine = build_engine(args.model, disk, args.prefix_len, args.suffix_len)
         engine.generate([[5, 6, 7, 8]], ONE_TOKEN)
         l3.append(ttft(engine, prefix + fresh_suffix()))
-        stats = engine.cache_stats()
+        stats = engine.stats().cache
         engine.close()
     rows["L3 hit after restart"] = (statistics.median(t for t, _ in l3), l3[0][1])
-    l3_tier = stats["tiers"]["l3"]
+    l3_tier = stats.tiers["l3"]
 
     cold = rows["cold"][0]
     print(f"model {args.model}, prefix {args.prefix_len} + suffix {args.suffix_len} tokens, 1 output token")
-    print(f"promotions in the first engine: {promotions}; L3 promotions after restart: {stats['promotions']['l3']}\n")
+    print(f"promotions in the first engine: {promotions}; L3 promotions after restart: {stats.promotions['l3']}\n")
     print("| prefix served from | TTFT (ms) | cached tokens | TTFT / cold |")
     print("|---|---:|---:|---:|")
     for name, (seconds, cached) in rows.items():
         print(f"| {name} | {seconds * 1000:.1f} | {cached} | {seconds / cold:.3f} |")
-    tokens_on_disk = l3_tier["entries"] * 16
+    tokens_on_disk = l3_tier.entries * 16
     print(
-        f"\nL3: {l3_tier['entries']} blocks, {l3_tier['bytes'] / max(tokens_on_disk, 1):.0f} bytes per token on disk, "
-        f"compression ratio {l3_tier['compression_ratio']:.2f} (raw / stored)"
+        f"\nL3: {l3_tier.entries} blocks, {l3_tier.bytes / max(tokens_on_disk, 1):.0f} bytes per token on disk, "
+        f"compression ratio {l3_tier.compression_ratio:.2f} (raw / stored)"
     )
 
 

@@ -80,7 +80,7 @@ def _decode_rate(generate, prompt: list[int], decode_tokens: int, repeats: int) 
 
 def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int) -> dict:
     from tierserve.core.config import load_settings
-    from tierserve.core.engine import Engine
+    from tierserve.core.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
     bandwidth = copy_bandwidth()
@@ -100,7 +100,7 @@ def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int) ->
                 ("logging", "level"): "warning",
             },
         )
-        engine = Engine.from_settings(loaded.settings, loaded.plugins)
+        engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
         try:
             def ours(ids: list[int], n: int) -> None:
                 engine.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

@@ -19,21 +19,21 @@ import statistics
 import time
 
 from tierserve.core.config import load_settings
-from tierserve.core.engine import Engine
+from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 
 SEED = "The report lists the steps of the procedure in order. First, "
 
 
-def engine_for(model: str, method: str | None) -> Engine:
+def engine_for(model: str, method: str | None) -> EngineClient:
     overrides = {("model", "path"): model, ("logging", "level"): "warning", ("kv_cache", "l1_capacity"): 2048}
     if method:
         overrides[("speculative", "method")] = method
     loaded = load_settings("development", environ={}, overrides=overrides)
-    return Engine.from_settings(loaded.settings, loaded.plugins)
+    return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
 
 
-def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+def timed(engine: EngineClient, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
     engine.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     start = time.perf_counter()
     results = engine.generate(prompts, params)

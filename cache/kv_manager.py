@@ -24,6 +24,7 @@ from tierserve.cache.block_pool import BlockPool
 from tierserve.core.outputs import RequestCacheInfo
 
 if TYPE_CHECKING:
+    from tierserve.cache.stats import PrefixMatch
     from tierserve.cache.store import TieredStore
     from tierserve.core.sequence import Sequence
 
@@ -117,18 +118,22 @@ class KVCacheManager:
             seq.block_table.extend(self.pool.allocate(needed))
         return True
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Start a sequence that holds no blocks from its longest cached prefix, and record the accounting."""
+    def match_prefix(self, seq: Sequence) -> PrefixMatch | None:
+        """Start a sequence that holds no blocks from its longest cached prefix, and record the
+        accounting on it (``seq.cache_info``). Returns what the store found, or ``None`` when
+        nothing was looked up (no store, caching off for the request, or blocks already held)."""
         if seq.block_table or seq.num_computed_tokens:
-            return
-        usable = (seq.num_tokens - 1) // self.block_size  # never the last token: its logits are needed
+            return None
+        match = None
         if self.store is not None and seq.use_prefix_cache:
             match = self.store.match_prefix(seq)
             info = RequestCacheInfo(match.lookup_blocks, dict(match.hits), seq.num_cached_tokens, match.seconds)
         else:
+            usable = (seq.num_tokens - 1) // self.block_size  # never the last token: its logits are needed
             info = RequestCacheInfo(lookup_blocks=usable)
         seq.cache_info = info
         seq.cache_info_pending = True
+        return match
 
     def cache_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed blocks to the prefix cache."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,13 +25,17 @@ TIER_COUNTERS = {
 
 
 class EngineCollector(Collector):
-    """Turns one ``EngineSnapshot`` into metric families (a scrape never waits for a step)."""
+    """Turns the engine's latest published ``EngineSnapshot`` into metric families on every scrape.
 
-    def __init__(self, snapshot: EngineSnapshot) -> None:
-        self.snapshot = snapshot
+    Args:
+        read: returns the snapshot to report (``EngineClient.stats``); a scrape never waits for a step.
+    """
+
+    def __init__(self, read: Callable[[], EngineSnapshot]) -> None:
+        self.read = read
 
     def collect(self) -> Iterator:
-        snapshot = self.snapshot
+        snapshot = self.read()
         cache = snapshot.cache
         tiers = cache.tiers if cache is not None else {}
         for field, help_text in TIER_COUNTERS.items():

@@ -124,7 +124,7 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily("tierserve_active_http_requests", "HTTP requests in flight", value=state.active_requests)
         yield GaugeMetricFamily("tierserve_ready", "1 once the model is loaded", value=1 if engine is not None else 0)
         if snapshot is not None:
-            yield from EngineCollector(snapshot).collect()
+            yield from EngineCollector(lambda: snapshot).collect()
 
 
 def metrics_of(state: ServerState) -> RequestMetrics | None:

@@ -31,13 +31,21 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tierserve.cache.block_pool import BlockPool, KVCacheManager, OutOfBlocksError
+from tierserve.cache.block_pool import BlockPool, OutOfBlocksError
+from tierserve.cache.kv_manager import KVCacheManager
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.sequence import Sequence
 from tierserve.core.plugins import load_plugins
 
 POLICY_NAMES = ("lru", "lfu", "clock", "adaptive")
 NUM_TABLES = 4
 
 _POLICIES = load_plugins(allowlist=[]).registry("eviction_policies")
+
+
+def holding(table: list[int]) -> Sequence:
+    """A sequence whose block table is ``table`` (the KV manager works on sequences)."""
+    return Sequence(0, "table", [], 0, SamplingParams(), block_table=table)
 
 
 def make_pool(num_blocks: int, block_size: int, policy: str = "lru") -> BlockPool:
@@ -97,7 +105,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         before = snapshot(self.pool)
         old_table = list(table)
 
-        assert self.kv.allocate_slots(table, target) is fits
+        assert self.kv.allocate_slots(holding(table), target) is fits
 
         if not fits:
             assert table == old_table
@@ -157,7 +165,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def free_table(self, t: int) -> None:
         table = self.tables[t]
         freed = list(table)
-        self.kv.free(table)
+        self.kv.free(holding(table))
         assert table == []
         self.ref_free(freed)
         self.tokens[t] = 0
@@ -222,11 +230,11 @@ def test_hashed_block_becomes_cached_free_and_share_revives_it():
     pool = make_pool(4, 2)
     kv = KVCacheManager(pool)
     table: list[int] = []
-    assert kv.allocate_slots(table, 4)
+    assert kv.allocate_slots(holding(table), 4)
     prefix = table[0]
     assert pool.register(prefix, b"prefix", None, (1, 2))
 
-    kv.free(table)
+    kv.free(holding(table))
     assert pool.num_free_blocks == 4  # cached-free still counts as free
     assert pool.blocks[prefix].ref_count == 0
     assert pool.blocks[prefix].block_hash == b"prefix"
@@ -254,11 +262,11 @@ def test_cached_free_blocks_are_evicted_only_after_plain_free_ones_run_out():
     pool = make_pool(4, 1)
     kv = KVCacheManager(pool)
     table: list[int] = []
-    assert kv.allocate_slots(table, 4)
+    assert kv.allocate_slots(holding(table), 4)
     first, second = table[0], table[1]
     assert pool.register(first, b"a", None, (1,))
     assert pool.register(second, b"b", b"a", (2,))
-    kv.free(table)  # tail first: `second` becomes cached-free before `first`
+    kv.free(holding(table))  # tail first: `second` becomes cached-free before `first`
 
     plain = pool.allocate(2)
     assert set(plain) == set(range(4)) - {first, second}
@@ -286,15 +294,15 @@ def test_allocation_that_does_not_fit_changes_nothing():
     pool = make_pool(3, 4)
     kv = KVCacheManager(pool)
     held: list[int] = []
-    assert kv.allocate_slots(held, 5)  # 2 blocks
+    assert kv.allocate_slots(holding(held), 5)  # 2 blocks
     assert pool.register(held[0], b"x", None, (1, 2, 3, 4))
     table: list[int] = []
     before = snapshot(pool)
-    assert kv.allocate_slots(table, 9) is False  # 3 blocks, 1 free
+    assert kv.allocate_slots(holding(table), 9) is False  # 3 blocks, 1 free
     assert table == []
     assert snapshot(pool) == before
-    assert kv.allocate_slots(table, 4) is True
-    assert kv.allocate_slots(table, 4) is True  # already covered: no new block
+    assert kv.allocate_slots(holding(table), 4) is True
+    assert kv.allocate_slots(holding(table), 4) is True  # already covered: no new block
     assert len(table) == 1
 
 
@@ -313,13 +321,13 @@ def test_shared_block_is_freed_only_by_its_last_reference():
     pool = make_pool(2, 4)
     kv = KVCacheManager(pool)
     a: list[int] = []
-    assert kv.allocate_slots(a, 4)
+    assert kv.allocate_slots(holding(a), 4)
     pool.share(a[0])
     b = [a[0]]
-    kv.free(a)
+    kv.free(holding(a))
     assert pool.num_free_blocks == 1
     assert pool.blocks[b[0]].ref_count == 1
-    kv.free(b)
+    kv.free(holding(b))
     assert pool.num_free_blocks == 2
     pool.check_integrity()
 

@@ -34,11 +34,11 @@ def test_writes_failing_leave_answers_correct(tmp_path, monkeypatch, code):
         for _ in range(3):
             [result] = engine.generate([PROMPT], GREEDY)
             assert result.token_ids == expected
-            engine.store.flush()
+            engine.flush_cache()
             engine.clear_cache("l1")
-        stats = engine.cache_stats()["tiers"]["l3"]
-        assert stats["write_errors"] > 0 and stats["entries"] == 0
-        engine.store.check_integrity()
+        stats = engine.stats().cache.tiers["l3"]
+        assert stats.write_errors > 0 and stats.entries == 0
+        engine.check_integrity()
     finally:
         engine.close()
 
@@ -50,7 +50,7 @@ def test_reads_failing_are_misses(tmp_path, monkeypatch):
                          kv_cache__disk_path=str(tmp_path / "l3"), kv_cache__persistence=True)
     try:
         engine.generate([PROMPT], GREEDY)
-        engine.store.flush()
+        engine.flush_cache()
         engine.clear_cache("l1")
 
         def failing_get(self, *args, **kwargs):
@@ -59,8 +59,8 @@ def test_reads_failing_are_misses(tmp_path, monkeypatch):
         monkeypatch.setattr(diskcache.Cache, "get", failing_get)
         [result] = engine.generate([PROMPT], GREEDY)
         assert result.token_ids == expected and result.cached_tokens == 0
-        assert engine.cache_stats()["tiers"]["l3"]["corrupt"] >= 1  # counted, and the entry dropped
-        engine.store.check_integrity()
+        assert engine.stats().cache.tiers["l3"].corrupt >= 1  # counted, and the entry dropped
+        engine.check_integrity()
     finally:
         monkeypatch.undo()
         engine.close()

@@ -15,7 +15,8 @@ from collections.abc import Hashable, Sequence as Seq
 import pytest
 
 from bench.eviction_traces import frequency_trace, mixed_trace, replay
-from tierserve.cache.block_pool import BlockPool, KVCacheManager
+from tierserve.cache.block_pool import BlockPool
+from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.cache.store import TieredStore
 from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
@@ -43,10 +44,10 @@ class L1Cache:
         seq = Sequence(self.requests, f"r{self.requests}", [token, token, 0], 3, PARAMS)
         self.kv.match_prefix(seq)
         hit = seq.num_cached_tokens == BLOCK
-        assert self.kv.allocate_slots(seq.block_table, seq.num_tokens)
+        assert self.kv.allocate_slots(seq, seq.num_tokens)
         seq.num_computed_tokens = seq.num_tokens
         self.kv.cache_computed(seq)
-        self.kv.free(seq.block_table)
+        self.kv.free(seq)
         return hit
 
     def hit_rate(self, trace: Seq[Hashable]) -> float:

@@ -47,9 +47,10 @@ def checkpoint(request, tmp_path_factory):
 
 
 def check_clean(engine):
-    engine.store.check_integrity()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    assert not engine.scheduler.has_unfinished
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.requests_queued == 0
 
 
 def test_l1_l2_and_l3_hits_give_the_cold_output(checkpoint, tmp_path):
@@ -63,11 +64,11 @@ def test_l1_l2_and_l3_hits_give_the_cold_output(checkpoint, tmp_path):
         assert l1.token_ids == expected[1] and l1.cached_tokens >= 4 * (len(SYSTEM) // 40)
 
         engine.generate([OTHER, OTHER + "x", OTHER + "yz"], GREEDY)  # pushes the system prompt out of L1
-        stats = engine.cache_stats()
-        assert stats["demotions"]["l2"] > 0
+        stats = engine.stats().cache
+        assert stats.demotions["l2"] > 0
         [l2] = engine.generate([QUESTIONS[2]], GREEDY)
         assert l2.token_ids == expected[2] and l2.cached_tokens > 0
-        assert engine.cache_stats()["promotions"]["l2"] > 0
+        assert engine.stats().cache.promotions["l2"] > 0
         check_clean(engine)
     finally:
         engine.close()
@@ -80,10 +81,10 @@ def test_l1_l2_and_l3_hits_give_the_cold_output(checkpoint, tmp_path):
         from tierserve.core.sampling_params import SamplingParams
         engine = make_engine({str(path)!r}, **{cache_settings(tmp_path)!r})
         [result] = engine.generate([{QUESTIONS[1]!r}], SamplingParams(temperature=0, max_tokens={NEW_TOKENS}, ignore_eos=True))
-        stats = engine.cache_stats()
-        engine.store.check_integrity()
+        stats = engine.stats().cache
+        engine.check_integrity()
         engine.close()
-        print(json.dumps({{"tokens": result.token_ids, "cached": result.cached_tokens, "l3": stats["promotions"]["l3"]}}))
+        print(json.dumps({{"tokens": result.token_ids, "cached": result.cached_tokens, "l3": stats.promotions["l3"]}}))
         """
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -105,13 +106,13 @@ def test_no_hit_across_tenants_or_models(tmp_path):
     _, stream = engine.submit(ids, params, cache_salt="tenant-b")
     outputs = []
     while True:
-        out = engine._next_output(stream)
+        out = engine.next_output(stream)
         outputs.append(out)
         if out.finished:
             break
     assert outputs[-1].cached_tokens == 0  # tenant B never sees tenant A's prefix
     _, stream = engine.submit(ids, params, cache_salt=None)
-    while not (out := engine._next_output(stream)).finished:
+    while not (out := engine.next_output(stream)).finished:
         pass
     assert out.cached_tokens > 0  # the same tenant does
     engine.close()
@@ -120,7 +121,7 @@ def test_no_hit_across_tenants_or_models(tmp_path):
     engine = make_engine(other, **settings)
     [result] = engine.generate([QUESTIONS[0]], params)
     assert result.cached_tokens == 0
-    assert engine.cache_stats()["promotions"]["l3"] == 0
+    assert engine.stats().cache.promotions["l3"] == 0
     engine.close()
 
 
@@ -155,19 +156,19 @@ def test_corrupt_truncated_and_deleted_l3_entries_are_misses(tmp_path):
     try:
         engine.generate([QUESTIONS[0]], GREEDY)
         hashes: list[bytes] = []
-        extend_hashes(hashes, engine.store.root_for(None), engine.encode_prompt(QUESTIONS[0]), 4, 12)
+        extend_hashes(hashes, engine.driver.core.store.root_for(None), engine.encode_prompt(QUESTIONS[0]), 4, 12)
         for expected_corrupt, (damage, key) in enumerate(zip((flip, truncate, os.remove), hashes), start=1):
-            engine.store.flush()
+            engine.flush_cache()
             engine.clear_cache("l1")  # the lookups must read L3
             bad = file_holding(root, key)
             damage(bad)
             results = engine.generate(QUESTIONS, GREEDY)  # the same, running engine
             assert [r.token_ids for r in results] == expected
-            assert engine.cache_stats()["tiers"]["l3"]["corrupt"] == expected_corrupt
-            engine.store.flush()
+            assert engine.stats().cache.tiers["l3"].corrupt == expected_corrupt
+            engine.flush_cache()
             if os.path.exists(bad):  # rewritten from the recomputed block: whole again
                 assert os.path.getsize(bad) > 10
-            engine.store.check_integrity()
+            engine.check_integrity()
     finally:
         engine.close()
 
@@ -185,9 +186,9 @@ def test_random_workload_keeps_every_invariant(tmp_path):
         params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 6), ignore_eos=True)
         engine.generate(batch, params)
         check_clean(engine)
-    stats = engine.cache_stats()
-    assert stats["tiers"]["l1"]["evictions"] > 0 and stats["tiers"]["l2"]["evictions"] > 0
-    engine.store.flush()
+    stats = engine.stats().cache
+    assert stats.tiers["l1"].evictions > 0 and stats.tiers["l2"].evictions > 0
+    engine.flush_cache()
     engine.close()
 
 
@@ -216,15 +217,16 @@ def test_offload_moves_idle_l1_prefixes_to_l2_and_they_still_hit(tmp_path):
     engine = make_engine(path, **cache_settings(tmp_path, kv_cache__persistence=False))
     try:
         [cold] = engine.generate([QUESTIONS[0]], GREEDY)
-        cached_blocks = len(engine.pool.cached)
+        cached_blocks = engine.stats().cache.tiers["l1"].entries
         assert cached_blocks > 0
         moved = engine.offload_cache()
-        assert moved == cached_blocks and not engine.pool.cached
-        assert engine.pool.num_free_blocks == engine.pool.num_blocks
-        assert engine.cache_stats()["tiers"]["l2"]["entries"] == moved
+        stats = engine.stats()
+        assert moved == cached_blocks and stats.cache.tiers["l1"].entries == 0
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.cache.tiers["l2"].entries == moved
         [again] = engine.generate([QUESTIONS[0]], GREEDY)
         assert again.token_ids == cold.token_ids and again.cached_tokens > 0
-        assert engine.cache_stats()["promotions"]["l2"] > 0
+        assert engine.stats().cache.promotions["l2"] > 0
         check_clean(engine)
     finally:
         engine.close()
@@ -238,14 +240,14 @@ def test_prometheus_metrics_follow_the_store(tmp_path):
     path = build_checkpoint(tmp_path, "p", "llama")
     engine = make_engine(path, **cache_settings(tmp_path))
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(engine.stats))
     engine.generate([QUESTIONS[0], QUESTIONS[1]], GREEDY)
     engine.generate([QUESTIONS[0]], GREEDY)
     text = generate_latest(registry).decode()
-    stats = engine.cache_stats()
-    assert f'tierserve_cache_hits_total{{tier="l1"}} {float(stats["tiers"]["l1"]["hits"])}' in text
-    assert stats["tiers"]["l1"]["hits"] > 0
-    assert f"tierserve_cache_cached_tokens_total {float(stats['cached_tokens'])}" in text
+    stats = engine.stats().cache
+    assert f'tierserve_cache_hits_total{{tier="l1"}} {float(stats.tiers["l1"].hits)}' in text
+    assert stats.tiers["l1"].hits > 0
+    assert f"tierserve_cache_cached_tokens_total {float(stats.cached_tokens)}" in text
     for name in ("tierserve_cache_misses_total", "tierserve_cache_bytes", "tierserve_cache_promotions_total",
                  "tierserve_cache_dropped_writes_total", "tierserve_cache_active_prefixes", "tierserve_kv_usage"):
         assert name in text

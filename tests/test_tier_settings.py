@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from tierserve.core.config import Settings, load_settings
-from tierserve.core.engine import Engine
+from tierserve.core.engine import EngineClient
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.tiers.disk import DiskTierSettings
@@ -234,13 +234,16 @@ def test_engine_builds_the_tiers_of_the_list(tmp_path, toml_file):
         """
     )
     loaded = load_settings(None, config_file=path, environ={})
-    engine = Engine.from_settings(loaded.settings, loaded.plugins)
+    engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
     try:
+        assert engine.info.tier_names == ("l1", "ram", "ssd")
         engine.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        engine.store.flush()
-        stats = engine.cache_stats()["tiers"]
-        assert stats["l3"]["entries"] >= 9  # every full block written through to the persistent tier
-        assert engine.store.tiers_by_name["l2"].max_entries == 7
+        engine.flush_cache()
+        stats = engine.stats().cache.tiers
+        assert list(stats) == ["l1", "ram", "ssd"]
+        assert stats["ssd"].entries >= 9  # every full block written through to the persistent tier
+        engine.offload_cache()  # the 9 blocks go down to "ram", which holds 7 entries
+        assert engine.stats().cache.tiers["ram"].entries == 7
     finally:
         engine.close()
     assert any((tmp_path / "ssd").iterdir())

@@ -12,11 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierserve.cache.block_pool import BlockPool, KVCacheManager
+from tierserve.cache.block_pool import BlockPool
+from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.cache.hash_index import BlockHashIndex
 from tierserve.cache.stats import CacheSnapshot, PrefixMatch
 from tierserve.cache.store import StoreTier, TieredStore
-from tierserve.core.config import KVCacheSettings
+from tierserve.core.tier_settings import TierSettings
 from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.sequence import Sequence
@@ -49,14 +50,19 @@ def kv_for(tokens: list[int]) -> torch.Tensor:
     return torch.randn(*KV_SHAPE, generator=torch.Generator().manual_seed(hash(tuple(tokens)) & 0x7FFFFFFF))
 
 
+def build_tier(plugin: str, **options):
+    """A tier built the way the engine builds one: ``factory(TierSettings, policy_factory, fingerprint)``."""
+    component = TIERS.get(plugin)
+    tier = TierSettings(name="t", plugin=plugin, eviction_policy="lru", ttl_seconds=None, options=component.settings(**options))
+    return component.factory(tier, LRU, FINGERPRINT)
+
+
 def memory_tier(entries: int):
-    settings = KVCacheSettings(l2_capacity=entries, max_memory_bytes=0, ttl_seconds=None)
-    return TIERS.get("memory").factory(settings, LRU, FINGERPRINT)
+    return build_tier("memory", capacity=entries, max_bytes=0)
 
 
 def disk_tier(path):
-    settings = KVCacheSettings(disk_path=str(path), persistence=False, ttl_seconds=None)
-    return TIERS.get("disk").factory(settings, LRU, FINGERPRINT)
+    return build_tier("disk", path=str(path), persistent=False)
 
 
 class Runner:
@@ -74,14 +80,14 @@ class Runner:
         self.requests += 1
         seq = Sequence(self.requests, f"r{self.requests}", list(prompt), len(prompt), SamplingParams())
         match = self.kv.match_prefix(seq)
-        assert self.kv.allocate_slots(seq.block_table, seq.num_tokens)
+        assert self.kv.allocate_slots(seq, seq.num_tokens)
         first = seq.num_computed_tokens // BLOCK
         for index in range(first, len(seq.block_table)):
             self.arena.write_blocks([seq.block_table[index]], kv_for(prompt[: (index + 1) * BLOCK]).unsqueeze(0))
         seq.num_computed_tokens = seq.num_tokens
         self.kv.cache_computed(seq)
         full = self.arena.read_blocks(seq.block_table[: len(prompt) // BLOCK])
-        self.kv.free(seq.block_table)
+        self.kv.free(seq)
         self.store.check_integrity()
         return match, full
 
