@@ -73,14 +73,14 @@ class CacheMonitor:
                 "dropped_writes": dropped_writes(snapshot),
             }
         )
-        alerts = {a["name"]: a for a in alerts_now(state, snapshot)}
+        alerts = {a["name"]: a for a in alerts_now(state, engine, snapshot)}
         for name in alerts.keys() - self._active_alerts:
             log.warning("cache_alert", **alerts[name])
         self._active_alerts = set(alerts)
 
 
-def alerts_now(state: ServerState, snapshot: EngineSnapshot) -> list[dict[str, Any]]:
-    return current_alerts(state.settings.monitoring, state.settings.scheduler.max_waiting_requests, snapshot)
+def alerts_now(state: ServerState, engine: EngineClient, snapshot: EngineSnapshot) -> list[dict[str, Any]]:
+    return current_alerts(state.settings.monitoring, engine.settings.scheduler.max_waiting_requests, snapshot)
 
 
 def build_stats(state: ServerState, engine: EngineClient) -> dict[str, Any]:
@@ -88,7 +88,7 @@ def build_stats(state: ServerState, engine: EngineClient) -> dict[str, Any]:
     snapshot = engine.stats()
     monitor: CacheMonitor | None = state.extras.get("cache_monitor")  # type: ignore[assignment]
     trends = list(monitor.samples) if monitor is not None else []
-    return stats_document(snapshot, alerts_now(state, snapshot), trends)
+    return stats_document(snapshot, alerts_now(state, engine, snapshot), trends)
 
 
 class ClearRequest(BaseModel):

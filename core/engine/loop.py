@@ -3,8 +3,9 @@
 Transport-free: a driver feeds it messages (from an in-process queue or a
 pipe) and gives it an ``emit`` callback for ``StepOutputs`` and
 ``CallResult`` records. Statistics are published with the outputs: after a
-command, after a step that finished a request, when going idle, and at
-least every ``snapshot_interval`` seconds while busy.
+command, after a round that admitted or finished a request (so a reader
+never sees a request count older than the requests it has seen answered),
+when going idle, and at least every ``snapshot_interval`` seconds while busy.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class CoreLoop:
         finished = any(output.finish_reason is not None for output in outputs)
         snapshot = None
         now = time.monotonic()
-        if results or finished or now - self._last_snapshot >= self.snapshot_interval:
+        if results or finished or added or now - self._last_snapshot >= self.snapshot_interval:
             snapshot = core.snapshot()
             self._last_snapshot = now
         if outputs or snapshot is not None or added:
