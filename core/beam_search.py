@@ -59,6 +59,7 @@ class BeamSearchParams:
     min_tokens: int = 0
 
     MAX_BEAM_WIDTH = 16
+    MAX_LENGTH_PENALTY = 10.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,9 +80,13 @@ class BeamSearchParams:
         if (
             isinstance(self.length_penalty, bool)
             or not isinstance(self.length_penalty, (int, float))
-            or not math.isfinite(self.length_penalty)
+            or not -self.MAX_LENGTH_PENALTY <= self.length_penalty <= self.MAX_LENGTH_PENALTY
         ):
-            raise bad("length_penalty", "a finite number (1 = average log-probability per token, 0 = none)")
+            # length ** penalty must stay a float: a huge exponent overflows (found by the API fuzzer)
+            raise bad(
+                "length_penalty",
+                f"-{self.MAX_LENGTH_PENALTY} to {self.MAX_LENGTH_PENALTY} (1 = average log-probability per token, 0 = none)",
+            )
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise bad("early_stopping", 'true, false or "never"')
         if not is_int(self.num_return_sequences) or not 1 <= self.num_return_sequences <= self.beam_width:

@@ -84,24 +84,12 @@ class Speculator(ABC):
 
 @dataclass
 class SpeculationStats:
-    """Counters behind ``/v1/cache/stats`` and the ``tierserve_spec_*`` metrics."""
+    """The model runner's verification counters (published as ``engine.stats.SpeculationSnapshot``)."""
 
     verifications: int = 0  # target forwards that checked drafts
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0  # accepted drafts + the target's own token
-    early_stops: int = 0  # a stop condition hit inside an accepted run
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "verifications": self.verifications,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "emitted": self.emitted,
-            "early_stops": self.early_stops,
-            "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else 0.0,
-            "mean_accepted_length": round(self.accepted / self.verifications, 4) if self.verifications else 0.0,
-        }
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, row: SamplingRow, greedy: bool) -> list[int]:

@@ -20,6 +20,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
+def toml_file(tmp_path):
+    """``toml_file(text, name="config.toml")`` writes dedented TOML into the test's folder and returns its path."""
+
+    def write(text: str, name: str = "config.toml"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+@pytest.fixture
 def install_fake_plugin(tmp_path, monkeypatch):
     """Write a real installed distribution (dist-info + module) onto sys.path.
 

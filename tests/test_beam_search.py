@@ -187,6 +187,7 @@ def test_runs_between_steps_of_running_requests(llama):
         ({"early_stopping": "sometimes"}, "early_stopping: got 'sometimes', allowed: true, false or \"never\""),
         ({"min_tokens": 9}, "min_tokens: got 9, allowed: 0 to max_tokens (8)"),
         ({"length_penalty": float("nan")}, "length_penalty: got nan"),
+        ({"length_penalty": 6.2e16}, "length_penalty: got 6.2e+16, allowed: -10.0 to 10.0"),  # overflowed to a 500
     ],
 )
 def test_params_name_the_bad_field(kwargs, message):

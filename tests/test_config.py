@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 
@@ -31,16 +30,6 @@ enabled = true
 collection_interval_seconds = 30
 detailed_profiling = true
 """
-
-
-@pytest.fixture
-def toml_file(tmp_path):
-    def write(text: str, name: str = "config.toml"):
-        path = tmp_path / name
-        path.write_text(textwrap.dedent(text))
-        return path
-
-    return write
 
 
 def test_original_design_keys_load_unchanged(toml_file):

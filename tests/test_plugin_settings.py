@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 
 import pytest
 
@@ -35,16 +34,6 @@ class EchoSpeculator:
 def register_speculators(register):
     register("echo", EchoSpeculator, settings=EchoSettings, aliases={"speculative.echo_depth": "depth"})
 """
-
-
-@pytest.fixture
-def toml_file(tmp_path):
-    def write(text: str, name: str = "config.toml"):
-        path = tmp_path / name
-        path.write_text(textwrap.dedent(text))
-        return path
-
-    return write
 
 
 def load(path=None, environ=None, overrides=None, preset=None):

@@ -4,7 +4,6 @@ the legacy ``[kv_cache]`` keys map onto it."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
@@ -17,16 +16,6 @@ from tierserve.plugins.tiers.memory import MemoryTierSettings
 from tests.engine_helpers import build_checkpoint
 from tests.test_cli import run
 from tests.test_config import ORIGINAL_DESIGN_TOML
-
-
-@pytest.fixture
-def toml_file(tmp_path):
-    def write(text: str, name: str = "config.toml"):
-        path = tmp_path / name
-        path.write_text(textwrap.dedent(text))
-        return path
-
-    return write
 
 
 def error_of(path, preset=None, environ=None) -> str:

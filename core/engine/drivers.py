@@ -8,16 +8,14 @@ drives it (scripts and tests step it by hand), the background thread once
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.loop import CoreLoop
-from tierserve.core.engine.messages import Abort, Call, CallResult, StepOutputs
+from tierserve.core.engine.messages import Abort, CallResult, PendingCalls, StepOutputs
 
 Sink = Callable[[StepOutputs], None]
 
@@ -38,8 +36,7 @@ class InProcessDriver:
         self.core = core
         self._sink = sink
         self._inbox: deque[Any] = deque()
-        self._calls: dict[int, Future] = {}
-        self._call_ids = itertools.count()
+        self._calls = PendingCalls()
         self._loop = CoreLoop(core, self._emit)
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -62,10 +59,8 @@ class InProcessDriver:
             if self._inbox:
                 self._loop.run_once(self._drain(), step=False)
             return getattr(self.core, method)(*args)
-        future: Future = Future()
-        call_id = next(self._call_ids)
-        self._calls[call_id] = future
-        self.send(Call(call_id, method, args))
+        call, future = self._calls.new(method, args)
+        self.send(call)
         return future.result()
 
     def has_work(self) -> bool:
@@ -119,10 +114,6 @@ class InProcessDriver:
 
     def _emit(self, message: StepOutputs | CallResult) -> None:
         if isinstance(message, CallResult):
-            future = self._calls.pop(message.call_id)
-            if message.error is not None:
-                future.set_exception(message.error)
-            else:
-                future.set_result(message.value)
+            self._calls.resolve(message)
         else:
             self._sink(message)

@@ -9,6 +9,8 @@ an in-process queue or a pipe to a child process.
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +69,34 @@ class CallResult:
     call_id: int
     value: Any = None
     error: BaseException | None = None
+
+
+class PendingCalls:
+    """The futures of calls sent to a core, by call id: a caller waits on one, whoever reads the core's answers resolves it."""
+
+    def __init__(self) -> None:
+        self._futures: dict[int, Future] = {}
+        self._ids = itertools.count()
+
+    def new(self, method: str, args: tuple[Any, ...]) -> tuple[Call, Future]:
+        """A ``Call`` message to send, and the future its ``CallResult`` will settle."""
+        call = Call(next(self._ids), method, args)
+        future: Future = Future()
+        self._futures[call.call_id] = future
+        return call, future
+
+    def resolve(self, result: CallResult) -> None:
+        future = self._futures.pop(result.call_id)
+        if result.error is not None:
+            future.set_exception(result.error)
+        else:
+            future.set_result(result.value)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Settle every call still waiting with ``error`` (the core is gone)."""
+        futures, self._futures = self._futures, {}
+        for future in futures.values():
+            future.set_exception(error)
 
 
 @dataclass(slots=True)

@@ -13,17 +13,23 @@ aborted and later calls fail with a clear error.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import signal
 import threading
-from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from tierserve.core.engine.messages import Abort, Call, CallResult, LoadFailed, ModelInfo, Shutdown, StepOutputs
+from tierserve.core.engine.messages import (
+    Abort,
+    CallResult,
+    LoadFailed,
+    ModelInfo,
+    PendingCalls,
+    Shutdown,
+    StepOutputs,
+)
 
 if TYPE_CHECKING:
     from tierserve.core.config import Settings
@@ -89,8 +95,7 @@ class ProcessDriver:
         self._conn = conn
         self._client = client
         self._send_lock = threading.Lock()
-        self._calls: dict[int, Future] = {}
-        self._call_ids = itertools.count()
+        self._calls = PendingCalls()
         self._dead: str | None = None
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="tierserve-engine-reader", daemon=True)
@@ -103,10 +108,8 @@ class ProcessDriver:
             self._conn.send(message)
 
     def call(self, method: str, *args: Any) -> Any:
-        future: Future = Future()
-        call_id = next(self._call_ids)
-        self._calls[call_id] = future
-        self.send(Call(call_id, method, args))
+        call, future = self._calls.new(method, args)
+        self.send(call)
         return future.result()
 
     def has_work(self) -> bool:
@@ -144,11 +147,7 @@ class ProcessDriver:
             if isinstance(message, StepOutputs):
                 self._client.receive(message)
             elif isinstance(message, CallResult):
-                future = self._calls.pop(message.call_id)
-                if message.error is not None:
-                    future.set_exception(message.error)
-                else:
-                    future.set_result(message.value)
+                self._calls.resolve(message)
             elif isinstance(message, Shutdown):
                 break
         self._on_exit()
@@ -160,9 +159,7 @@ class ProcessDriver:
             log.error("engine_process_died", pid=self.process.pid, exitcode=code)
         for request_id in self._client.in_flight():
             self._client.fail(request_id)
-        for future in self._calls.values():
-            future.set_exception(EngineProcessError(f"the engine core process is gone ({self._dead})"))
-        self._calls.clear()
+        self._calls.fail_all(EngineProcessError(f"the engine core process is gone ({self._dead})"))
         self._closed.set()
 
 

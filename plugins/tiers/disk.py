@@ -15,19 +15,17 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import diskcache
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier
-from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
+from tierserve.plugins.tiers.disk_directory import DiskTierSettings, open_directory, stored_rows
 
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
@@ -36,25 +34,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-class DiskTierSettings(BaseModel):
-    """A ``plugin = "disk"`` tier's own keys in its ``[[kv_cache.tiers]]`` entry."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(description="the cache directory (created if missing; ~ is expanded)")
-    max_bytes: int = Field(10 * 1024**3, ge=0, description="bytes on disk; 0: no byte bound")
-    persistent: bool = Field(
-        False, description="keep entries across restarts and rebuild the index at start; false clears the directory"
-    )
-    compression_level: int = Field(3, ge=1, le=22, description="zstd level")
-    write_queue: int = Field(256, gt=0, description="pending writes before new ones are dropped")
-    writer_nice: int = Field(
-        10, ge=0, le=19, description="added to the writer thread's niceness, so disk writes yield the CPU to decoding"
-    )
-
-
 _UNBOUNDED = 2**63 - 1  # policy capacity when max_bytes is 0 (no byte bound)
-_DISKCACHE_SIZE_LIMIT = 2**62  # diskcache must never cull on its own; this tier's policy bounds the bytes
 
 
 @dataclass(slots=True)
@@ -65,15 +45,6 @@ class _Stored:
     raw: int  # tensor bytes; after a restart, the on-disk size until the entry is first read
     parent: bytes | None
     created: float  # entry.created; after a restart, diskcache's store time until first read
-
-
-class _BytesOnlyDisk(diskcache.Disk):
-    """Reads values as bytes only: a value stored any other way (a pickle) is refused, not loaded."""
-
-    def fetch(self, mode, filename, value, read):
-        if mode != diskcache.core.MODE_BINARY:
-            raise CorruptEntryError(f"value stored in diskcache mode {mode}, not as a file of bytes")
-        return super().fetch(mode, filename, value, read)
 
 
 class DiskTier(CacheTier):
@@ -119,19 +90,7 @@ class DiskTier(CacheTier):
         self._unwritten = 0  # puts accepted and not yet finished by the writer
         self._drained = threading.Condition(self.lock)
         self._closed = False
-        try:
-            self._cache = diskcache.Cache(
-                str(self.directory),
-                disk=_BytesOnlyDisk,
-                eviction_policy="none",
-                disk_min_file_size=0,
-                size_limit=_DISKCACHE_SIZE_LIMIT,
-            )
-        except Exception as exc:
-            raise TierserveError(
-                f"cannot open the cache directory {str(self.directory)!r} (path of tier {tier.name!r}): {exc}; "
-                "point path at a writable directory"
-            ) from exc
+        self._cache = open_directory(self.directory, tier.name)
         if self.persistent:
             self._rebuild()
         else:
@@ -480,11 +439,7 @@ class DiskTier(CacheTier):
 
     def _rebuild(self) -> None:
         """Index what a previous run left, oldest first, then apply TTL and the byte bound."""
-        try:
-            rows = self._rows_from_sql()
-        except Exception as exc:
-            log.warning("kv_disk_index_sql_failed", error=repr(exc), fallback="diskcache iteration")
-            rows = list(self._rows_from_api())
+        rows = stored_rows(self._cache, self._count_unreadable)
         skipped = 0
         for hexkey, tag, size, store_time in rows:
             try:
@@ -510,32 +465,8 @@ class DiskTier(CacheTier):
             skipped=skipped,
         )
 
-    def _rows_from_sql(self) -> list[tuple[object, object, int, float]]:
-        # diskcache's table, read directly: one query instead of one per key.
-        return self._cache._sql(
-            "SELECT key, tag, size, store_time FROM Cache WHERE raw = 1 ORDER BY store_time"
-        ).fetchall()
-
-    def _rows_from_api(self) -> Iterable[tuple[object, object, int, float]]:
-        rows = []
-        for hexkey in self._cache.iterkeys():
-            try:
-                handle, tag = self._cache.get(hexkey, default=None, read=True, tag=True)
-                if handle is None:
-                    continue
-                with handle:
-                    info = os.fstat(handle.fileno())
-            except Exception as exc:
-                log.warning("kv_disk_corrupt_entry", key=str(hexkey), reason=f"unreadable: {exc!r}")
-                self.stats.corrupt += 1
-                try:
-                    self._cache.delete(hexkey)
-                except Exception:
-                    pass  # already logged as corrupt; a delete that fails leaves an unindexed file
-                continue
-            rows.append((hexkey, tag, info.st_size, info.st_mtime))
-        rows.sort(key=lambda row: row[3])
-        return rows
+    def _count_unreadable(self) -> None:
+        self.stats.corrupt += 1
 
 
 @hookimpl
