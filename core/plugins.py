@@ -111,6 +111,8 @@ class PluginManager:
         }
         self.failures: list[PluginFailure] = []
         self.allowlist: list[str] | None = None  # the outside plugins asked for (None: all installed)
+        # True while another process could load the same plugins from the allowlist alone
+        self.reproducible = False
         self._info: dict[str, PluginInfo] = {}
 
     def registry(self, kind: str) -> Registry:
@@ -120,9 +122,13 @@ class PluginManager:
     def add_plugin(self, plugin: object, name: str, version: str, source: str) -> bool:
         """Register one plugin object and collect its components.
 
+        A plugin added by hand (not by ``load_plugins``) makes the set one that
+        a separate engine core process could not load by itself.
+
         Returns True on success; on any failure the plugin is removed again,
         the failure is recorded and logged, and False is returned.
         """
+        self.reproducible = False
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:  # pluggy validation errors, duplicate plugin names
@@ -307,4 +313,5 @@ def load_plugins(
             manager._fail(name, source, exc)
             continue
         manager.add_plugin(plugin, name, version, source)
+    manager.reproducible = tuple(builtins) == BUILTIN_PLUGINS
     return manager

@@ -36,7 +36,9 @@ class ServerSettings(Section):
     public_metrics: bool = True
     retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
     engine_process: bool = Field(
-        False, description="run the engine core in a child process (tokenizing and HTTP stay in the server process)"
+        True,
+        description="run the engine core in a child process (tokenizing, detokenizing and HTTP stay in the server "
+        "process); false: on a thread of the server process",
     )
 
 

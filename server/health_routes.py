@@ -31,7 +31,10 @@ def rss_bytes() -> int:
 def components(state: ServerState) -> dict[str, Any]:
     engine = state.engine
     settings = engine.settings if engine is not None else state.settings
-    if state.load_error:
+    error = state.load_error
+    if engine is not None and state.ready and not engine.alive:
+        error = "the engine core is not running (its process exited); restart the server"
+    if error:
         status = "failed"
     else:
         status = "ready" if state.ready else "loading"
@@ -45,7 +48,7 @@ def components(state: ServerState) -> dict[str, Any]:
         "backend": settings.model.backend,
         "scheduler": settings.scheduler.name,
         "cache_tiers": tiers,
-        "load_error": state.load_error,
+        "load_error": error,
     }
 
 
@@ -54,7 +57,7 @@ async def health(request: Request) -> Response[dict[str, Any]]:
     """200 while ``ok`` or ``loading``; 503 once loading failed (a restart with fixed settings is needed)."""
     state = state_of(request)
     engine = state.engine
-    snapshot = engine.stats() if engine is not None and state.ready else None
+    snapshot = engine.stats() if engine is not None and state.ready and engine.alive else None
     parts = components(state)
     status = {"ready": "ok", "loading": "loading", "failed": "error"}[parts["engine"]]
     body = {

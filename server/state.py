@@ -80,4 +80,6 @@ def ready_engine(request: Request) -> EngineClient:
     if not state.ready or state.engine is None:
         message = f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
         raise APIError(503, message, code="not_ready", headers={"Retry-After": "5"})
+    if not state.engine.alive:
+        raise APIError(503, "the engine core is not running; restart the server", code="engine_unavailable")
     return state.engine

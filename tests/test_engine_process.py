@@ -104,3 +104,41 @@ def test_a_killed_core_ends_requests_and_fails_cleanly(llama):
     with pytest.raises(EngineProcessError):
         engine.clear_cache()
     engine.close()  # nothing left to stop: returns at once
+
+
+def test_the_server_survives_its_core_process_and_says_so(llama):
+    """A killed core process: generation answers 503, health says why, liveness stays up."""
+    from litestar.testing import TestClient
+
+    from tierserve.server.app import create_app
+
+    engine = process_engine(llama)
+    app = create_app(engine.settings, engine=engine, load_in_background=False)
+    with TestClient(app) as http:
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        os.kill(engine.driver.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while engine.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failed = http.post("/v1/completions", json=body)
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_unavailable"
+        health = http.get("/health")
+        assert health.status_code == 503 and "engine core is not running" in health.json()["components"]["load_error"]
+        assert http.get("/health/ready").status_code == 503
+        assert http.get("/health/live").status_code == 200
+        assert http.get("/v1/cache/stats").status_code == 503
+
+
+def test_plugins_assembled_in_this_process_cannot_follow_the_core_into_its_own(llama):
+    from types import SimpleNamespace
+
+    from tierserve.core.errors import ConfigError
+    from tierserve.core.plugins import load_plugins
+
+    plugins = load_plugins(allowlist=[])
+    assert plugins.reproducible  # built-ins and entry points: the core process loads the same
+    plugins.add_plugin(SimpleNamespace(), "by-hand", "0", "test")
+    loaded = load_settings(None, environ={}, overrides={("model", "path"): str(llama)}, plugins=plugins)
+    with pytest.raises(ConfigError, match="engine_process = false"):
+        EngineClient.from_settings(loaded.settings, plugins, process=True)

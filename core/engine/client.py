@@ -46,7 +46,7 @@ class EngineClient:
     def __init__(self, settings: Settings, info: ModelInfo, tokenizer: Any) -> None:
         self.settings = settings
         self.info = info
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.driver: Any = None  # attached by the builder before any request
         self._processor = OutputProcessor(info.eos_token_ids, info.kv_block_bytes, self._abort_in_core)
         self._snapshot = empty_snapshot(info.kv_blocks)
@@ -75,12 +75,12 @@ class EngineClient:
     def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: Seq[dict[str, Any]] | None = None) -> list[int]:
         """Token ids for a text prompt, token ids, or chat messages (the checkpoint's chat template)."""
         if messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not getattr(self._tokenizer, "chat_template", None):
                 raise RequestError("messages: this model's tokenizer has no chat template; send a prompt instead", param="messages")
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            return list(self._tokenizer(prompt)["input_ids"])
         if prompt is None:
             raise RequestError("prompt: required (a string or a list of token ids)", param="prompt")
         ids = list(prompt)
@@ -90,10 +90,10 @@ class EngineClient:
         return ids
 
     def decode(self, token_ids: Seq[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self._tokenizer.decode([token_id])
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -133,7 +133,7 @@ class EngineClient:
             stream = RequestStream(loop)
             request = EngineRequest(request_id, ids, params, priority, cache_salt, use_prefix_cache, speculate, streaming)
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
+                self._tokenizer,
                 ids,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
@@ -375,6 +375,11 @@ class EngineClient:
 
     def has_work(self) -> bool:
         return self.driver.has_work()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the core still runs (a core process can be killed; then every call fails clearly)."""
+        return self.driver.alive
 
     def shutdown(self) -> None:
         """Stop driving the core; every unfinished request ends as aborted."""

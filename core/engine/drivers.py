@@ -46,6 +46,11 @@ class InProcessDriver:
     def running(self) -> bool:
         return self._thread is not None
 
+    @property
+    def alive(self) -> bool:
+        """False once the background thread died (it never should: a failed step fails its requests only)."""
+        return self._thread is None or self._thread.is_alive() or self._stop.is_set()
+
     def send(self, message: Any) -> None:
         """Queue a message for the core (from any thread)."""
         self._inbox.append(message)

@@ -30,6 +30,7 @@ from tierserve.core.engine.messages import (
     Shutdown,
     StepOutputs,
 )
+from tierserve.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from tierserve.core.config import Settings
@@ -101,6 +102,11 @@ class ProcessDriver:
         self._reader = threading.Thread(target=self._read, name="tierserve-engine-reader", daemon=True)
         self._reader.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the core process exited (killed, crashed, or shut down)."""
+        return self._dead is None and self.process.is_alive()
+
     def send(self, message: Any) -> None:
         if self._dead is not None:
             raise EngineProcessError(f"the engine core process is gone ({self._dead})")
@@ -165,11 +171,16 @@ class ProcessDriver:
 
 def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClient:
     """Start a core process for ``settings`` and return a client attached to it (after the model loaded)."""
-    from transformers import AutoTokenizer
-
     from tierserve.core.checkpoints import resolve_model_path
     from tierserve.core.engine.client import EngineClient
+    from transformers import AutoTokenizer
 
+    if plugins is not None and not plugins.reproducible:
+        raise ConfigError(
+            "server.engine_process = true: the engine core process loads its plugins itself (the built-ins and "
+            "the installed entry points the allowlist names), but these plugins were assembled in this process "
+            "(a plugin added by hand); install the plugin as a package, or set server.engine_process = false"
+        )
     resolve_model_path(settings.model.path)  # a builtin checkpoint is written once, here, before the child reads it
     allowlist = None if plugins is None else plugins.allowlist
     context = multiprocessing.get_context("spawn")

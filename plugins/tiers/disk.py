@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier
 from tierserve.core.hookspecs import hookimpl
 from tierserve.plugins.tiers.disk_directory import DiskTierSettings, open_directory, stored_rows
+from tierserve.plugins.tiers.disk_index import DiskIndex, StoredEntry
 
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
@@ -35,16 +36,6 @@ log = structlog.get_logger(__name__)
 
 
 _UNBOUNDED = 2**63 - 1  # policy capacity when max_bytes is 0 (no byte bound)
-
-
-@dataclass(slots=True)
-class _Stored:
-    """What the index knows of one entry on disk, without reading it."""
-
-    size: int  # bytes on disk
-    raw: int  # tensor bytes; after a restart, the on-disk size until the entry is first read
-    parent: bytes | None
-    created: float  # entry.created; after a restart, diskcache's store time until first read
 
 
 class DiskTier(CacheTier):
@@ -81,11 +72,8 @@ class DiskTier(CacheTier):
         self.codec = KVCodec(fingerprint, options.compression_level)
         self.writer_nice = options.writer_nice
         self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
-        self._index: dict[bytes, _Stored] = {}
+        self._index = DiskIndex(self.policy, self.max_bytes, self.stats)
         self._pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
-        self._pinned: set[bytes] = set()
-        self._stored_bytes = 0
-        self._raw_bytes = 0
         self._queue: queue.Queue[CacheEntry | None] = queue.Queue(maxsize=options.write_queue)
         self._unwritten = 0  # puts accepted and not yet finished by the writer
         self._drained = threading.Condition(self.lock)
@@ -144,18 +132,16 @@ class DiskTier(CacheTier):
     def remove(self, key: bytes) -> None:
         with self.lock:
             self._pending.pop(key, None)
-            self._pinned.discard(key)
+            self._index.pinned.discard(key)
             if key in self._index:
-                self._unindex(key)
+                self._index.remove(key)
                 self._delete_file(key)
 
     def clear(self) -> int:
         with self.lock:
-            removed = len(self._index.keys() | self._pending.keys())
-            for key in list(self._index):
-                self._unindex(key)
+            removed = len(set(self._index) | self._pending.keys())
+            self._index.clear()
             self._pending.clear()
-            self._pinned.clear()
             try:
                 self._cache.clear()
             except Exception as exc:
@@ -164,7 +150,7 @@ class DiskTier(CacheTier):
 
     def keys(self) -> Iterator[bytes]:
         with self.lock:
-            return iter(list(self._index.keys() | self._pending.keys()))
+            return iter(list(set(self._index) | self._pending.keys()))
 
     def parent_of(self, key: bytes) -> bytes | None:
         """The parent hash of ``key``; ``None`` also when ``key`` is not stored."""
@@ -182,20 +168,20 @@ class DiskTier(CacheTier):
 
     @property
     def bytes_used(self) -> int:
-        return self._stored_bytes
+        return self._index.stored_bytes
 
     def pin(self, key: bytes) -> None:
         """Protect ``key`` from eviction and expiry (a queued key once written); a key not stored is ignored."""
         with self.lock:
             if key in self._index:
                 self.policy.pin(key)
-                self._pinned.add(key)
+                self._index.pinned.add(key)
             elif key in self._pending:
-                self._pinned.add(key)
+                self._index.pinned.add(key)
 
     def unpin(self, key: bytes) -> None:
         with self.lock:
-            self._pinned.discard(key)
+            self._index.pinned.discard(key)
             if key in self._index:
                 self.policy.unpin(key)
 
@@ -219,18 +205,7 @@ class DiskTier(CacheTier):
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless the index, the policy and the counters agree."""
         with self.lock:
-            problems = []
-            if set(self.policy) != set(self._index):
-                problems.append("policy keys differ from indexed keys")
-            sizes = sum(stored.size for stored in self._index.values())
-            if self.policy.total_size != sizes or self._stored_bytes != sizes:
-                problems.append(f"sizes disagree: policy {self.policy.total_size}, index {sizes}")
-            if self._raw_bytes != sum(stored.raw for stored in self._index.values()):
-                problems.append("raw byte count is not the sum of raw sizes")
-            if (self.stats.stored_bytes, self.stats.raw_bytes) != (self._stored_bytes, self._raw_bytes):
-                problems.append("stats bytes differ from bytes held")
-            if not self._pinned <= self._index.keys() | self._pending.keys():
-                problems.append("a pinned key is not stored")
+            problems = self._index.problems(set(self._pending))
             if problems:
                 raise AssertionError(f"{self.name} tier: " + "; ".join(problems))
 
@@ -266,10 +241,7 @@ class DiskTier(CacheTier):
         with self.lock:
             if self._index.get(key) is not stored:
                 return entry  # removed while being decoded; what was read was intact
-            self._raw_bytes += entry.nbytes - stored.raw
-            stored.raw = entry.nbytes
-            stored.created = entry.created
-            self._sync_byte_stats()
+            self._index.read_back(stored, entry.nbytes, entry.created)
             if self._expire_if_old(key, stored):
                 return None
             self.policy.touch(key)
@@ -279,7 +251,7 @@ class DiskTier(CacheTier):
         self.stats.corrupt += 1
         self.note_removed(key)
         log.warning("kv_disk_corrupt_entry", key=key.hex(), reason=reason, directory=str(self.directory))
-        self._unindex(key)
+        self._index.remove(key)
         self._delete_file(key)
 
     # ---- writing (the writer thread) ---------------------------------------
@@ -354,12 +326,12 @@ class DiskTier(CacheTier):
                 return True  # else a newer put of the key is queued and will be written
             del self._pending[key]
             if key in self._index:
-                self._unindex(key, keep_pin=True)
-            self._index_entry(key, _Stored(len(data), entry.nbytes, entry.parent, entry.created))
-            victims = self._evict_over_bound()
-            if self._over_bound() and key in self._index and key not in self._pinned:
+                self._index.remove(key, keep_pin=True)
+            self._index.add(key, StoredEntry(len(data), entry.nbytes, entry.parent, entry.created))
+            victims = self._index.evict_over_bound()
+            if self._index.over_bound and key in self._index and key not in self._index.pinned:
                 # Everything else is pinned: the newcomer is the one that goes.
-                self._unindex(key)
+                self._index.remove(key)
                 self.stats.evictions += 1
                 victims.append(key)
         for victim in victims:
@@ -367,58 +339,22 @@ class DiskTier(CacheTier):
             self.note_removed(victim)
         return True
 
-    # ---- index (callers hold self.lock, except during __init__) ------------
-
-    def _index_entry(self, key: bytes, stored: _Stored) -> None:
-        self._index[key] = stored
-        self.policy.insert(key, stored.size)
-        if key in self._pinned:
-            self.policy.pin(key)
-        self._stored_bytes += stored.size
-        self._raw_bytes += stored.raw
-        self._sync_byte_stats()
-
-    def _unindex(self, key: bytes, keep_pin: bool = False) -> None:
-        stored = self._index.pop(key)
-        self.policy.remove(key)
-        if not keep_pin:
-            self._pinned.discard(key)
-        self._stored_bytes -= stored.size
-        self._raw_bytes -= stored.raw
-        self._sync_byte_stats()
-
-    def _over_bound(self) -> bool:
-        return bool(self.max_bytes) and self._stored_bytes > self.max_bytes
-
-    def _evict_over_bound(self) -> list[bytes]:
-        """Drop victims from the index until the bound holds; the caller deletes their files."""
-        victims = []
-        while self._over_bound():
-            victim = self.policy.evict()
-            if victim is None:
-                break
-            stored = self._index.pop(victim)
-            self._stored_bytes -= stored.size
-            self._raw_bytes -= stored.raw
-            self.stats.evictions += 1
-            victims.append(victim)
-        self._sync_byte_stats()
-        return victims
+    # ---- expiry and files (callers hold self.lock, except during __init__) --------
 
     def _expired(self, created: float) -> bool:
         return self.ttl is not None and time.time() - created > self.ttl
 
-    def _expire_if_old(self, key: bytes, stored: _Stored) -> bool:
-        if not self._expired(stored.created) or key in self._pinned:
+    def _expire_if_old(self, key: bytes, stored: StoredEntry) -> bool:
+        if not self._expired(stored.created) or key in self._index.pinned:
             return False
-        self._unindex(key)
+        self._index.remove(key)
         self._delete_file(key)
         self.stats.expirations += 1
         self.note_removed(key)
         return True
 
     def _expire_pending_if_old(self, entry: CacheEntry) -> bool:
-        if not self._expired(entry.created) or entry.key in self._pinned:
+        if not self._expired(entry.created) or entry.key in self._index.pinned:
             return False
         del self._pending[entry.key]  # the writer skips an entry no longer pending
         self.stats.expirations += 1
@@ -430,10 +366,6 @@ class DiskTier(CacheTier):
             self._cache.delete(key.hex())
         except Exception as exc:
             log.warning("kv_disk_delete_failed", key=key.hex(), error=repr(exc), directory=str(self.directory))
-
-    def _sync_byte_stats(self) -> None:
-        self.stats.stored_bytes = self._stored_bytes
-        self.stats.raw_bytes = self._raw_bytes
 
     # ---- start-up ------------------------------------------------------------
 
@@ -454,14 +386,14 @@ class DiskTier(CacheTier):
                 self._delete_file(key)
                 self.stats.expirations += 1
                 continue
-            self._index_entry(key, _Stored(size, size, parent, store_time))
-        for victim in self._evict_over_bound():
+            self._index.add(key, StoredEntry(size, size, parent, store_time))
+        for victim in self._index.evict_over_bound():
             self._delete_file(victim)
         log.info(
             "kv_disk_index_rebuilt",
             directory=str(self.directory),
             entries=len(self._index),
-            bytes=self._stored_bytes,
+            bytes=self._index.stored_bytes,
             skipped=skipped,
         )
 
