@@ -330,12 +330,13 @@ def test_disk_restart_uses_the_public_api_when_sql_is_unavailable(disk, monkeypa
     tier.put(entry(0))
     tier.put(entry(1, parent=0))
     tier.close()
-    disk_tier_class = type(tier)
 
-    def no_sql(self):
+    def no_sql(cache):
         raise RuntimeError("schema changed")
 
-    monkeypatch.setattr(disk_tier_class, "_rows_from_sql", no_sql)
+    from tierserve.plugins.tiers import disk_directory
+
+    monkeypatch.setattr(disk_directory, "_rows_from_sql", no_sql)
     again = disk(persistent=True)
     assert sorted(again.keys()) == [key(0), key(1)] and again.parent_of(key(1)) == key(0)
     assert torch.equal(again.get(key(1)).kv, entry(1).kv)
