@@ -105,10 +105,6 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int, num_held: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - num_held)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether ``allocate_slots(seq, num_tokens)`` would succeed now."""
-        return self.blocks_needed(num_tokens, len(seq.block_table)) <= self.pool.num_free_blocks
-
     def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq.block_table`` to cover positions ``[0, num_tokens)``; False (and no change) if the pool is short."""
         needed = self.blocks_needed(num_tokens, len(seq.block_table))

@@ -68,6 +68,9 @@ class SamplingParams:
             raise bad("presence_penalty", "-2 to 2")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "-2 to 2")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # a torch generator takes a 64-bit seed; a larger one raised inside the engine step
+            raise bad("seed", "an integer from -2**63 to 2**64 - 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"0 to {self.MAX_LOGPROBS}")
         if any(not isinstance(s, str) or not s for s in self.stop):

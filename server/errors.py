@@ -55,12 +55,6 @@ def error_response(status: int, message: str, param=None, code=None, headers=Non
     return Response(error_body(status, message, param, code), status_code=status, headers=headers or {})
 
 
-def param_of(message: str) -> str | None:
-    """``"max_tokens: ..."`` -> ``"max_tokens"`` (engine and sampling errors lead with the field)."""
-    head, sep, _ = message.partition(":")
-    return head.strip() if sep and head.strip().replace("_", "").replace(".", "").isalnum() else None
-
-
 def handle_api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 

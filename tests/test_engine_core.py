@@ -174,3 +174,30 @@ def test_statistics_never_wait_for_a_step(llama):
         GatedBackend.gate = None
         gate.set()
         engine.close()
+
+
+def test_a_request_the_core_cannot_admit_ends_alone(llama, monkeypatch):
+    """A request that raises inside the core (found by the API fuzzer: a 65-bit seed) ends as aborted;
+    the core goes on serving everything else."""
+    engine = make_engine(llama)
+    engine.start()
+    core = engine.driver.core  # white-box: make admission fail for one request
+    admit = core.add_request
+
+    def add_request(request):
+        if request.request_id == "poison":
+            raise ValueError("Overflow when unpacking long long")
+        return admit(request)
+
+    monkeypatch.setattr(core, "add_request", add_request)
+    _, poisoned = engine.submit(engine.encode_prompt(PROMPTS[0]), GREEDY, request_id="poison")
+    assert poisoned.get(timeout=60).finish_reason == "abort"
+    [after] = engine.generate([PROMPTS[1]], GREEDY)
+    assert after.finish_reason == "length" and after.token_ids == hf_greedy(llama, [PROMPTS[1]], GREEDY.max_tokens)[0]
+    engine.close()
+
+
+def test_a_seed_torch_cannot_take_is_refused_with_the_field():
+    with pytest.raises(ValueError, match=r"^seed: got 106853853254622052352, allowed: an integer from -2\*\*63"):
+        SamplingParams(seed=106853853254622052352)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1

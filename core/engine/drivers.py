@@ -13,9 +13,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.loop import CoreLoop
 from tierserve.core.engine.messages import Abort, CallResult, PendingCalls, StepOutputs
+
+log = structlog.get_logger(__name__)
 
 Sink = Callable[[StepOutputs], None]
 
@@ -115,7 +119,10 @@ class InProcessDriver:
                 self._wakeup.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wakeup.clear()
                 continue
-            self._loop.run_once(messages)
+            try:
+                self._loop.run_once(messages)
+            except Exception:  # the loop keeps serving the other requests
+                log.exception("engine_loop_failed")
 
     def _emit(self, message: StepOutputs | CallResult) -> None:
         if isinstance(message, CallResult):

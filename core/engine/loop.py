@@ -19,6 +19,7 @@ import structlog
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import Abort, Call, CallResult, StepOutputs
 from tierserve.core.engine.requests import EngineRequest
+from tierserve.core.outputs import CoreOutput
 from tierserve.core.sequence import FinishReason
 
 log = structlog.get_logger(__name__)
@@ -49,7 +50,7 @@ class CoreLoop:
         added = 0
         for message in messages:
             if isinstance(message, EngineRequest):
-                outputs += core.add_request(message)
+                outputs += self._add(message)
                 added += 1
             elif isinstance(message, Abort):
                 outputs += core.abort(message.request_ids, FinishReason(message.reason))
@@ -73,6 +74,14 @@ class CoreLoop:
             self.emit(StepOutputs(outputs, snapshot, added, core.scheduler.num_waiting))
         for result in results:
             self.emit(result)
+
+    def _add(self, request: EngineRequest) -> list[CoreOutput]:
+        """Admit a request; one the core cannot take ends at once instead of taking the loop down."""
+        try:
+            return self.core.add_request(request)
+        except Exception:
+            log.exception("engine_request_refused", request_id=request.request_id)
+            return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
 
     def publish_if_stale(self) -> None:
         """Publish statistics while idle, if the last snapshot is older than the interval."""

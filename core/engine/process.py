@@ -82,7 +82,10 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
         if not messages and idle:
             loop.publish_if_stale()
             continue
-        loop.run_once(messages)
+        try:
+            loop.run_once(messages)
+        except Exception:  # the loop keeps serving the other requests
+            log.exception("engine_loop_failed")
 
 
 class ProcessDriver:
