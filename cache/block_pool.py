@@ -67,6 +67,11 @@ class BlockPool:
         return len(self._free) + self._num_cached_free
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Blocks that hold no KV worth keeping (neither in use nor cached)."""
+        return len(self._free)
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

@@ -58,11 +58,21 @@ class StreamingWindow:
 
 @dataclass(slots=True)
 class WindowStats:
-    """Sliding-window counters: slides, tokens whose KV was dropped, blocks released."""
+    """Sliding-window counters: slides, tokens whose KV was dropped, blocks released, and how
+    often windowed sequences found their KV in the cache (block hits and misses of their lookups)."""
 
     windows_slid: int = 0
     tokens_dropped: int = 0
     blocks_released: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
+@dataclass(slots=True)
+class SharingStats:
+    """Prefix sharing in L1: lookups that reused a block another running sequence was using at that moment."""
+
+    sharing_hits: int = 0
 
 
 class KVCacheManager:
@@ -88,6 +98,7 @@ class KVCacheManager:
         self.streaming = streaming
         self.block_size = pool.block_size
         self.window_stats = WindowStats()
+        self.sharing = SharingStats()
 
     @property
     def num_blocks(self) -> int:
@@ -124,12 +135,34 @@ class KVCacheManager:
         if self.store is not None and seq.use_prefix_cache:
             match = self.store.match_prefix(seq)
             info = RequestCacheInfo(match.lookup_blocks, dict(match.hits), seq.num_cached_tokens, match.seconds)
+            blocks = self.pool.blocks  # a promoted block is new (one holder); an L1 hit may have others
+            self.sharing.sharing_hits += sum(1 for b in seq.block_table if blocks[b].ref_count > 1)
         else:
             usable = (seq.num_tokens - 1) // self.block_size  # never the last token: its logits are needed
             info = RequestCacheInfo(lookup_blocks=usable)
+        if self.windowed(seq):
+            self.window_stats.cache_hits += info.hit_blocks
+            self.window_stats.cache_misses += info.lookup_blocks - info.hit_blocks
         seq.cache_info = info
         seq.cache_info_pending = True
         return match
+
+    def windowed(self, seq: Sequence) -> bool:
+        """Whether a sliding window bounds this sequence's KV (a trained window, or streaming mode)."""
+        return self.spec.sliding_window is not None or (seq.streaming and self.streaming is not None)
+
+    def window_blocks(self, seq: Sequence) -> int:
+        """The most blocks a windowed sequence keeps: its window (sinks and overlap included) plus the block being filled."""
+        if self.spec.sliding_window is not None:
+            tokens = self.spec.sliding_window
+        else:
+            tokens = self.streaming.sink_tokens + self.streaming.window_size + self.streaming.window_overlap
+        return -(-tokens // self.block_size) + 1
+
+    def held_blocks(self, seq: Sequence) -> int:
+        """Blocks a sequence holds now (released ones excluded)."""
+        first, end = seq.released_blocks
+        return len(seq.block_table) - (end - first)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed blocks to the prefix cache."""

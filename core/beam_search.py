@@ -17,6 +17,7 @@ generations pause meanwhile.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Collection, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -109,6 +110,19 @@ class BeamResult:
     finish_reason: str
 
 
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A finished search: the hypotheses (best first) and what it cost.
+
+    ``peak_blocks`` is the most KV blocks the search held at once (measured at
+    every forward); ``seconds`` the wall time from prefill to the last step.
+    """
+
+    hypotheses: list[BeamResult]
+    peak_blocks: int = 0
+    seconds: float = 0.0
+
+
 def beam_search_blocks(prompt_len: int, params: BeamSearchParams, block_size: int) -> int:
     """The most KV blocks a search can hold at once.
 
@@ -130,7 +144,7 @@ def run_beam_search(
     *,
     prefill_budget: int,
     new_seq_id: Callable[[], int],
-) -> list[BeamResult]:
+) -> BeamSearchOutput:
     """Beam-search ``prompt_ids`` on a paged backend and the scheduler's KV manager; the best hypotheses, best first.
 
     Call it on the engine core's thread (``EngineCore.beam_search`` does): it
@@ -147,11 +161,13 @@ def run_beam_search(
         new_seq_id: hands out sequence ids, so a backend keyed by id never confuses a beam with a request.
 
     Returns:
-        ``params.num_return_sequences`` results, highest score first.
+        ``params.num_return_sequences`` results, highest score first, with the
+        search's peak KV blocks and its wall time.
 
     Raises:
         QueueFullError: fewer free blocks than the search may need (running requests hold them).
     """
+    started = time.perf_counter()
     if not prompt_ids:
         raise RequestError("prompt: must contain at least one token", param="prompt")
     needed = beam_search_blocks(len(prompt_ids), params, kv.block_size)
@@ -168,7 +184,8 @@ def run_beam_search(
         while True:
             parents, tokens, done = scorer.step(logits)
             if done:
-                return scorer.results()[: params.num_return_sequences]
+                hypotheses = scorer.results()[: params.num_return_sequences]
+                return BeamSearchOutput(hypotheses, beams.peak_blocks, time.perf_counter() - started)
             beams.fork(parents, tokens)
             logits = beams.forward()
     finally:
@@ -295,6 +312,8 @@ class _ArenaBeams:
         self.width = params.beam_width
         self.params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         self.running: list[Sequence] = []
+        self.baseline = self.pool.num_used_blocks  # blocks other requests held when the search began
+        self.peak_blocks = 0
 
     def _sequence(self, token_ids: list[int], num_prompt_tokens: int) -> Sequence:
         seq_id = self.new_seq_id()
@@ -355,6 +374,7 @@ class _ArenaBeams:
     def forward(self) -> torch.Tensor:
         """One backend step over every running beam's newest token; logits ``[beam_width, vocab]``."""
         chunks = [ScheduledChunk(seq, 1) for seq in self.running]
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_used_blocks - self.baseline)
         logits = self.backend.forward(chunks)
         for seq in self.running:
             seq.num_computed_tokens += 1

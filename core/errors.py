@@ -23,6 +23,10 @@ class RequestError(TierserveError, ValueError):
         self.code = code
 
 
+class RequestTimeoutError(TierserveError, TimeoutError):
+    """A request ran past its deadline (``server.timeout_seconds``); it was aborted and its blocks freed."""
+
+
 class ConfigError(TierserveError):
     """Settings could not be loaded; the message names the key, value and source."""
 

@@ -84,7 +84,8 @@ class RequestTimings:
 class RequestOutput:
     """What one step added to a request (a streaming delta), plus running totals.
 
-    ``timings`` and ``cache`` are set on the final output only.
+    ``timings`` and ``cache`` are set on the final output only;
+    ``speculation_method`` names the speculator that drafted for it (None: none).
     """
 
     request_id: str
@@ -98,6 +99,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     timings: RequestTimings | None = None
     cache: RequestCacheInfo | None = None
+    speculation_method: str | None = None
 
 
 @dataclass(slots=True)

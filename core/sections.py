@@ -28,18 +28,46 @@ class ServerSettings(Section):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = Field(
+        None,
+        description="the names clients may send as 'model' (one or a list, as vLLM's --served-model-name); "
+        "the first is the one responses carry by default; unset: model.path",
+    )
     max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
     public_health: bool = True
     public_metrics: bool = True
     retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
+    timeout_seconds: float | None = Field(
+        600.0,
+        gt=0,
+        description="a generation request still running after this many seconds (queue wait included) is "
+        "aborted, its blocks freed, and answered 504 (a stream ends with an error event); unset: no limit",
+    )
     engine_process: bool = Field(
         True,
         description="run the engine core in a child process (tokenizing, detokenizing and HTTP stay in the server "
         "process); false: on a thread of the server process",
     )
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else (value or [])
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one name, or leave it unset")
+        if any(not name.strip() for name in names):
+            raise ValueError("a served model name must not be empty")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, got {names}")
+        return value
+
+    @property
+    def model_names(self) -> list[str]:
+        """The served names, first the default one (empty when unset: the model path serves)."""
+        value = self.served_model_name
+        return [value] if isinstance(value, str) else list(value or [])
 
 
 class ModelSettings(Section):

@@ -59,7 +59,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     cache_lookup_seconds: float = 0.0
     peak_blocks: int = 0
-    speculate: bool = False  # propose drafts for this sequence while it decodes
+    spec_method: str | None = None  # the speculator proposing drafts while it decodes (None: no speculation)
     spec_k: int = 0  # current number of drafts per step (adapts to acceptance)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at the next step
     spec_proposal: Proposal | None = None  # where the drafts came from (their distributions)

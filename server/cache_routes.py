@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierserve.server.errors import APIError
 from tierserve.server.generation_jobs import remember_prefix
 from tierserve.server.state import ServerState, ready_engine, state_of
-from tierserve.server.stats_document import current_alerts, dropped_writes, kv_cache_summary, stats_document
+from tierserve.server.stats_document import (
+    Activity,
+    current_alerts,
+    dropped_writes,
+    kv_cache_summary,
+    operations,
+    stats_document,
+)
 
 if TYPE_CHECKING:
     from tierserve.core.engine import EngineClient, EngineSnapshot
@@ -43,6 +50,15 @@ class CacheMonitor:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def window_seconds(self) -> float:
+        """The span of history the samples can cover."""
+        return self.interval * (self.samples.maxlen or 0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -71,6 +87,7 @@ class CacheMonitor:
                 "requests_running": snapshot.requests_running,
                 "requests_waiting": snapshot.requests_waiting,
                 "dropped_writes": dropped_writes(snapshot),
+                "operations": operations(snapshot),
             }
         )
         alerts = {a["name"]: a for a in alerts_now(state, engine, snapshot)}
@@ -87,8 +104,20 @@ def build_stats(state: ServerState, engine: EngineClient) -> dict[str, Any]:
     """The ``/v1/cache/stats`` document, from the statistics the engine last published."""
     snapshot = engine.stats()
     monitor: CacheMonitor | None = state.extras.get("cache_monitor")  # type: ignore[assignment]
-    trends = list(monitor.samples) if monitor is not None else []
-    return stats_document(snapshot, alerts_now(state, engine, snapshot), trends)
+    points = list(monitor.samples) if monitor is not None else []
+    window = monitor.window_seconds if monitor is not None else 0.0
+    activity = Activity(operations_per_second(state, snapshot, points), monitor is not None and monitor.alive)
+    return stats_document(snapshot, alerts_now(state, engine, snapshot), points, window, activity)
+
+
+def operations_per_second(state: ServerState, snapshot: EngineSnapshot, points: list[dict[str, Any]]) -> float:
+    """Cache operations per second over the sampled window (since start-up before the first sample)."""
+    now = time.time()
+    if points:
+        elapsed, done = now - points[0]["timestamp"], operations(snapshot) - points[0]["operations"]
+    else:
+        elapsed, done = now - state.started_at, operations(snapshot)
+    return done / elapsed if elapsed > 0 else 0.0
 
 
 class ClearRequest(BaseModel):

@@ -10,7 +10,6 @@ from litestar import Request, post
 from litestar.params import JSONBody
 
 from tierserve.server.errors import APIError
-from tierserve.server.generation_jobs import check_model
 from tierserve.server.schemas import Body
 from tierserve.server.state import ready_engine, state_of
 
@@ -47,7 +46,7 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | 
 async def embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> dict[str, Any]:
     """Embed each input on its own; vectors come back in input order."""
     state = state_of(request)
-    check_model(state, data.model)
+    model = state.resolve_model(data.model)
     inputs = _inputs(data.input)
     engine = ready_engine(request)
     vectors, prompt_tokens = await asyncio.to_thread(engine.embed, inputs)
@@ -69,7 +68,7 @@ async def embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> dict
     return {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-        "model": state.model_name,
+        "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
 

@@ -24,6 +24,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -61,6 +62,15 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
 
 def handle_request_error(_: Request, exc: RequestError) -> Response:
     return error_response(400, exc.message, exc.param, exc.code)
+
+
+def timeout_body(timeout: float | None) -> dict[str, Any]:
+    """The error a request past ``server.timeout_seconds`` gets (its blocks are already freed)."""
+    message = (
+        f"the request ran past server.timeout_seconds ({timeout:g} s) and was stopped; its KV blocks were freed. "
+        "Ask for fewer tokens, or raise server.timeout_seconds"
+    )
+    return error_body(504, message, None, "timeout")
 
 
 def handle_engine_gone(_: Request, exc: EngineProcessError) -> Response:

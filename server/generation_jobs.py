@@ -14,6 +14,7 @@ from litestar import Request
 
 from tierserve.core.engine import EngineClient, RequestOutput, RequestTimings, TokenLogprob
 from tierserve.core.engine.requests import output_room
+from tierserve.core.errors import RequestTimeoutError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
@@ -37,6 +38,7 @@ class Choice:
     cached_tokens: int = 0
     timings: RequestTimings | None = None
     cache: RequestCacheInfo | None = None
+    speculation_method: str | None = None
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Job:
     chat: bool
     cached: bool
     body: SamplingFields
+    model: str = ""  # the served name the request asked for (responses carry it back)
+    deadline: float | None = None  # the event loop's clock: past it the request is aborted (server.timeout_seconds)
     started: float = field(default_factory=time.perf_counter)
     id: str = ""
 
@@ -56,14 +60,6 @@ class Job:
 # ---- building a job ---------------------------------------------------------------------
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in (state.model_name, state.settings.model.path):
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
@@ -110,11 +106,9 @@ def apply_cache_key(state: ServerState, key: str | None, prompts: list[list[int]
 
 def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
     state = state_of(request)
-    check_model(state, body.model)
+    model = state.resolve_model(body.model)
     engine = ready_engine(request)
     prompts = [chat_prompt(engine, body)] if chat else completion_prompts(engine, body.prompt)
-    if cached:
-        prompts = apply_cache_key(state, body.cache_key, prompts)
     limit = engine.info.max_model_len
     requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -151,7 +145,11 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
             )
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = getattr(body, "request_id", None) if cached else None
-    return Job(prompts, params, body.n, chat, cached, body, id=request_id or f"{prefix}-{uuid.uuid4().hex}")
+    timeout = state.settings.server.timeout_seconds
+    deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
+    return Job(
+        prompts, params, body.n, chat, cached, body, model, deadline, id=request_id or f"{prefix}-{uuid.uuid4().hex}"
+    )
 
 
 # ---- running a job ------------------------------------------------------------------------
@@ -184,27 +182,34 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
     return submitted
 
 
-async def merged(engine: EngineClient, submitted: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of all choices as they come, tagged with the choice index."""
+async def merged(
+    engine: EngineClient, submitted: list[tuple[str, Any]], deadline: float | None = None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of all choices as they come, tagged with the choice index (``RequestTimeoutError`` past ``deadline``)."""
     if len(submitted) == 1:  # the common case needs no fan-in task per choice
         request_id, stream = submitted[0]
-        async for output in engine.outputs(request_id, stream):
+        async for output in engine.outputs(request_id, stream, deadline=deadline):
             yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, request_id: str, stream: Any) -> None:
+        ended: Any = None
         try:
-            async for output in engine.outputs(request_id, stream):
+            async for output in engine.outputs(request_id, stream, deadline=deadline):
                 await queue.put((index, output))
+        except RequestTimeoutError as exc:
+            ended = exc
         finally:
-            await queue.put((index, None))
+            await queue.put((index, ended))
 
     tasks = [asyncio.create_task(pump(i, rid, s)) for i, (rid, s) in enumerate(submitted)]
     try:
         remaining = len(tasks)
         while remaining:
             index, output = await queue.get()
+            if isinstance(output, RequestTimeoutError):
+                raise output
             if output is None:
                 remaining -= 1
                 continue
@@ -225,3 +230,4 @@ def fold(choice: Choice, output: RequestOutput) -> None:
         choice.finish_reason = output.finish_reason
         choice.timings = output.timings
         choice.cache = output.cache
+        choice.speculation_method = output.speculation_method

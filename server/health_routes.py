@@ -5,12 +5,16 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from typing import Any
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, get
 
 from tierserve.core import __version__
 from tierserve.server.state import ServerState, ready_engine, state_of
+
+if TYPE_CHECKING:
+    from tierserve.core.engine import EngineSnapshot
 
 HEALTH = {"public": "health"}
 
@@ -52,28 +56,54 @@ def components(state: ServerState) -> dict[str, Any]:
     }
 
 
-@get("/health", opt=HEALTH)
-async def health(request: Request) -> Response[dict[str, Any]]:
-    """200 while ``ok`` or ``loading``; 503 once loading failed (a restart with fixed settings is needed)."""
+def cache_system_status(state: ServerState, snapshot: EngineSnapshot | None) -> str:
+    """``operational``; ``disabled`` (prefix caching off); ``degraded`` (a tier failed writes or found
+    corrupt entries: it still answers, as misses); ``loading``/``failed`` with the engine."""
+    if snapshot is None:
+        return "failed" if state.load_error else "loading"
+    if snapshot.cache is None:
+        return "disabled"
+    tiers = snapshot.cache.tiers.values()
+    return "degraded" if any(t.write_errors or t.corrupt for t in tiers) else "operational"
+
+
+@get("/health", opt=HEALTH, sync_to_thread=False)
+def health(request: Request) -> Response[dict[str, Any]]:
+    """``healthy`` (200), ``loading`` (200) or ``unhealthy`` (503: loading failed or the engine core died).
+
+    A cheap probe: it reads what the engine last published and counts nothing,
+    itself included, as an active request.
+    """
     state = state_of(request)
     engine = state.engine
     snapshot = engine.stats() if engine is not None and state.ready and engine.alive else None
     parts = components(state)
-    status = {"ready": "ok", "loading": "loading", "failed": "error"}[parts["engine"]]
+    status = {"ready": "healthy", "loading": "loading", "failed": "unhealthy"}[parts["engine"]]
+    runtime = {"ready": "operational", "loading": "loading", "failed": "failed"}[parts["engine"]]
+    memory = rss_bytes()
     body = {
         "status": status,
-        "timestamp": round(time.time(), 3),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "version": __version__,
         "uptime_seconds": round(time.time() - state.started_at, 3),
+        "details": {
+            "memory_usage_bytes": memory,
+            "active_requests": state.active_requests,
+            "components": {
+                "inference_runtime": runtime,
+                "model_registry": runtime,
+                "cache_system": cache_system_status(state, snapshot),
+            },
+        },
         "memory": {
-            "rss_bytes": rss_bytes(),
+            "rss_bytes": memory,
             "kv_blocks_total": snapshot.kv_blocks_total if snapshot is not None else 0,
             "kv_blocks_free": snapshot.kv_blocks_free if snapshot is not None else 0,
         },
         "active_requests": state.active_requests,
         "components": parts,
     }
-    return Response(body, status_code=503 if status == "error" else 200)
+    return Response(body, status_code=503 if status == "unhealthy" else 200)
 
 
 @get("/health/ready", opt=HEALTH)

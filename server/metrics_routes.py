@@ -172,13 +172,15 @@ def request_middleware(app: ASGIApp) -> ASGIApp:
                 ended = time.perf_counter()
             await send(message)
 
+        # probes are not work: a health check must not report itself as an active request
+        counted = not scope.get("path", "").startswith("/health")
         with request_context(_incoming_request_id(scope)) as request_id:
             scope.setdefault("state", {})["request_id"] = request_id
-            state.active_requests += 1
+            state.active_requests += counted
             try:
                 await app(scope, receive, send_wrapper)
             finally:
-                state.active_requests -= 1
+                state.active_requests -= counted
                 seconds = (ended or time.perf_counter()) - started
                 path = scope.get("path", "")
                 log.info(

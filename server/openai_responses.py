@@ -60,15 +60,17 @@ def cache_report(job: Job, choices: list[Choice]) -> dict[str, Any]:
     timings = [c.timings for c in choices if c.timings is not None]
     total = time.perf_counter() - job.started
     completion = sum(len(c.token_ids) for c in choices)
+    methods = sorted({c.speculation_method for c in choices if c.speculation_method})
     return {
         "cache_stats": {
             "cache_used": hits > 0,
-            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "hit_rate": round(100 * hits / (hits + misses), 2) if hits + misses else 0.0,  # percent, as the spec
             "cache_hits": hits,
             "cache_misses": max(misses, 0),
             "speculation_hits": sum(c.timings.accepted_drafts for c in choices if c.timings is not None),
             "prefix_matches": sum(1 for c in firsts if c.cached_tokens > 0),
             "window_reuse": sum(1 for c in choices if c.timings is not None and c.timings.windows_slid),
+            "speculation_method": methods[0] if methods else None,  # which speculator drafted, if any
         },
         "performance": {
             "total_time_ms": round(total * 1000, 3),
@@ -108,13 +110,25 @@ def full_response(engine: EngineClient, state: ServerState, job: Job, choices: l
         "id": job.id,
         "object": kind,
         "created": created,
-        "model": state.model_name,
+        "model": job.model,
         "choices": body_choices,
         "usage": usage_of(job, choices),
     }
     if job.cached:
-        response.update(cache_report(job, choices))
+        response.update(cached_extras(job, choices))
     return response
+
+
+def cached_extras(job: Job, choices: list[Choice]) -> dict[str, Any]:
+    """What /v1/cached/* responses add: the spec's top-level ``text`` and ``finish_reason`` (first
+    choice), its ``request_id``, and the measured ``cache_stats`` and ``performance``."""
+    first = choices[0] if choices else None
+    return {
+        "text": "".join(first.text) if first is not None else "",
+        "finish_reason": first.finish_reason if first is not None else None,
+        "request_id": job.id,
+        **cache_report(job, choices),
+    }
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

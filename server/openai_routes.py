@@ -11,9 +11,10 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
-from tierserve.core.engine import EngineClient
-from tierserve.server.errors import APIError
-from tierserve.server.generation_jobs import Choice, Job, build_job, check_model, fold, merged, submit_all
+from tierserve.core.engine import EngineClient, RequestTimings
+from tierserve.core.errors import RequestTimeoutError
+from tierserve.server.errors import APIError, timeout_body
+from tierserve.server.generation_jobs import Choice, Job, build_job, fold, merged, submit_all
 from tierserve.server.openai_responses import cache_report, chat_logprobs, completion_logprobs, full_response, observe, sse, usage_of
 from tierserve.server.schemas import (
     CachedChatRequest,
@@ -38,10 +39,13 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
             choice.text.append(engine.decode(job.prompts[choice.prompt_index]))
     if not body.stream:
         first_token_at = None
-        async for index, output in merged(engine, submitted):
-            if first_token_at is None and output.token_ids:
-                first_token_at = time.perf_counter()
-            fold(choices[index], output)
+        try:
+            async for index, output in merged(engine, submitted, job.deadline):
+                if first_token_at is None and output.token_ids:
+                    first_token_at = time.perf_counter()
+                fold(choices[index], output)
+        except RequestTimeoutError:
+            return Response(timeout_body(state.settings.server.timeout_seconds), status_code=504)
         observe(state, job, choices, first_token_at)
         return Response(full_response(engine, state, job, choices))
     return Stream(stream_events(engine, state, job, submitted, choices), media_type="text/event-stream",
@@ -66,9 +70,12 @@ async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job)
     )
     choices: list[Choice] = []
     for prompt_index, prompt in enumerate(job.prompts):
-        beams = await asyncio.to_thread(engine.beam_search, prompt, params)
-        for rank, beam in enumerate(beams):
+        searched = await asyncio.to_thread(engine.beam_search, prompt, params)
+        for rank, beam in enumerate(searched.hypotheses):
             choice = Choice(index=prompt_index * job.n + rank, prompt_index=prompt_index)
+            # the search's time and peak KV, once per prompt (the report sums memory over choices)
+            peak = searched.peak_blocks * engine.info.kv_block_bytes if rank == 0 else 0
+            choice.timings = RequestTimings(0.0, 0.0, searched.seconds, None, peak)
             choice.token_ids = list(beam.token_ids)
             text = engine.decode(
                 [t for t in beam.token_ids if t not in engine.info.eos_token_ids], skip_special_tokens=True
@@ -85,15 +92,15 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
     first_token_at = None
     started_roles: set[int] = set()
     offsets = [0] * len(choices)
-    completed = False
+    completed = timed_out = False
     try:
         for choice in choices:
             if choice.text:  # echo: the prompt's text goes out first
                 offsets[choice.index] = len(choice.text[0])
                 echoed = {"index": choice.index, "text": choice.text[0], "logprobs": None, "finish_reason": None}
-                yield sse({"id": job.id, "object": kind, "created": created, "model": state.model_name,
+                yield sse({"id": job.id, "object": kind, "created": created, "model": job.model,
                            "choices": [echoed]})
-        async for index, output in merged(engine, submitted):
+        async for index, output in merged(engine, submitted, job.deadline):
             if first_token_at is None and output.token_ids:
                 first_token_at = time.perf_counter()
             fold(choices[index], output)
@@ -114,47 +121,54 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
                     logprobs = completion_logprobs(engine, output.logprobs, offsets[index])
                 offsets[index] += len(output.text)
                 choice = {"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
-            yield sse({"id": job.id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]})
-        tail: dict[str, Any] = {"id": job.id, "object": kind, "created": created, "model": state.model_name, "choices": []}
+            yield sse({"id": job.id, "object": kind, "created": created, "model": job.model, "choices": [choice]})
+        tail: dict[str, Any] = {"id": job.id, "object": kind, "created": created, "model": job.model, "choices": []}
         options = job.body.stream_options
         if options is not None and options.include_usage:
             tail["usage"] = usage_of(job, choices)
         if job.cached:
-            tail.update(cache_report(job, choices))
+            tail.update(cache_report(job, choices), request_id=job.id)
         if len(tail) > 5:
             yield sse(tail)
         yield sse("[DONE]")
         completed = True
+    except RequestTimeoutError:  # the status line is long gone: the error travels as the last event
+        timed_out = True
+        yield sse(timeout_body(state.settings.server.timeout_seconds))
+        yield sse("[DONE]")
     finally:
         if completed:
             observe(state, job, choices, first_token_at)
         else:
             metrics = state.extras.get("metrics")
             if metrics is not None:
-                metrics.count_outcome("abort")
+                metrics.count_outcome("error" if timed_out else "abort")
+
+
+def model_entry(state: ServerState, name: str) -> dict[str, Any]:
+    engine = state.engine
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "tierserve",
+        "name": name,
+        "description": f"{state.settings.model.path} on the {state.settings.model.backend} backend",
+        "status": "ready" if state.ready else ("failed" if state.load_error else "loading"),
+        "max_model_len": engine.info.max_model_len if state.ready and engine else None,
+    }
 
 
 @get("/v1/models", sync_to_thread=False)
 def list_models(request: Request) -> dict[str, Any]:
     state = state_of(request)
-    engine = state.engine
-    entry = {
-        "id": state.model_name,
-        "object": "model",
-        "created": int(state.started_at),
-        "owned_by": "tierserve",
-        "name": state.model_name,
-        "description": f"{state.settings.model.path} on the {state.settings.model.backend} backend",
-        "status": "ready" if state.ready else ("failed" if state.load_error else "loading"),
-        "max_model_len": engine.info.max_model_len if state.ready and engine else None,
-    }
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [model_entry(state, name) for name in state.model_names]}
 
 
 @get("/v1/models/{model_id:str}", sync_to_thread=False)
 def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
-    check_model(state_of(request), model_id)
-    return list_models.fn(request)["data"][0]
+    state = state_of(request)
+    return model_entry(state, state.resolve_model(model_id))
 
 
 @post("/v1/completions", status_code=200)

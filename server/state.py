@@ -33,8 +33,28 @@ class ServerState:
     owns_engine: bool = True  # False when the caller passed an engine in (it outlives the app)
 
     @property
+    def model_names(self) -> list[str]:
+        """Every name clients may send as ``model``, the default first."""
+        return self.settings.server.model_names or [self.settings.model.path]
+
+    @property
     def model_name(self) -> str:
-        return self.settings.server.served_model_name or self.settings.model.path
+        return self.model_names[0]
+
+    def resolve_model(self, model: str | None) -> str:
+        """The served name a request's ``model`` selects (the default when it sends none); 404 otherwise."""
+        from tierserve.server.errors import APIError
+
+        if model is None:
+            return self.model_name
+        if model in self.model_names or model == self.settings.model.path:
+            return model
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {', '.join(repr(n) for n in self.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
     def load(self) -> None:
         """Build and start the engine (on a background thread at start-up); ready when done."""

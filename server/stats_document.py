@@ -1,17 +1,43 @@
 """The ``/v1/cache/stats`` document and its alerts, built from one typed ``EngineSnapshot``.
 
 The snapshot is what the engine core last published: building this never
-waits for a step. Tier names come from the snapshot (from settings), so a
-plugin tier shows up like the built-in ones.
+waits for a step. Every field the serving spec shows is here with the spec's
+meaning and unit (rates in percent); tierserve's own detail sits beside them
+under keys that do not clash (``tiers``, ``trend_points``, ...). Each field is
+described in the README (the stats table). Tier names come from settings.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tierserve.core.config import MonitoringSettings
     from tierserve.core.engine import EngineSnapshot
+
+SPEC_TIER_NAMES = ("l1", "l2", "l3")  # the spec always shows these three hit counts
+
+
+def percent(part: float, whole: float) -> float:
+    return round(100 * part / whole, 2) if whole else 0.0
+
+
+def operations(snapshot: EngineSnapshot) -> int:
+    """Cache operations so far: prefix lookups, blocks published, promotions and demotions."""
+    cache = snapshot.cache
+    if cache is None:
+        return 0
+    published = cache.computed_tokens // max(1, snapshot.kv_block_size)
+    return cache.lookups + published + sum(cache.promotions.values()) + sum(cache.demotions.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Activity:
+    """What the server measured around the snapshot: operations per second, and whether the background work runs."""
+
+    operations_per_second: float
+    background_tasks_active: bool
 
 
 def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
@@ -27,21 +53,103 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
     lower_hits = sum(count for name, count in hits.items() if name != "l1")
     misses = max(0, (l1.misses if l1 is not None else 0) - lower_hits)
     total_hits = sum(hits.values())
-    lookups = total_hits + misses
+    memory_tiers = sum(t.bytes for t in tiers.values() if t.medium == "memory")
     summary: dict[str, Any] = {
         "hits": total_hits,
         "misses": misses,
-        "hit_rate": round(total_hits / lookups, 4) if lookups else 0.0,
-        "memory_bytes": sum(t.bytes for t in tiers.values() if t.medium == "memory"),
+        "hit_rate": percent(total_hits, total_hits + misses),
+        "memory_bytes": (snapshot.l1_bytes if cache is not None else 0) + memory_tiers,
         "disk_bytes": sum(t.bytes for t in tiers.values() if t.medium == "disk"),
+        "remote_bytes": sum(t.bytes for t in tiers.values() if t.medium == "remote"),
         "evictions": sum(t.evictions for t in tiers.values()),
     }
-    for name in tiers:
-        summary[f"{name}_hits"] = hits[name]
+    for name in (*SPEC_TIER_NAMES, *tiers):
+        summary[f"{name}_hits"] = hits.get(name, 0)
     summary["promotions"] = dict(cache.promotions) if cache is not None else {}
     summary["demotions"] = dict(cache.demotions) if cache is not None else {}
     summary["tiers"] = {name: tier.as_dict() for name, tier in tiers.items()}
     return summary
+
+
+def radix_tree(snapshot: EngineSnapshot) -> dict[str, Any]:
+    """Prefix sharing: matches, blocks shared with running sequences, KV not recomputed, and the index's shape."""
+    cache = snapshot.cache
+    if cache is None:
+        return {"prefix_matches": 0, "sharing_hits": 0, "memory_saved": 0, "active_prefixes": 0,
+                "avg_prefix_length": 0.0, "cached_blocks": 0, "lookups": 0}  # fmt: skip
+    index = cache.index
+    bytes_per_token = snapshot.kv_block_bytes / max(1, snapshot.kv_block_size)
+    return {
+        "prefix_matches": cache.prefix_matches,
+        "sharing_hits": snapshot.sharing_hits,
+        "memory_saved": int(cache.cached_tokens * bytes_per_token),  # KV bytes reused instead of recomputed
+        "active_prefixes": index.active_prefixes,
+        "avg_prefix_length": round(index.avg_prefix_tokens, 2),
+        "cached_blocks": index.cached_blocks,
+        "lookups": cache.lookups,
+    }
+
+
+def speculation(snapshot: EngineSnapshot) -> dict[str, Any]:
+    spec = snapshot.speculation
+    rejected = spec.proposed - spec.accepted
+    return {
+        "hits": spec.accepted,
+        "misses": rejected,
+        "hit_rate": percent(spec.accepted, spec.proposed),
+        "tokens_generated": spec.emitted,
+        "avg_depth": round(spec.proposed / spec.verifications, 2) if spec.verifications else 0.0,
+        "early_stops": spec.early_stops,
+        **spec.as_dict(),
+    }
+
+
+def sliding_window(snapshot: EngineSnapshot) -> dict[str, Any]:
+    window = snapshot.sliding_window
+    return {
+        "hits": window.cache_hits,
+        "misses": window.cache_misses,
+        "hit_rate": percent(window.cache_hits, window.cache_hits + window.cache_misses),
+        "memory_bytes": window.memory_bytes,
+        "evictions": window.blocks_released,
+        "utilization": window.utilization,
+        "enabled": window.enabled,
+        "windows_slid": window.windows_slid,
+        "tokens_dropped": window.tokens_dropped,
+        "blocks_released": window.blocks_released,
+        "blocks_in_use": window.blocks_in_use,
+    }
+
+
+def efficiency_score(snapshot: EngineSnapshot) -> float:
+    """Percent of all tokens the engine produced or read that it did not compute one position at a time:
+    prompt tokens served from the cache plus draft tokens accepted, over prompt plus generated tokens."""
+    counters = snapshot.counters
+    cached = snapshot.cache.cached_tokens if snapshot.cache is not None else 0
+    return percent(cached + snapshot.speculation.accepted, counters.prompt_tokens + counters.generation_tokens)
+
+
+def overall(snapshot: EngineSnapshot, activity: Activity) -> dict[str, Any]:
+    cache = snapshot.cache
+    counters = snapshot.counters
+    cached_tokens = cache.cached_tokens if cache is not None else 0
+    kv = kv_cache_summary(snapshot)
+    lookups = cache.lookups if cache is not None else 0
+    return {
+        "hit_rate": percent(cached_tokens, counters.prompt_tokens),
+        "total_memory_bytes": kv["memory_bytes"] + kv["disk_bytes"] + kv["remote_bytes"],
+        "operations_per_second": round(activity.operations_per_second, 2),
+        "avg_response_time_us": round(1e6 * cache.lookup_seconds / lookups, 1) if lookups else 0.0,
+        "efficiency_score": efficiency_score(snapshot),
+        "background_tasks_active": activity.background_tasks_active,
+        "cached_tokens": cached_tokens,
+        "computed_tokens": cache.computed_tokens if cache is not None else 0,
+        "prompt_tokens": counters.prompt_tokens,
+        "generation_tokens": counters.generation_tokens,
+        "token_hit_rate": round(cached_tokens / counters.prompt_tokens, 4) if counters.prompt_tokens else 0.0,
+        "requests_running": snapshot.requests_running,
+        "requests_waiting": snapshot.requests_waiting,
+    }
 
 
 def dropped_writes(snapshot: EngineSnapshot) -> int:
@@ -50,7 +158,7 @@ def dropped_writes(snapshot: EngineSnapshot) -> int:
 
 
 def current_alerts(monitoring: MonitoringSettings, max_waiting: int, snapshot: EngineSnapshot) -> list[dict[str, Any]]:
-    """Thresholds of ``[monitoring]`` that the engine is past, as of the snapshot."""
+    """Thresholds of ``[monitoring]`` that the engine is past, as of the snapshot (rates in percent)."""
     kv = kv_cache_summary(snapshot)
     alerts: list[dict[str, Any]] = []
 
@@ -58,11 +166,12 @@ def current_alerts(monitoring: MonitoringSettings, max_waiting: int, snapshot: E
         alerts.append({"name": name, "message": message, "value": value, "threshold": threshold})
 
     threshold = monitoring.alert_hit_rate_below
-    if threshold is not None and kv["hits"] + kv["misses"] and kv["hit_rate"] < threshold:
-        alert("low_hit_rate", f"KV cache block hit rate {kv['hit_rate']:.2%} is below {threshold:.2%}", kv["hit_rate"], threshold)
+    if threshold is not None and kv["hits"] + kv["misses"] and kv["hit_rate"] < 100 * threshold:
+        below = round(100 * threshold, 2)
+        alert("low_hit_rate", f"KV cache block hit rate {kv['hit_rate']:.2f}% is below {below:.2f}%", kv["hit_rate"], below)
     threshold = monitoring.alert_memory_bytes_above
     if threshold is not None and kv["memory_bytes"] > threshold:
-        message = f"host-memory tiers hold {kv['memory_bytes']} bytes, above {threshold}"
+        message = f"the memory tiers (L1 included) hold {kv['memory_bytes']} bytes, above {threshold}"
         alert("high_memory", message, kv["memory_bytes"], threshold)
     threshold = monitoring.alert_dropped_writes_above
     dropped = dropped_writes(snapshot)
@@ -83,36 +192,23 @@ def current_alerts(monitoring: MonitoringSettings, max_waiting: int, snapshot: E
 
 
 def stats_document(
-    snapshot: EngineSnapshot, alerts: list[dict[str, Any]], trends: list[dict[str, Any]]
+    snapshot: EngineSnapshot,
+    alerts: list[dict[str, Any]],
+    trend_points: list[dict[str, Any]],
+    window_seconds: float,
+    activity: Activity,
 ) -> dict[str, Any]:
     """The ``/v1/cache/stats`` body."""
-    cache = snapshot.cache
-    counters = snapshot.counters
-    index = cache.index if cache is not None else None
-    cached_tokens = cache.cached_tokens if cache is not None else 0
-    prompt_tokens = counters.prompt_tokens
+    manager: dict[str, Any] = {
+        "kv_cache": kv_cache_summary(snapshot),
+        "radix_tree": radix_tree(snapshot),
+        "speculation": speculation(snapshot),
+        "sliding_window": sliding_window(snapshot),
+    }
     return {
-        "cache_manager": {
-            "kv_cache": kv_cache_summary(snapshot),
-            "radix_tree": {
-                "cached_blocks": index.cached_blocks if index is not None else 0,
-                "active_prefixes": index.active_prefixes if index is not None else 0,
-                "avg_prefix_tokens": round(index.avg_prefix_tokens, 2) if index is not None else 0.0,
-                "prefix_matches": cache.prefix_matches if cache is not None else 0,
-                "lookups": cache.lookups if cache is not None else 0,
-            },
-            "speculation": snapshot.speculation.as_dict(),
-            "sliding_window": snapshot.sliding_window.as_dict(),
-        },
-        "overall": {
-            "cached_tokens": cached_tokens,
-            "computed_tokens": cache.computed_tokens if cache is not None else 0,
-            "prompt_tokens": prompt_tokens,
-            "generation_tokens": counters.generation_tokens,
-            "token_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
-            "requests_running": snapshot.requests_running,
-            "requests_waiting": snapshot.requests_waiting,
-        },
+        "cache_manager": manager,
+        "overall": overall(snapshot, activity),
         "alerts": alerts,
-        "trends": trends,
+        "trends": {"window_seconds": window_seconds, "data_points": len(trend_points)},
+        "trend_points": trend_points,
     }

@@ -66,7 +66,9 @@ def beams_with_eos(engine, ids, params, eos):
     """Beam search on the engine's own core, with ``eos`` as the tokens that end a hypothesis."""
     core = engine.driver.core
     budget = core.settings.scheduler.max_num_batched_tokens
-    return run_beam_search(core.backend, core.kv, ids, params, eos, prefill_budget=budget, new_seq_id=core.next_seq_id)
+    return run_beam_search(
+        core.backend, core.kv, ids, params, eos, prefill_budget=budget, new_seq_id=core.next_seq_id
+    ).hypotheses
 
 
 def assert_same(results, expected) -> None:
@@ -82,7 +84,7 @@ def test_matches_transformers(checkpoint, engine):
         BEAM_PROMPTS, [2, 4], [1.0, 0.5], [False, True]
     ):
         params = BeamSearchParams(width, NEW_TOKENS, length_penalty, early_stopping, num_return_sequences=width)
-        results = engine.beam_search(prompt, params)
+        results = engine.beam_search(prompt, params).hypotheses
         expected = hf_beams(model, tokenizer, tokenizer(prompt)["input_ids"], params)
         assert_same(results, expected)
         assert all(len(r.token_ids) == NEW_TOKENS and r.finish_reason == "length" for r in results)
@@ -118,7 +120,7 @@ def test_fewer_returned_sequences_and_one_beam(checkpoint, engine):
     params = BeamSearchParams(4, NEW_TOKENS, num_return_sequences=2)
     assert_same(beams_with_eos(engine, ids, params, [1, 3]), hf_beams(model, tokenizer, ids, params, [1, 3]))
     # num_beams=1 is greedy search in generate, whatever early_stopping says
-    [result] = engine.beam_search(ids, BeamSearchParams(1, NEW_TOKENS, early_stopping="never"))
+    [result] = engine.beam_search(ids, BeamSearchParams(1, NEW_TOKENS, early_stopping="never")).hypotheses
     assert result.token_ids == hf_greedy(checkpoint[0], [PROMPTS[3]], NEW_TOKENS)[0]
 
 
@@ -145,7 +147,7 @@ def test_beams_share_prompt_blocks_and_copy_partial_ones(llama, monkeypatch):
     monkeypatch.setattr(core.backend, "forward", counting_forward)
     monkeypatch.setattr(core.backend, "write_blocks", counting_write_blocks)
 
-    results = engine.beam_search(ids, params)
+    results = engine.beam_search(ids, params).hypotheses
 
     assert_same(results, hf_beams(model, tokenizer, ids, params))
     one_copy = math.ceil((len(ids) + params.max_tokens - 1) / 4)
@@ -163,7 +165,7 @@ def test_runs_between_steps_of_running_requests(llama):
     try:
         _, stream = engine.submit(tokenizer(PROMPTS[1])["input_ids"], greedy)
         params = BeamSearchParams(4, NEW_TOKENS, num_return_sequences=4)
-        results = engine.beam_search(PROMPTS[6], params)
+        results = engine.beam_search(PROMPTS[6], params).hypotheses
         tokens: list[int] = []
         while True:
             output = stream.get(timeout=60)
@@ -211,9 +213,9 @@ def test_requests_the_engine_cannot_serve(llama):
     pool = engine.driver.core.kv.pool  # white-box: blocks held as running requests would hold them
     held = pool.allocate(20)
     with pytest.raises(QueueFullError, match=r"^beam_width: .* may need 24 KV blocks and 12 are free now; retry later"):
-        engine.beam_search(PROMPTS[0], params)
+        engine.beam_search(PROMPTS[0], params).hypotheses
     pool.free(held)
-    assert len(engine.beam_search(PROMPTS[0], params)[0].token_ids) == 20
+    assert len(engine.beam_search(PROMPTS[0], params).hypotheses[0].token_ids) == 20
     assert_pool_released(engine)
 
     unpaged = make_engine(llama, backend="transformers")

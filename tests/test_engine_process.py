@@ -65,7 +65,7 @@ def test_commands_and_statistics_cross_the_process_boundary(engine):
     assert stats.kv_blocks_free == stats.kv_blocks_total  # nothing running
     vectors, tokens = engine.embed(["hello", "world"])
     assert vectors.shape[0] == 2 and tokens > 0
-    [beam] = engine.beam_search(PROMPTS[1], BeamSearchParams(2, 6))
+    [beam] = engine.beam_search(PROMPTS[1], BeamSearchParams(2, 6)).hypotheses
     assert len(beam.token_ids) == 6
     cleared = engine.clear_cache("l1")
     assert cleared["l1"] > 0 and engine.stats().cache.tiers["l1"].entries == 0

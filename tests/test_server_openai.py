@@ -131,19 +131,25 @@ def test_cached_endpoint_reports_measured_cache_stats(server):
     prefix = "The shared context of this conversation is long enough to fill several blocks. " * 4
     body = {"prompt": prefix + "First?", "max_tokens": 4, "temperature": 0, "cache_key": "ctx-1"}
     first = httpx.post(f"{base}/v1/cached/completions", json=body, timeout=60).json()
-    second = httpx.post(f"{base}/v1/cached/completions", json={**body, "prompt": " Second?"}, timeout=60).json()
-    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] // 2  # the named prefix was prepended
+    second = httpx.post(f"{base}/v1/cached/completions", json={**body, "prompt": prefix + "Second?"}, timeout=60).json()
+    engine = server[1]
+    assert first["usage"]["prompt_tokens"] == len(engine.encode_prompt(prefix + "First?"))
+    assert second["usage"]["prompt_tokens"] == len(engine.encode_prompt(prefix + "Second?"))  # the key adds nothing
     stats, perf = second["cache_stats"], second["performance"]
     assert stats["cache_used"] is True and stats["cache_hits"] > 0 and stats["prefix_matches"] == 1
-    assert 0 < stats["hit_rate"] <= 1
+    assert 0 < stats["hit_rate"] <= 100  # percent, as the spec shows it
+    assert second["text"] == second["choices"][0]["text"] and second["finish_reason"] == "length"
+    assert second["request_id"] == second["id"]
     assert second["usage"]["cached_tokens"] == second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert perf["total_time_ms"] > 0 and perf["inference_time_ms"] > 0 and perf["memory_usage_bytes"] > 0
     assert perf["tokens_per_second"] > 0
     off = httpx.post(f"{base}/v1/cached/completions",
                      json={**body, "cache_key": None, "enable_caching": False}, timeout=60).json()
     assert off["cache_stats"]["cache_used"] is False and off["usage"]["cached_tokens"] == 0
-    bad = httpx.post(f"{base}/v1/cached/completions", json={**body, "enable_speculation": True}, timeout=60)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "enable_speculation"
+    # no speculator configured: asking for speculation gets prompt lookup, and the response says so
+    drafted = httpx.post(f"{base}/v1/cached/completions", json={**body, "enable_speculation": True}, timeout=60)
+    assert drafted.status_code == 200 and drafted.json()["cache_stats"]["speculation_method"] == "ngram"
+    assert drafted.json()["choices"][0]["text"] == first["choices"][0]["text"]  # greedy speculation is lossless
 
 
 @pytest.mark.parametrize(
@@ -256,9 +262,11 @@ def test_warm_under_a_cache_key_then_reference_it(server):
     context = "A manual for the espresso machine: descale monthly, use filtered water, purge the wand. " * 3
     warmed = httpx.post(f"{base}/v1/cache/warm", json={"prompts": [context], "cache_key": "manual"}, timeout=60).json()
     assert warmed["tokens"] > 0
+    question = context + " How often to descale?"  # a key names the prefix; the prompt still carries it
     reply = httpx.post(f"{base}/v1/cached/completions",
-                       json={"prompt": " How often to descale?", "cache_key": "manual", "max_tokens": 3}, timeout=60).json()
+                       json={"prompt": question, "cache_key": "manual", "max_tokens": 3}, timeout=60).json()
     assert reply["cache_stats"]["cache_used"] and reply["usage"]["cached_tokens"] >= warmed["tokens"] - 16
+    assert reply["usage"]["prompt_tokens"] == len(server[1].encode_prompt(question))
     two = httpx.post(f"{base}/v1/cache/warm", json={"prompts": ["a", "b"], "cache_key": "x"}, timeout=60)
     assert two.status_code == 400 and two.json()["error"]["param"] == "cache_key"
 

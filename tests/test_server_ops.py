@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -122,11 +123,16 @@ def test_health_probes_when_ready(server, engine):
     health = httpx.get(f"{server}/health")
     assert health.status_code == 200
     body = health.json()
-    assert body["status"] == "ok" and body["version"] and body["uptime_seconds"] >= 0
-    assert body["memory"]["rss_bytes"] > 10 * 1024 * 1024
+    assert body["status"] == "healthy" and body["version"] and body["uptime_seconds"] >= 0
+    assert datetime.fromisoformat(body["timestamp"].replace("Z", "+00:00")).tzinfo is not None  # ISO-8601, UTC
+    details = body["details"]
+    assert details["memory_usage_bytes"] == body["memory"]["rss_bytes"] > 10 * 1024 * 1024
+    assert details["components"] == {
+        "inference_runtime": "operational", "model_registry": "operational", "cache_system": "operational"
+    }
     assert body["memory"]["kv_blocks_total"] == engine.info.kv_blocks == 512
     assert 0 < body["memory"]["kv_blocks_free"] <= 512
-    assert body["active_requests"] == 1  # this one
+    assert body["active_requests"] == details["active_requests"] == 0  # a probe does not count itself
     assert body["components"] == {
         "engine": "ready",
         "backend": "native",
@@ -171,7 +177,7 @@ def test_health_while_loading_and_after_a_failed_load(checkpoint, disk, engine, 
         while (health := client.get("/health")).json()["status"] == "loading":
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         assert health.json()["components"]["engine"] == "failed" and health.json()["components"]["load_error"]
         ready = client.get("/health/ready")
         assert ready.status_code == 503 and "failed to load" in ready.json()["error"]["message"]
@@ -224,13 +230,15 @@ def test_request_metrics_api():
 
 def test_cache_stats_shape_and_hits_after_warming(server, engine):
     before = stats(server)
-    assert set(before) == {"cache_manager", "overall", "alerts", "trends"}
+    assert set(before) == {"cache_manager", "overall", "alerts", "trends", "trend_points"}
     manager = before["cache_manager"]
     assert set(manager["kv_cache"]["tiers"]) == {"l1", "l2", "l3"}
     assert manager["speculation"]["enabled"] is False and manager["speculation"]["proposed"] == 0
     assert {"acceptance_rate", "mean_accepted_length", "early_stops"} <= set(manager["speculation"])
     assert manager["sliding_window"]["enabled"] is False and manager["sliding_window"]["windows_slid"] == 0
-    assert set(manager["radix_tree"]) == {"cached_blocks", "active_prefixes", "avg_prefix_tokens", "prefix_matches", "lookups"}
+    assert set(manager["radix_tree"]) == {
+        "prefix_matches", "sharing_hits", "memory_saved", "active_prefixes", "avg_prefix_length", "cached_blocks", "lookups"
+    }
 
     prompt = PROMPTS[4]
     ids = engine.encode_prompt(prompt)
@@ -293,17 +301,19 @@ def test_trends_sampled_and_hit_rate_alert(checkpoint, disk, engine):
     with running_server(settings, engine=engine) as base:
         engine.generate(["a prompt nobody has sent before, long enough to fill several blocks"])
         deadline = time.monotonic() + 10
-        while len((body := stats(base))["trends"]) < 2:
+        while len((body := stats(base))["trend_points"]) < 2:
             assert time.monotonic() < deadline, "no trend samples"
             time.sleep(0.1)
-    sample = body["trends"][-1]
+    sample = body["trend_points"][-1]
     assert set(sample) == {
-        "timestamp", "hit_rate", "memory_bytes", "cached_tokens", "requests_running", "requests_waiting", "dropped_writes"
+        "timestamp", "hit_rate", "memory_bytes", "cached_tokens", "requests_running", "requests_waiting",
+        "dropped_writes", "operations",
     }
-    assert body["trends"][0]["timestamp"] < sample["timestamp"]
+    assert body["trend_points"][0]["timestamp"] < sample["timestamp"]
+    assert body["trends"]["data_points"] == len(body["trend_points"]) and body["trends"]["window_seconds"] > 0
     [alert] = body["alerts"]
-    assert alert["name"] == "low_hit_rate" and alert["threshold"] == 0.99
-    assert alert["value"] == body["cache_manager"]["kv_cache"]["hit_rate"] < 0.99 and alert["message"]
+    assert alert["name"] == "low_hit_rate" and alert["threshold"] == 99.0  # percent, as the document's rates
+    assert alert["value"] == body["cache_manager"]["kv_cache"]["hit_rate"] < 99.0 and alert["message"]
 
 
 def test_queue_alert_with_waiting_requests(checkpoint, disk, tmp_path):

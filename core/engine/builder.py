@@ -23,6 +23,7 @@ from tierserve.core.scheduler import ModelLimits
 
 if TYPE_CHECKING:
     from tierserve.core.backend import ModelBackend
+    from tierserve.core.speculation import Speculator
     from tierserve.core.config import Settings
     from tierserve.core.engine.client import EngineClient
 
@@ -51,17 +52,11 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     options = component.settings
     extra = {"options": settings.plugin_options(component.name, options)} if options is not None else {}
     scheduler = component.factory(settings.scheduler, manager, model=limits, **extra)
-    speculative = settings.speculative
-    speculator = None
-    if speculative.method and not backend.paged:
-        raise ConfigError(
-            f"speculative.method = {speculative.method!r} needs a paged backend (drafts are rolled "
-            f"back in the block arena); model.backend {settings.model.backend!r} keeps its own cache"
-        )
-    if speculative.method:
-        speculator = plugins.registry("speculators").get(speculative.method).factory(settings, backend)
     runner = ModelRunner(
-        backend, speculator, max_draft_tokens=speculative.num_speculative_tokens, adaptive=speculative.adaptive
+        backend,
+        build_speculators(settings, plugins, backend),
+        max_draft_tokens=settings.speculative.num_speculative_tokens,
+        adaptive=settings.speculative.adaptive,
     )
     core = EngineCore(settings, scheduler, runner, store)
     log.info(
@@ -96,6 +91,24 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
         raise
 
 
+FALLBACK_SPECULATOR = "ngram"  # prompt lookup: needs no extra model, so any request may ask for it
+
+
+def build_speculators(settings: Settings, plugins: PluginManager, backend: ModelBackend) -> dict[str, Speculator]:
+    """The configured speculator (``[speculative] method``) and the fallback a request may ask for, by name."""
+    method = settings.speculative.method
+    if method and not backend.paged:
+        raise ConfigError(
+            f"speculative.method = {method!r} needs a paged backend (drafts are rolled "
+            f"back in the block arena); model.backend {settings.model.backend!r} keeps its own cache"
+        )
+    if not backend.paged:
+        return {}
+    registry = plugins.registry("speculators")
+    names = [name for name in (method, FALLBACK_SPECULATOR) if name and name in registry]
+    return {name: registry.get(name).factory(settings, backend) for name in dict.fromkeys(names)}
+
+
 def model_info(core: EngineCore) -> ModelInfo:
     """The static facts a client needs about the model ``core`` serves."""
     backend = core.backend
@@ -115,7 +128,8 @@ def model_info(core: EngineCore) -> ModelInfo:
         kv_blocks=core.kv.num_blocks,
         kv_block_bytes=core.kv.spec.block_bytes,
         tier_names=tuple(store.tier_names) if store is not None else (),
-        speculator=settings.speculative.method if core.runner.speculator is not None else None,
+        speculator=settings.speculative.method,
+        fallback_speculator=FALLBACK_SPECULATOR if FALLBACK_SPECULATOR in core.runner.speculators else None,
         supports_streaming_window=backend.paged and backend.supports_released_kv,
     )
 

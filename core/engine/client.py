@@ -24,6 +24,7 @@ from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
 from tierserve.core.engine.output_processor import OutputProcessor, RequestState, RequestStream
 from tierserve.core.engine.requests import EngineRequest, RequestError, batch_by_tokens, check_fits, check_request
 from tierserve.core.engine.stats import EngineSnapshot, empty_snapshot
+from tierserve.core.errors import RequestTimeoutError
 from tierserve.core.outputs import CompletedRequest, RequestOutput, TokenLogprob
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
@@ -31,7 +32,7 @@ from tierserve.core.scheduler import QueueFullError
 if TYPE_CHECKING:
     import torch
 
-    from tierserve.core.beam_search import BeamResult, BeamSearchParams
+    from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from tierserve.core.config import Settings
     from tierserve.core.plugins import PluginManager
 
@@ -113,7 +114,9 @@ class EngineClient:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
 
         ``speculate``: ``None`` follows the settings (on when ``[speculative] method``
-        is set); requests with penalties or logprobs decode without drafts.
+        is set); ``True`` asks for it (prompt lookup when no method is configured);
+        requests with penalties or logprobs decode without drafts. ``speculation_method``
+        tells which method a request would get.
 
         Raises:
             RequestError: empty prompt, or prompt + max_tokens beyond the context or KV capacity.
@@ -121,7 +124,7 @@ class EngineClient:
         """
         ids = list(prompt_token_ids)
         streaming = self.settings.sliding_window.enabled if sliding_window is None else sliding_window
-        speculate = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
+        spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
         request_id = request_id or f"req-{next(self._counter)}-{self._rng.getrandbits(32):08x}"
         with self._lock:
             waiting = self._core_waiting + self._unacknowledged
@@ -131,7 +134,7 @@ class EngineClient:
             if request_id in self._processor.requests:
                 raise RequestError(f"request_id: {request_id!r} is already in flight", param="request_id")
             stream = RequestStream(loop)
-            request = EngineRequest(request_id, ids, params, priority, cache_salt, use_prefix_cache, speculate, streaming)
+            request = EngineRequest(request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming)
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer,
                 ids,
@@ -139,7 +142,9 @@ class EngineClient:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             )
-            self._processor.add(RequestState(request_id, stream, detokenizer, params, len(ids), request.arrival_time))
+            self._processor.add(
+                RequestState(request_id, stream, detokenizer, params, len(ids), request.arrival_time, spec_method)
+            )
             self._unacknowledged += 1
         try:
             self.driver.send(request)
@@ -167,12 +172,25 @@ class EngineClient:
         async for output in self.outputs(request_id, stream):
             yield output
 
-    async def outputs(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """A submitted request's deltas; leaving early (client gone, cancelled) aborts it and frees its blocks."""
+    async def outputs(
+        self, request_id: str, stream: RequestStream, *, deadline: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """A submitted request's deltas; leaving early (client gone, cancelled) aborts it and frees its blocks.
+
+        ``deadline`` (the event loop's clock): past it, the request is aborted
+        and ``RequestTimeoutError`` raised.
+        """
+        loop = asyncio.get_running_loop()
         finished = False
         try:
             while not finished:
-                output = await stream.get_async()
+                if deadline is None:
+                    output = await stream.get_async()
+                else:
+                    try:
+                        output = await asyncio.wait_for(stream.get_async(), max(0.0, deadline - loop.time()))
+                    except TimeoutError:
+                        raise RequestTimeoutError(f"request {request_id!r} ran past its deadline") from None
                 finished = output.finished
                 yield output
         finally:
@@ -328,11 +346,12 @@ class EngineClient:
         vectors = [self.driver.call("embed", batch) for batch in batches]
         return torch.cat(vectors), sum(len(ids) for ids in token_ids)
 
-    def beam_search(self, prompt: str | Seq[int], params: BeamSearchParams) -> list[BeamResult]:
+    def beam_search(self, prompt: str | Seq[int], params: BeamSearchParams) -> BeamSearchOutput:
         """Beam search, equal to transformers' ``generate(num_beams=params.beam_width, do_sample=False)``.
 
         The whole search runs as one command between steps, so a beam request
-        occupies the engine from prefill to its last token.
+        occupies the engine from prefill to its last token. Returns the
+        hypotheses (best first) with the search's peak KV blocks and wall time.
 
         Raises:
             RequestError: an empty prompt, a backend without a paged KV arena, or

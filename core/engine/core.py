@@ -28,7 +28,7 @@ from tierserve.core.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
     from tierserve.cache.store import TieredStore
-    from tierserve.core.beam_search import BeamResult, BeamSearchParams
+    from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from tierserve.core.config import Settings
     from tierserve.core.sampling_params import SamplingParams
 
@@ -81,7 +81,7 @@ class EngineCore:
             generator=self._generator(request.params),
             cache_salt=request.cache_salt,
             use_prefix_cache=request.use_prefix_cache,
-            speculate=request.speculate,
+            spec_method=request.spec_method,
             spec_k=self.runner.max_draft_tokens,
             streaming=request.streaming,
         )
@@ -165,7 +165,7 @@ class EngineCore:
         """Embeddings of token id lists (each attends to itself only; no KV is read or kept)."""
         return self.backend.embed(batch).cpu()
 
-    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams) -> list[BeamResult]:
+    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams) -> BeamSearchOutput:
         """A whole beam search, run now on the step thread (running generations wait meanwhile)."""
         from tierserve.core.beam_search import run_beam_search
 
@@ -195,26 +195,41 @@ class EngineCore:
         counters.generation_tokens = sched.generation_tokens
         counters.preemptions = sched.preemptions
         counters.finish_reasons = dict(sched.finish_reasons)
-        window = self.kv.window_stats
         spec = self.settings.speculative
         return EngineSnapshot(
             created=time.time(),
             cache=self.store.snapshot() if self.store is not None else None,
             speculation=SpeculationSnapshot.of(
-                self.runner.speculator is not None, spec.method, self.runner.spec_stats, sched.early_stops
+                spec.method is not None, spec.method, self.runner.spec_stats, sched.early_stops
             ),
-            sliding_window=WindowSnapshot(
-                self.settings.sliding_window.enabled,
-                window.windows_slid,
-                window.tokens_dropped,
-                window.blocks_released,
-                self.kv.pool.num_used_blocks,
-            ),
+            sliding_window=self._window_snapshot(),
             counters=EngineCounters(**{name: getattr(counters, name) for name in EngineCounters.__slots__}),
             requests_running=self.scheduler.num_running,
             requests_waiting=self.scheduler.num_waiting,
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_free=self.kv.num_free_blocks,
+            kv_block_size=self.kv.block_size,
+            kv_block_bytes=self.kv.spec.block_bytes,
+            kv_blocks_empty=self.kv.pool.num_empty_blocks,
+            sharing_hits=self.kv.sharing.sharing_hits,
+        )
+
+    def _window_snapshot(self) -> WindowSnapshot:
+        kv = self.kv
+        stats = kv.window_stats
+        windowed = [seq for seq in self.requests.values() if seq.block_table and kv.windowed(seq)]
+        held = sum(kv.held_blocks(seq) for seq in windowed)
+        allowed = sum(kv.window_blocks(seq) for seq in windowed)
+        return WindowSnapshot(
+            self.settings.sliding_window.enabled,
+            stats.windows_slid,
+            stats.tokens_dropped,
+            stats.blocks_released,
+            kv.pool.num_used_blocks,
+            stats.cache_hits,
+            stats.cache_misses,
+            held * kv.spec.block_bytes,
+            round(held / allowed, 4) if allowed else 0.0,
         )
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ class ModelInfo:
     kv_block_bytes: int
     tier_names: tuple[str, ...]  # ("l1", ...) when prefix caching is on, else ()
     speculator: str | None  # the configured speculation method, if any
+    fallback_speculator: str | None  # what a request asking for speculation gets when none is configured
     supports_streaming_window: bool
 
     @property

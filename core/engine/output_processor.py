@@ -54,6 +54,7 @@ class RequestState:
     params: SamplingParams
     num_prompt_tokens: int
     arrival_time: float
+    spec_method: str | None = None
     num_output_tokens: int = 0
     first_token_time: float | None = None
     cache: RequestCacheInfo | None = None
@@ -158,6 +159,7 @@ class OutputProcessor:
             logprobs=logprobs,
             timings=timings,
             cache=state.cache if reason is not None else None,
+            speculation_method=state.spec_method,
         )
 
     def _timings(self, state: RequestState) -> RequestTimings:

@@ -40,7 +40,7 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     use_prefix_cache: bool = True
-    speculate: bool = False
+    spec_method: str | None = None  # the speculator drafting for it; None: plain decoding
     streaming: bool = False  # sliding-window streaming mode
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -81,11 +81,13 @@ def check_request(
     params: SamplingParams,
     speculate: bool | None,
     streaming: bool,
-) -> bool:
-    """Raise ``RequestError`` unless the model can serve this request; returns whether it speculates.
+) -> str | None:
+    """Raise ``RequestError`` unless the model can serve this request; returns the speculator it uses.
 
-    ``speculate``: ``None`` follows the model (on when a speculator is
-    configured); requests with penalties or logprobs decode without drafts.
+    ``speculate``: ``None`` follows the settings (the configured speculator,
+    if any); ``True`` uses the configured one, else the fallback (prompt
+    lookup, which needs no extra model); requests with penalties or logprobs
+    decode without drafts.
     """
     num_prompt = len(prompt_token_ids)
     if not num_prompt:
@@ -104,13 +106,16 @@ def check_request(
             )
     else:
         check_fits(num_prompt, params.max_tokens, info.max_model_len, info.kv_capacity_tokens)
-    if speculate and info.speculator is None:
+    method = info.speculator if speculate is None else (info.speculator or info.fallback_speculator) if speculate else None
+    if speculate and method is None:
         raise RequestError(
-            "enable_speculation: no speculator is configured ([speculative] method); allowed: false",
+            f"enable_speculation: speculative decoding needs a paged KV arena, which the {info.backend!r} backend "
+            "does not keep; allowed: false",
             param="enable_speculation",
         )
-    speculate = info.speculator is not None if speculate is None else speculate
-    return speculate and not params.has_penalties and params.logprobs is None
+    if params.has_penalties or params.logprobs is not None:
+        return None
+    return method
 
 
 def batch_by_tokens(items: list[list[int]], budget: int) -> list[list[list[int]]]:

@@ -29,11 +29,13 @@ def sampling_row(seq: Sequence) -> SamplingRow:
 
 
 class ModelRunner:
-    """Runs batches on one backend; owns the sampler and the speculator.
+    """Runs batches on one backend; owns the sampler and the speculators.
 
     Args:
         backend: the model.
-        speculator: proposes drafts for sequences that speculate, or ``None``.
+        speculators: by name, what proposes drafts for sequences whose
+            ``spec_method`` names it (the configured method, and the fallback a
+            request may ask for).
         max_draft_tokens: the most drafts per step (``speculative.num_speculative_tokens``).
         adaptive: shrink a sequence's draft count after rejections, grow it after full acceptance.
     """
@@ -41,13 +43,13 @@ class ModelRunner:
     def __init__(
         self,
         backend: ModelBackend,
-        speculator: Speculator | None = None,
+        speculators: dict[str, Speculator] | None = None,
         *,
         max_draft_tokens: int = 4,
         adaptive: bool = True,
     ) -> None:
         self.backend = backend
-        self.speculator = speculator
+        self.speculators = dict(speculators or {})
         self.sampler = Sampler()
         self.spec_stats = SpeculationStats()
         self.max_draft_tokens = max_draft_tokens
@@ -74,7 +76,7 @@ class ModelRunner:
                 output.sampled[chunk.seq.seq_id] = [sampled]
         for chunk, first in speculative:
             output.sampled[chunk.seq.seq_id] = self._verify(chunk, logits[first : first + chunk.num_draft + 1])
-        if self.speculator is not None:
+        if self.speculators:
             self._propose(batch.chunks, output)
         return output
 
@@ -97,31 +99,31 @@ class ModelRunner:
 
     def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput) -> None:
         """Drafts for the next step of every speculating sequence this step sampled for."""
-        requests = []
+        by_method: dict[str, list[DraftRequest]] = {}
         limit = self.backend.max_model_len
         for chunk in chunks:
             seq = chunk.seq
             sampled = output.sampled.get(seq.seq_id)
-            if not seq.speculate or sampled is None:
+            if seq.spec_method is None or sampled is None:
                 continue
             history = seq.token_ids + [s.token_id for s in sampled]
             generated = len(history) - seq.num_prompt_tokens
             room = min(seq.params.max_tokens - generated - 1, limit - len(history) - 1)
             k = min(seq.spec_k, room)
             if k > 0:
-                requests.append(DraftRequest(seq, history, k))
-        if requests:
-            for request, proposal in zip(requests, self.speculator.propose(requests)):
+                by_method.setdefault(seq.spec_method, []).append(DraftRequest(seq, history, k))
+        for method, requests in by_method.items():
+            for request, proposal in zip(requests, self.speculators[method].propose(requests)):
                 if proposal.token_ids:
                     output.proposals[request.seq.seq_id] = proposal
 
     def release(self, seq: Sequence) -> None:
         """Forget what the backend and the speculator keep for a sequence (finished or preempted)."""
         self.backend.release(seq)
-        if self.speculator is not None:
-            self.speculator.release(seq)
+        for speculator in self.speculators.values():
+            speculator.release(seq)
 
     def close(self) -> None:
-        if self.speculator is not None:
-            self.speculator.close()
+        for speculator in self.speculators.values():
+            speculator.close()
         self.backend.close()

@@ -69,22 +69,23 @@ class SpeculationSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class WindowSnapshot:
-    """Sliding windows: whether streaming mode is on by default, and what windows released."""
+    """Sliding windows: whether streaming mode is on by default, what windows released, and the
+    windowed sequences now: the KV they hold and how full their windows are.
+
+    ``cache_hits``/``cache_misses`` are the prefix-cache block hits and misses of windowed
+    sequences' lookups (attention state reused across similar windows); ``memory_bytes`` the KV
+    windowed sequences hold now; ``utilization`` their held blocks over what their windows allow.
+    """
 
     enabled: bool
     windows_slid: int
     tokens_dropped: int
     blocks_released: int
     blocks_in_use: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "enabled": self.enabled,
-            "windows_slid": self.windows_slid,
-            "tokens_dropped": self.tokens_dropped,
-            "blocks_released": self.blocks_released,
-            "blocks_in_use": self.blocks_in_use,
-        }
+    cache_hits: int = 0
+    cache_misses: int = 0
+    memory_bytes: int = 0
+    utilization: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,10 @@ class EngineSnapshot:
     requests_waiting: int
     kv_blocks_total: int
     kv_blocks_free: int
+    kv_block_size: int = 0  # tokens per block
+    kv_block_bytes: int = 0  # bytes of one L1 block, all layers
+    kv_blocks_empty: int = 0  # L1 blocks holding nothing (neither in use nor cached)
+    sharing_hits: int = 0  # L1 lookups that reused a block another running sequence was using
 
     @property
     def kv_usage(self) -> float:
@@ -113,6 +118,11 @@ class EngineSnapshot:
     @property
     def requests_queued(self) -> int:
         return self.requests_running + self.requests_waiting
+
+    @property
+    def l1_bytes(self) -> int:
+        """KV bytes L1 holds: blocks in use and cached blocks."""
+        return (self.kv_blocks_total - self.kv_blocks_empty) * self.kv_block_bytes
 
 
 def empty_snapshot(kv_blocks_total: int = 0) -> EngineSnapshot:
