@@ -19,6 +19,9 @@ from tierserve.core.layers import Layer
 from tierserve.core.sections import Settings
 from tierserve.core.tables import model_keys, suggest, unknown_key
 
+# old core key names that keep working: "section.key" -> (section, key) where the setting lives now
+CORE_ALIASES: dict[str, tuple[str, str]] = {"server.served_model_name": ("model", "served_model_name")}
+
 
 @dataclass
 class Merged:
@@ -88,6 +91,8 @@ def merge_layers(
                 written = f"{section}.{key}"
                 if key in keys:
                     merged.put(section, key, value, layer, written)
+                elif written in CORE_ALIASES:
+                    merged.put(*CORE_ALIASES[written], value, layer, written)
                 elif section == "plugins":
                     _merge_plugin_table(merged, key, value, layer, tables, tier_plugins)
                 elif written in aliases:

@@ -28,11 +28,6 @@ class ServerSettings(Section):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    served_model_name: str | list[str] | None = Field(
-        None,
-        description="the names clients may send as 'model' (one or a list, as vLLM's --served-model-name); "
-        "the first is the one responses carry by default; unset: model.path",
-    )
     max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
@@ -51,6 +46,22 @@ class ServerSettings(Section):
         "process); false: on a thread of the server process",
     )
 
+
+class ModelSettings(Section):
+    """[model]: which checkpoint, which backend, on which device."""
+
+    path: str = "builtin:tiny"
+    served_model_name: str | list[str] | None = Field(
+        None,
+        description="the names clients may send as 'model' (one or a list, as vLLM's --served-model-name); "
+        "the first is the one responses carry by default; unset: model.path",
+    )
+    backend: str = "native"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    max_model_len: int | None = Field(None, gt=0)
+    seed: int = 0
+
     @field_validator("served_model_name")
     @classmethod
     def _names(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -68,17 +79,6 @@ class ServerSettings(Section):
         """The served names, first the default one (empty when unset: the model path serves)."""
         value = self.served_model_name
         return [value] if isinstance(value, str) else list(value or [])
-
-
-class ModelSettings(Section):
-    """[model]: which checkpoint, which backend, on which device."""
-
-    path: str = "builtin:tiny"
-    backend: str = "native"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    max_model_len: int | None = Field(None, gt=0)
-    seed: int = 0
 
     @field_validator("device")
     @classmethod

@@ -14,7 +14,7 @@ from litestar import Request
 
 from tierserve.core.engine import EngineClient, RequestOutput, RequestTimings, TokenLogprob
 from tierserve.core.engine.requests import output_room
-from tierserve.core.errors import RequestTimeoutError
+from tierserve.core.errors import RequestError, RequestTimeoutError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
@@ -175,9 +175,11 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
                     loop=loop,
                 )
             )
-    except Exception:
+    except Exception as exc:
         for request_id, _ in submitted:
             engine.abort(request_id)
+        if isinstance(exc, RequestError) and exc.param == "request_id":  # name the id the client sent
+            raise RequestError(f"request_id: {job.id!r} is already in flight", param="request_id") from None
         raise
     return submitted
 

@@ -35,7 +35,7 @@ class ServerState:
     @property
     def model_names(self) -> list[str]:
         """Every name clients may send as ``model``, the default first."""
-        return self.settings.server.model_names or [self.settings.model.path]
+        return self.settings.model.model_names or [self.settings.model.path]
 
     @property
     def model_name(self) -> str:
