@@ -73,6 +73,7 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         block_size=kv.block_size,
         prefix_cache=store is not None,
         tiers=store.tier_names if store is not None else [],
+        attention=backend.attention_kernel,
     )
     return core
 
@@ -117,6 +118,7 @@ def model_info(core: EngineCore) -> ModelInfo:
         tier_names=tuple(store.tier_names) if store is not None else (),
         speculator=settings.speculative.method if core.runner.speculator is not None else None,
         supports_streaming_window=backend.paged and backend.supports_released_kv,
+        attention_kernel=backend.attention_kernel,
     )
 
 

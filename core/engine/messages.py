@@ -37,6 +37,7 @@ class ModelInfo:
     tier_names: tuple[str, ...]  # ("l1", ...) when prefix caching is on, else ()
     speculator: str | None  # the configured speculation method, if any
     supports_streaming_window: bool
+    attention_kernel: str  # e.g. "flash/math (torch picks)", or "math" ([sliding_window] use_flash_attention = false)
 
     @property
     def kv_capacity_tokens(self) -> int:
