@@ -15,6 +15,7 @@ from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
 from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
+from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
 from tierserve.core.engine.requests import read_warm_prompts
 from tierserve.core.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
@@ -60,10 +61,15 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         )
     if speculative.method:
         speculator = plugins.registry("speculators").get(speculative.method).factory(settings, backend)
+    clock = PhaseClock(CORE_PHASES) if settings.monitoring.detailed_profiling else None
     runner = ModelRunner(
-        backend, speculator, max_draft_tokens=speculative.num_speculative_tokens, adaptive=speculative.adaptive
+        backend,
+        speculator,
+        max_draft_tokens=speculative.num_speculative_tokens,
+        adaptive=speculative.adaptive,
+        clock=clock,
     )
-    core = EngineCore(settings, scheduler, runner, store)
+    core = EngineCore(settings, scheduler, runner, store, clock)
     log.info(
         "engine_ready",
         model=str(getattr(backend, "path", settings.model.path)),
@@ -74,6 +80,7 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         prefix_cache=store is not None,
         tiers=store.tier_names if store is not None else [],
         attention=backend.attention_kernel,
+        profiling=clock is not None,
     )
     return core
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierserve.core.engine.profiling import PhaseTimings
 from tierserve.core.speculation import SpeculationStats
 
 
@@ -92,7 +93,8 @@ class EngineSnapshot:
     """Everything the engine reports, as of ``created`` (``time.time()``).
 
     ``cache`` is the tiered store's ``CacheSnapshot``, or ``None`` when prefix
-    caching is off (or the backend keeps no paged arena).
+    caching is off (or the backend keeps no paged arena). ``profiling`` holds the
+    per-phase step timings with ``[monitoring] detailed_profiling`` on, else ``None``.
     """
 
     created: float
@@ -104,6 +106,7 @@ class EngineSnapshot:
     requests_waiting: int
     kv_blocks_total: int
     kv_blocks_free: int
+    profiling: PhaseTimings | None = None
 
     @property
     def kv_usage(self) -> float:
