@@ -195,6 +195,20 @@ def test_metrics_exposition_counts_requests(server):
     assert 'tierserve_request_outcomes_total{outcome="abort"} 0.0' in text
 
 
+def test_prometheus_off_means_no_metrics_route_and_no_collector(checkpoint, disk, engine):
+    """``[monitoring] prometheus = false``: /metrics is an unknown path, and nothing is collected."""
+    settings = settings_for(checkpoint, disk, {("monitoring", "prometheus"): False}).settings
+    app = create_app(settings, engine=engine, load_in_background=False)
+    with TestClient(app) as client:
+        body = {"prompt": "Hello", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        scrape, unknown = client.get("/metrics"), client.get("/no-such-route")
+        assert scrape.status_code == unknown.status_code == 404
+        assert scrape.json() == unknown.json()
+        assert scrape.json()["error"]["type"] == "not_found_error"
+        assert "metrics" not in app.state.tierserve.extras  # no registry, so no collector to scrape
+
+
 def test_request_metrics_api():
     metrics = RequestMetrics(CollectorRegistry())
     metrics.observe_request("/v1/completions", 200, 0.5)
