@@ -66,7 +66,7 @@ class EngineCore:
         self.counters = EngineCounters()
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
-        self._rng = random.Random()
+        self._rng = random.Random(settings.model.seed)  # seeds requests that bring no seed of their own
         scheduler.on_release = runner.release
 
     @property
