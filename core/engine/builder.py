@@ -23,7 +23,9 @@ from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.core.scheduler import ModelLimits
 
 if TYPE_CHECKING:
+    from tierserve.cache.tier import CacheTier
     from tierserve.core.backend import ModelBackend
+    from tierserve.core.tier_settings import TierSettings
     from tierserve.core.config import Settings
     from tierserve.core.engine.client import EngineClient
 
@@ -90,18 +92,21 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
     kv = settings.kv_cache
     if not kv.enable_prefix_caching or not backend.paged:
         return None
-    policies = plugins.registry("eviction_policies")
-    registry = plugins.registry("cache_tiers")
     tiers = []
     try:
         for tier in kv.tiers:
-            built = registry.get(tier.plugin).factory(tier, policies.get(tier.eviction_policy).factory, backend.fingerprint)
-            tiers.append(StoreTier(tier.name, built, tier.write_through))
+            tiers.append(StoreTier(tier.name, build_tier(tier, plugins, backend.fingerprint), tier.write_through))
         return TieredStore(pool, backend, backend.fingerprint, tiers)
     except BaseException:
         for made in tiers:  # a later tier failed: release the ones already open (threads, files)
             made.tier.close()
         raise
+
+
+def build_tier(tier: TierSettings, plugins: PluginManager, fingerprint: str) -> CacheTier:
+    """One ``[[kv_cache.tiers]]`` entry built by its plugin, with its eviction policy."""
+    policy = plugins.registry("eviction_policies").get(tier.eviction_policy)
+    return plugins.registry("cache_tiers").get(tier.plugin).factory(tier, policy.factory, fingerprint)
 
 
 def model_info(core: EngineCore) -> ModelInfo:

@@ -31,7 +31,7 @@ class TransformersBackend(ModelBackend):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+        from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
         from tierserve.core.devices import resolve_device, resolve_dtype
 
         model = settings.model
@@ -43,7 +43,7 @@ class TransformersBackend(ModelBackend):
         config = self.model.config
         self.vocab_size = config.vocab_size
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
-        self.max_model_len = min(model.max_model_len or positions, positions)
+        self.max_model_len = context_length(model.max_model_len, positions, self.path)
         eos = load_generation_eos_ids(self.path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -68,7 +68,7 @@ class NativeBackend(ModelBackend):
         from transformers import AutoConfig, AutoTokenizer
 
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+        from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
         from tierserve.core.devices import resolve_device, resolve_dtype
         from tierserve.plugins.backends.llama import PagedLlama
 
@@ -88,9 +88,7 @@ class NativeBackend(ModelBackend):
             linear_kernel=settings.plugin_options("native", NativeSettings).linear_kernel,
         )
         self.vocab_size = self.config.vocab_size
-        self.max_model_len = min(
-            model.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
-        )
+        self.max_model_len = context_length(model.max_model_len, self.config.max_position_embeddings, self.path)
         eos = load_generation_eos_ids(self.path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
