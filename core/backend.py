@@ -37,6 +37,8 @@ class ModelBackend(ABC):
             (block tables matter); False if it keeps its own per-sequence cache.
         supports_released_kv: True if ``forward`` honours ``chunk.released``
             (key positions a sliding window freed), so streaming mode can run.
+        attention_kernel: which attention kernels run, in words (``ModelInfo``,
+            ``/health``); built-in backends follow ``[sliding_window] use_flash_attention``.
     """
 
     tokenizer: object
@@ -48,6 +50,7 @@ class ModelBackend(ABC):
     fingerprint: str
     paged: bool = True
     supports_released_kv: bool = False
+    attention_kernel: str = "unreported"
 
     def kv_spec(self, block_size: int) -> KVSpec:
         """The KV layout the engine's KV manager needs: bytes per block, and a trained sliding

@@ -51,6 +51,22 @@ def resolve_model_path(path: str | os.PathLike[str]) -> Path:
     return directory.absolute()
 
 
+def context_length(requested: int | None, trained: int, directory: Path) -> int:
+    """``model.max_model_len`` checked against the positions the checkpoint has (``requested`` unset: all of them).
+
+    Raises:
+        ConfigError: ``requested`` is longer than the checkpoint allows (it was once cut down without a word).
+    """
+    if requested is None:
+        return trained
+    if requested > trained:
+        raise ConfigError(
+            f"model.max_model_len = {requested} is longer than {directory} allows ({trained} positions, "
+            f"config.json); set at most {trained} or leave it unset (sliding_window.enabled streams past it)"
+        )
+    return requested
+
+
 def load_generation_eos_ids(directory: str | os.PathLike[str]) -> set[int]:
     """All end-of-sequence token ids a checkpoint declares.
 

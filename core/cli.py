@@ -6,12 +6,15 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierserve.core import __version__
 from tierserve.core.config import LoadedSettings, load_settings, parse_override
 from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import load_plugins
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,20 +96,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierserve.core.logs import configure_logging
+
+    configure_logging(loaded.settings.logging)
+    server = uvicorn.Server(server_config(loaded))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again for the caller
+        pass
+    return 0 if server.started else 1
+
+
+def server_config(loaded: LoadedSettings) -> uvicorn.Config:
+    """What ``tierserve serve`` runs: the app on ``[server] host`` and ``port``; at shutdown, requests
+    in flight get ``shutdown_grace_seconds`` to finish before they are cancelled."""
+    import uvicorn
+
     from tierserve.server.app import create_app
 
-    settings = loaded.settings
-    configure_logging(settings.logging)
-    app = create_app(loaded)
-    uvicorn.run(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
+    server = loaded.settings.server
+    return uvicorn.Config(
+        create_app(loaded),
+        host=server.host,
+        port=server.port,
         log_config=None,  # uvicorn's loggers go through tierserve's structlog handler
         access_log=False,  # tierserve logs each request itself, with its request id and timings
-        timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds),
+        timeout_graceful_shutdown=server.shutdown_grace_seconds,  # type: ignore[arg-type]  # a float is what it waits
     )
-    return 0
 
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -63,6 +63,15 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "tierserve_spec_acceptance_rate", "Accepted / proposed draft tokens", value=speculation.acceptance_rate
         )
+        if snapshot.profiling is not None:  # [monitoring] detailed_profiling
+            phases = HistogramMetricFamily(
+                "tierserve_step_phase_seconds",
+                "Engine step time by phase: schedule, cache_lookup, forward, sample, detokenize",
+                labels=["phase"],
+            )
+            for phase, stats in snapshot.profiling.phases().items():
+                phases.add_metric([phase], stats.cumulative(), sum_value=stats.seconds)
+            yield phases
         if cache is None:
             return
         for name, values, help_text in (

@@ -60,7 +60,11 @@ class ModelSettings(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)
-    seed: int = 0
+    seed: int = Field(
+        0,
+        description="seeds the random draws of requests that bring no seed: an engine started with the same "
+        "seed samples the same outputs for the same requests in the same order",
+    )
 
     @field_validator("served_model_name")
     @classmethod

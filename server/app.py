@@ -1,8 +1,8 @@
 """``create_app(settings)``: the Litestar app, composed from route modules grouped by concern.
 
-Each module in ``ROUTE_MODULES`` exposes ``ROUTES`` (Litestar handlers) and
-may expose ``MIDDLEWARE`` and ``setup(state)`` / ``teardown(state)`` for its
-own background work; plugins add handlers through the ``register_routes`` hook. The engine is
+Each module in ``ROUTE_MODULES`` exposes ``ROUTES`` (Litestar handlers), or
+``routes(settings)`` where settings decide which exist, and may expose
+``MIDDLEWARE`` and ``setup(state)`` / ``teardown(state)`` for its own background work; plugins add handlers through the ``register_routes`` hook. The engine is
 built on a background thread at start-up, so ``/health/live`` answers at once
 and ``/health/ready`` turns 200 when the model is loaded and warmed.
 """
@@ -52,7 +52,9 @@ def create_app(
     plugins = plugins or load_plugins()
     state = ServerState(settings=settings, plugins=plugins, engine=engine, owns_engine=engine is None)
     modules = [importlib.import_module(name) for name in ROUTE_MODULES]
-    handlers: list[Any] = [handler for module in modules for handler in module.ROUTES]
+    handlers: list[Any] = []
+    for module in modules:
+        handlers += module.routes(settings) if hasattr(module, "routes") else module.ROUTES
     handlers += [component.factory for component in plugins.registry("routes")]
 
     def on_startup(app: Litestar) -> None:

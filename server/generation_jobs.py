@@ -119,6 +119,11 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
         if body.echo and logprobs is not None:
             raise APIError(400, "echo: prompt logprobs are not computed; use echo without logprobs",
                            param="echo", code="unsupported")
+    # the cached routes take their sampling defaults from [speculative] (the spec's configuration)
+    defaults = state.settings.speculative if cached else None
+    temperature = body.temperature if body.temperature is not None else (defaults.temperature if defaults else 1.0)
+    top_p = body.top_p if body.top_p is not None else (defaults.top_p if defaults else 1.0)
+    top_k = body.top_k if body.top_k is not None else (defaults.top_k if defaults else 0)
     params: list[SamplingParams] = []
     for ids in prompts:
         room = output_room(len(ids), limit, param="messages" if chat else "prompt")
@@ -129,9 +134,9 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
             params.append(
                 SamplingParams(
                     max_tokens=max_tokens,
-                    temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p,
-                    top_k=body.top_k or 0,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
                     min_p=body.min_p or 0.0,
                     repetition_penalty=body.repetition_penalty,
                     presence_penalty=body.presence_penalty,

@@ -49,6 +49,7 @@ def components(state: ServerState) -> dict[str, Any]:
         tiers = ["l1", *(tier.name for tier in kv.tiers)] if kv.enable_prefix_caching else []
     return {
         "engine": status,
+        "attention_kernel": engine.info.attention_kernel if engine is not None else None,
         "backend": settings.model.backend,
         "scheduler": settings.scheduler.name,
         "cache_tiers": tiers,

@@ -2,7 +2,9 @@
 
 Each app has its own ``CollectorRegistry`` (several apps can share a process);
 ``RequestMetrics`` lives at ``state.extras["metrics"]`` for other route modules
-to record latencies, tokens and outcomes.
+to record latencies, tokens and outcomes. With ``[monitoring] prometheus = false``
+there is no registry and no ``/metrics`` route (404, like any unknown path);
+request ids and the access log stay.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tierserve.core.config import Settings
 from tierserve.core.logs import request_context
 from tierserve.core.metrics import EngineCollector
 from tierserve.server.state import ServerState
@@ -200,10 +203,15 @@ def request_middleware(app: ASGIApp) -> ASGIApp:
 
 
 def setup(state: ServerState) -> None:
+    if not state.settings.monitoring.prometheus:
+        return
     registry = CollectorRegistry()
     registry.register(ServerCollector(state))
     state.extras["metrics"] = RequestMetrics(registry)
 
 
-ROUTES = [metrics_endpoint]
+def routes(settings: Settings) -> list[Any]:
+    return [metrics_endpoint] if settings.monitoring.prometheus else []
+
+
 MIDDLEWARE = [request_middleware]

@@ -30,6 +30,8 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
     state = state_of(request)
     job = build_job(request, body, chat=chat, cached=cached)
     engine = state.engine
+    if cached and body.use_beam_search and body.beam_width is None:
+        body.beam_width = state.settings.speculative.beam_width
     if body.beam_width is not None and body.beam_width > 1:
         return await respond_with_beams(engine, state, job)
     submitted = submit_all(engine, job, asyncio.get_running_loop())

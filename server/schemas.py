@@ -72,6 +72,8 @@ class CachedFields(Body):
     enable_sliding_window: bool | None = None  # None: as [sliding_window] enabled says
     cache_key: str | None = Field(None, min_length=1, max_length=256)
     request_id: str | None = Field(None, min_length=1, max_length=128)
+    # beam search without naming a width: [speculative] beam_width beams
+    use_beam_search: bool = False
 
 
 class CachedCompletionRequest(CompletionRequest, CachedFields):

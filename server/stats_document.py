@@ -205,6 +205,8 @@ def stats_document(
         "speculation": speculation(snapshot),
         "sliding_window": sliding_window(snapshot),
     }
+    if snapshot.profiling is not None:  # [monitoring] detailed_profiling: where the step time goes
+        manager["profiling"] = snapshot.profiling.as_dict()
     return {
         "cache_manager": manager,
         "overall": overall(snapshot, activity),

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
-from tierserve.core.engine import RequestError
+from tierserve.core.config import load_settings
+from tierserve.core.engine import EngineClient, RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
 
@@ -82,6 +83,20 @@ def test_limits_are_reported_with_the_field(engine):
         engine.encode_prompt([10**9])
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
+
+
+def test_the_development_preset_queues_a_burst_of_256_requests(tiny):
+    """It queued 64: 100 concurrent cached completions got 33 answers of 503."""
+    overrides = {("model", "path"): str(tiny), ("model", "device"): "cpu"}
+    loaded = load_settings("development", environ={}, overrides=overrides)
+    engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    ids = engine.encode_prompt(PROMPTS[0])
+    for _ in range(256):  # nothing steps the core, so every one of them waits
+        engine.submit(ids, params)
+    with pytest.raises(QueueFullError, match=r"max_waiting_requests = 256"):
+        engine.submit(ids, params)
+    engine.close()
 
 
 def test_queue_full_is_back_pressure_and_loses_nothing(tiny):

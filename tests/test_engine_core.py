@@ -201,3 +201,34 @@ def test_a_seed_torch_cannot_take_is_refused_with_the_field():
     with pytest.raises(ValueError, match=r"^seed: got 106853853254622052352, allowed: an integer from -2\*\*63"):
         SamplingParams(seed=106853853254622052352)
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("profiling", [True, False], ids=["profiling-on", "profiling-off"])
+def test_detailed_profiling_times_every_phase_and_exports_them(llama, profiling):
+    """``[monitoring] detailed_profiling``: per-phase step timings in the snapshot and on /metrics, or neither."""
+    from litestar.testing import TestClient
+
+    from tierserve.core.engine.profiling import CLIENT_PHASES, CORE_PHASES
+    from tierserve.server.app import create_app
+
+    engine = make_engine(llama, monitoring__detailed_profiling=profiling)
+    for _ in range(2):  # the second round finds its prompts cached
+        engine.generate(PROMPTS[:3], GREEDY)
+    snapshot = engine.stats()
+    with TestClient(create_app(engine.settings, engine=engine, load_in_background=False)) as http:
+        metrics = http.get("/metrics").text
+        document = http.get("/v1/cache/stats").json()["cache_manager"]
+    engine.close()
+    if not profiling:
+        assert snapshot.profiling is None
+        assert "tierserve_step_phase_seconds" not in metrics and "profiling" not in document
+        return
+    assert set(document["profiling"]) == {*CORE_PHASES, *CLIENT_PHASES}
+    assert all(phase["count"] > 0 for phase in document["profiling"].values())
+    phases = snapshot.profiling.phases()
+    assert list(phases) == [*CORE_PHASES, *CLIENT_PHASES]
+    for name, stats in phases.items():
+        assert stats.count > 0 and stats.seconds > 0, name
+        assert f'tierserve_step_phase_seconds_count{{phase="{name}"}} {float(stats.count)}' in metrics
+        assert f'tierserve_step_phase_seconds_bucket{{le="+Inf",phase="{name}"}} {float(stats.count)}' in metrics
+    assert phases["forward"].count == phases["sample"].count == snapshot.counters.steps

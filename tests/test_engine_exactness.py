@@ -36,31 +36,45 @@ def test_one_at_a_time(checkpoint):
     assert_pool_released(engine)
 
 
-def test_all_submitted_together(checkpoint):
+# [sliding_window] use_flash_attention: torch picks its fastest attention kernel, or the math kernel is forced
+ATTENTION = pytest.mark.parametrize("use_flash_attention", [True, False], ids=["torch-picks", "math"])
+
+
+def kernel_of(use_flash_attention: bool) -> str:
+    return "flash/math (torch picks)" if use_flash_attention else "math"
+
+
+@ATTENTION
+def test_all_submitted_together(checkpoint, use_flash_attention):
     path, expected = checkpoint
-    engine = make_engine(path)
+    engine = make_engine(path, sliding_window__use_flash_attention=use_flash_attention)
+    assert engine.info.attention_kernel == kernel_of(use_flash_attention)
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert_pool_released(engine)
 
 
-def test_chunked_prefill_and_preemption(checkpoint):
+@ATTENTION
+def test_chunked_prefill_and_preemption(checkpoint, use_flash_attention):
     path, expected = checkpoint
     # 24 blocks of 4 tokens cannot hold all eight sequences: the scheduler must preempt;
     # a 16-token budget splits every long prompt into chunks.
     engine = make_engine(
-        path, kv_cache__block_size=4, kv_cache__l1_capacity=24, scheduler__max_num_batched_tokens=16
-    )
+        path, kv_cache__block_size=4, kv_cache__l1_capacity=24, scheduler__max_num_batched_tokens=16,
+        sliding_window__use_flash_attention=use_flash_attention,
+    )  # fmt: skip
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert engine.stats().counters.preemptions > 0
     assert_pool_released(engine)
 
 
-def test_transformers_backend_on_gpt2(tmp_path):
+@ATTENTION
+def test_transformers_backend_on_gpt2(tmp_path, use_flash_attention):
     path = build_checkpoint(tmp_path, "gpt2", "gpt2")
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    engine = make_engine(path, backend="transformers")
+    engine = make_engine(path, backend="transformers", sliding_window__use_flash_attention=use_flash_attention)
+    assert engine.info.attention_kernel == kernel_of(use_flash_attention)
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
     small = make_engine(
         path, backend="transformers", kv_cache__block_size=4, kv_cache__l1_capacity=24,

@@ -135,6 +135,7 @@ def test_health_probes_when_ready(server, engine):
     assert body["active_requests"] == details["active_requests"] == 0  # a probe does not count itself
     assert body["components"] == {
         "engine": "ready",
+        "attention_kernel": engine.info.attention_kernel,  # [sliding_window] use_flash_attention
         "backend": "native",
         "scheduler": "fcfs",
         "cache_tiers": ["l1", "l2", "l3"],
@@ -199,6 +200,20 @@ def test_metrics_exposition_counts_requests(server):
     assert 'tierserve_request_seconds_count{endpoint="/v1/plugins"} 2.0' in text
     assert "tierserve_active_http_requests 1.0" in text  # the scrape itself
     assert 'tierserve_request_outcomes_total{outcome="abort"} 0.0' in text
+
+
+def test_prometheus_off_means_no_metrics_route_and_no_collector(checkpoint, disk, engine):
+    """``[monitoring] prometheus = false``: /metrics is an unknown path, and nothing is collected."""
+    settings = settings_for(checkpoint, disk, {("monitoring", "prometheus"): False}).settings
+    app = create_app(settings, engine=engine, load_in_background=False)
+    with TestClient(app) as client:
+        body = {"prompt": "Hello", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        scrape, unknown = client.get("/metrics"), client.get("/no-such-route")
+        assert scrape.status_code == unknown.status_code == 404
+        assert scrape.json() == unknown.json()
+        assert scrape.json()["error"]["type"] == "not_found_error"
+        assert "metrics" not in app.state.tierserve.extras  # no registry, so no collector to scrape
 
 
 def test_request_metrics_api():

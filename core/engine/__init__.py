@@ -11,6 +11,7 @@
     requests.py          EngineRequest, RequestError, the context-length rule
     messages.py          what crosses between client and core
     stats.py             typed statistics and the published snapshot
+    profiling.py         per-phase step timings ([monitoring] detailed_profiling)
 
 The server and the CLI import ``EngineClient`` (and the request/output types) only.
 """

@@ -15,6 +15,7 @@ from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
 from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
+from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
 from tierserve.core.engine.requests import read_warm_prompts
 from tierserve.core.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
@@ -22,8 +23,10 @@ from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.core.scheduler import ModelLimits
 
 if TYPE_CHECKING:
+    from tierserve.cache.tier import CacheTier
     from tierserve.core.backend import ModelBackend
     from tierserve.core.speculation import Speculator
+    from tierserve.core.tier_settings import TierSettings
     from tierserve.core.config import Settings
     from tierserve.core.engine.client import EngineClient
 
@@ -52,13 +55,15 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     options = component.settings
     extra = {"options": settings.plugin_options(component.name, options)} if options is not None else {}
     scheduler = component.factory(settings.scheduler, manager, model=limits, **extra)
+    clock = PhaseClock(CORE_PHASES) if settings.monitoring.detailed_profiling else None
     runner = ModelRunner(
         backend,
         build_speculators(settings, plugins, backend),
         max_draft_tokens=settings.speculative.num_speculative_tokens,
         adaptive=settings.speculative.adaptive,
+        clock=clock,
     )
-    core = EngineCore(settings, scheduler, runner, store)
+    core = EngineCore(settings, scheduler, runner, store, clock)
     log.info(
         "engine_ready",
         model=str(getattr(backend, "path", settings.model.path)),
@@ -68,6 +73,8 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         block_size=kv.block_size,
         prefix_cache=store is not None,
         tiers=store.tier_names if store is not None else [],
+        attention=backend.attention_kernel,
+        profiling=clock is not None,
     )
     return core
 
@@ -77,13 +84,10 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
     kv = settings.kv_cache
     if not kv.enable_prefix_caching or not backend.paged:
         return None
-    policies = plugins.registry("eviction_policies")
-    registry = plugins.registry("cache_tiers")
     tiers = []
     try:
         for tier in kv.tiers:
-            built = registry.get(tier.plugin).factory(tier, policies.get(tier.eviction_policy).factory, backend.fingerprint)
-            tiers.append(StoreTier(tier.name, built, tier.write_through))
+            tiers.append(StoreTier(tier.name, build_tier(tier, plugins, backend.fingerprint), tier.write_through))
         return TieredStore(pool, backend, backend.fingerprint, tiers)
     except BaseException:
         for made in tiers:  # a later tier failed: release the ones already open (threads, files)
@@ -109,6 +113,12 @@ def build_speculators(settings: Settings, plugins: PluginManager, backend: Model
     return {name: registry.get(name).factory(settings, backend) for name in dict.fromkeys(names)}
 
 
+def build_tier(tier: TierSettings, plugins: PluginManager, fingerprint: str) -> CacheTier:
+    """One ``[[kv_cache.tiers]]`` entry built by its plugin, with its eviction policy."""
+    policy = plugins.registry("eviction_policies").get(tier.eviction_policy)
+    return plugins.registry("cache_tiers").get(tier.plugin).factory(tier, policy.factory, fingerprint)
+
+
 def model_info(core: EngineCore) -> ModelInfo:
     """The static facts a client needs about the model ``core`` serves."""
     backend = core.backend
@@ -131,6 +141,7 @@ def model_info(core: EngineCore) -> ModelInfo:
         speculator=settings.speculative.method,
         fallback_speculator=FALLBACK_SPECULATOR if FALLBACK_SPECULATOR in core.runner.speculators else None,
         supports_streaming_window=backend.paged and backend.supports_released_kv,
+        attention_kernel=backend.attention_kernel,
     )
 
 

@@ -13,6 +13,7 @@ core runs (``[server] engine_process``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import threading
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tierserve.core.detokenizer import IncrementalDetokenizer
 from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
 from tierserve.core.engine.output_processor import OutputProcessor, RequestState, RequestStream
+from tierserve.core.engine.profiling import CLIENT_PHASES, PhaseClock, with_client_phases
 from tierserve.core.engine.requests import EngineRequest, RequestError, batch_by_tokens, check_fits, check_request
 from tierserve.core.engine.stats import EngineSnapshot, empty_snapshot
 from tierserve.core.errors import RequestTimeoutError
@@ -49,7 +51,8 @@ class EngineClient:
         self.info = info
         self._tokenizer = tokenizer
         self.driver: Any = None  # attached by the builder before any request
-        self._processor = OutputProcessor(info.eos_token_ids, info.kv_block_bytes, self._abort_in_core)
+        self._clock = PhaseClock(CLIENT_PHASES) if settings.monitoring.detailed_profiling else None
+        self._processor = OutputProcessor(info.eos_token_ids, info.kv_block_bytes, self._abort_in_core, self._clock)
         self._snapshot = empty_snapshot(info.kv_blocks)
         self._core_waiting = 0
         self._unacknowledged = 0
@@ -300,10 +303,15 @@ class EngineClient:
         self.driver.call("flush_cache")
 
     def stats(self) -> EngineSnapshot:
-        """The latest statistics the core published (never waits for a step)."""
+        """The latest statistics the core published (never waits for a step), with this
+        client's own phase timings (``detokenize``) merged into ``profiling``."""
         if not (self.driver.threaded or self.driver.running):
-            return self.driver.call("snapshot")  # nothing else drives the core: read it now
-        return self._snapshot
+            snapshot = self.driver.call("snapshot")  # nothing else drives the core: read it now
+        else:
+            snapshot = self._snapshot
+        if snapshot.profiling is not None and self._clock is not None:
+            snapshot = dataclasses.replace(snapshot, profiling=with_client_phases(snapshot.profiling, self._clock))
+        return snapshot
 
     cache_stats = stats
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
+from tierserve.core.engine.profiling import PhaseClock, core_timings
 from tierserve.core.engine.requests import EngineRequest, RequestError
 from tierserve.core.engine.runner import ModelRunner
 from tierserve.core.engine.stats import EngineCounters, EngineSnapshot, SpeculationSnapshot, WindowSnapshot
@@ -28,6 +30,7 @@ from tierserve.core.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
     from tierserve.cache.store import TieredStore
+    from tierserve.core.batch import SchedulerOutput
     from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from tierserve.core.config import Settings
     from tierserve.core.sampling_params import SamplingParams
@@ -43,20 +46,27 @@ class EngineCore:
         scheduler: the scheduler plugin, already holding its ``KVCacheManager``.
         runner: the model runner over the backend (and speculator).
         store: the tiered prefix store, or ``None`` when prefix caching is off.
+        clock: the phase clock the runner shares (``[monitoring] detailed_profiling``), or ``None``.
     """
 
     def __init__(
-        self, settings: Settings, scheduler: Scheduler, runner: ModelRunner, store: TieredStore | None = None
+        self,
+        settings: Settings,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        store: TieredStore | None = None,
+        clock: PhaseClock | None = None,
     ) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.runner = runner
         self.store = store
+        self.clock = clock
         self.kv = scheduler.kv
         self.counters = EngineCounters()
         self.requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
-        self._rng = random.Random()
+        self._rng = random.Random(settings.model.seed)  # seeds requests that bring no seed of their own
         scheduler.on_release = runner.release
 
     @property
@@ -116,9 +126,11 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """One schedule → execute → update round; the outputs of every request it advanced."""
-        batch = self.scheduler.schedule()
-        result = self.runner.execute(batch)
-        outputs = self.scheduler.update_from_output(batch, result)
+        if self.clock is not None:
+            batch, outputs = self._profiled_round()
+        else:
+            batch = self.scheduler.schedule()
+            outputs = self.scheduler.update_from_output(batch, self.runner.execute(batch))
         if not batch.is_empty:
             self.counters.steps += 1
         for output in outputs:
@@ -126,6 +138,26 @@ class EngineCore:
                 self.requests.pop(output.request_id, None)
                 self.counters.requests_finished += 1
         return outputs
+
+    def _profiled_round(self) -> tuple[SchedulerOutput, list[CoreOutput]]:
+        """``step``'s three calls, timed: scheduler work less prefix matching, and prefix matching
+        (the store's own lookup clock, so nothing here times a lookup twice); the runner times the rest."""
+        clock = self.clock
+        looked_up = self._lookup_seconds()
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        result = self.runner.execute(batch)
+        executed = time.perf_counter()
+        outputs = self.scheduler.update_from_output(batch, result)
+        lookup = self._lookup_seconds() - looked_up
+        clock.observe("schedule", (scheduled - started) + (time.perf_counter() - executed) - lookup)
+        if lookup:
+            clock.observe("cache_lookup", lookup)
+        return batch, outputs
+
+    def _lookup_seconds(self) -> float:
+        return self.store.stats.lookup_seconds if self.store is not None else 0.0
 
     def fail_all(self) -> list[CoreOutput]:
         """After a step failed, end every request rather than leave clients waiting."""
@@ -188,8 +220,6 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         """Every statistic, O(1) to build: what the client publishes to the server."""
-        import time
-
         sched = self.scheduler.stats
         counters = self.counters
         counters.generation_tokens = sched.generation_tokens
@@ -212,6 +242,7 @@ class EngineCore:
             kv_block_bytes=self.kv.spec.block_bytes,
             kv_blocks_empty=self.kv.pool.num_empty_blocks,
             sharing_hits=self.kv.sharing.sharing_hits,
+            profiling=core_timings(self.clock) if self.clock is not None else None,
         )
 
     def _window_snapshot(self) -> WindowSnapshot:

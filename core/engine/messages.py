@@ -38,6 +38,7 @@ class ModelInfo:
     speculator: str | None  # the configured speculation method, if any
     fallback_speculator: str | None  # what a request asking for speculation gets when none is configured
     supports_streaming_window: bool
+    attention_kernel: str  # e.g. "flash/math (torch picks)", or "math" ([sliding_window] use_flash_attention = false)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from tierserve.core.detokenizer import IncrementalDetokenizer
+from tierserve.core.engine.profiling import PhaseClock
 from tierserve.core.outputs import CoreOutput, RequestCacheInfo, RequestOutput, RequestTimings, TokenLogprob
 from tierserve.core.sampling_params import SamplingParams
 
@@ -68,20 +69,35 @@ class OutputProcessor:
         eos_token_ids: the model's eos ids (a "stop" on one of them emits no text).
         kv_block_bytes: bytes per KV block, for the reported peak KV memory.
         abort_in_core: called with a request id the client ended on its own (a stop string).
+        clock: times each round of ``process`` as the ``detokenize`` phase
+            (``[monitoring] detailed_profiling``), or ``None``.
     """
 
     def __init__(
-        self, eos_token_ids: Collection[int], kv_block_bytes: int, abort_in_core: Callable[[str], None]
+        self,
+        eos_token_ids: Collection[int],
+        kv_block_bytes: int,
+        abort_in_core: Callable[[str], None],
+        clock: PhaseClock | None = None,
     ) -> None:
         self.eos_token_ids = eos_token_ids
         self.kv_block_bytes = kv_block_bytes
         self.abort_in_core = abort_in_core
+        self.clock = clock
         self.requests: dict[str, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
 
     def process(self, outputs: list[CoreOutput]) -> None:
+        if self.clock is not None and outputs:
+            started = time.perf_counter()
+            self._process_all(outputs)
+            self.clock.observe("detokenize", time.perf_counter() - started)
+        else:
+            self._process_all(outputs)
+
+    def _process_all(self, outputs: list[CoreOutput]) -> None:
         for output in outputs:
             state = self.requests.get(output.request_id)
             if state is not None:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from tierserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.core.backend import ModelBackend
+    from tierserve.core.engine.profiling import PhaseClock
     from tierserve.core.sequence import Sequence
 
 
@@ -38,6 +40,7 @@ class ModelRunner:
             request may ask for).
         max_draft_tokens: the most drafts per step (``speculative.num_speculative_tokens``).
         adaptive: shrink a sequence's draft count after rejections, grow it after full acceptance.
+        clock: times the ``forward`` and ``sample`` phases (``[monitoring] detailed_profiling``), or ``None``.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class ModelRunner:
         *,
         max_draft_tokens: int = 4,
         adaptive: bool = True,
+        clock: PhaseClock | None = None,
     ) -> None:
         self.backend = backend
         self.speculators = dict(speculators or {})
@@ -54,13 +58,24 @@ class ModelRunner:
         self.spec_stats = SpeculationStats()
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
+        self.clock = clock
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Compute every chunk's KV and the tokens of every chunk that samples."""
         output = RunnerOutput()
         if batch.is_empty:
             return output
+        clock = self.clock
+        if clock is not None:
+            started = time.perf_counter()
         logits = self.backend.forward(batch.chunks)
+        if clock is not None:
+            if logits.is_cuda:  # kernels run asynchronously: wait for them, or sampling gets the bill
+                import torch
+
+                torch.cuda.synchronize(logits.device)
+            forwarded = time.perf_counter()
+            clock.observe("forward", forwarded - started)
         plain: list[tuple[ScheduledChunk, int]] = []  # (chunk, its logits row)
         speculative: list[tuple[ScheduledChunk, int]] = []
         row = 0
@@ -78,6 +93,8 @@ class ModelRunner:
             output.sampled[chunk.seq.seq_id] = self._verify(chunk, logits[first : first + chunk.num_draft + 1])
         if self.speculators:
             self._propose(batch.chunks, output)
+        if clock is not None:
+            clock.observe("sample", time.perf_counter() - forwarded)
         return output
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> list[SampledToken]:

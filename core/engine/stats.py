@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierserve.core.engine.profiling import PhaseTimings
 from tierserve.core.speculation import SpeculationStats
 
 
@@ -93,7 +94,8 @@ class EngineSnapshot:
     """Everything the engine reports, as of ``created`` (``time.time()``).
 
     ``cache`` is the tiered store's ``CacheSnapshot``, or ``None`` when prefix
-    caching is off (or the backend keeps no paged arena).
+    caching is off (or the backend keeps no paged arena). ``profiling`` holds the
+    per-phase step timings with ``[monitoring] detailed_profiling`` on, else ``None``.
     """
 
     created: float
@@ -109,6 +111,7 @@ class EngineSnapshot:
     kv_block_bytes: int = 0  # bytes of one L1 block, all layers
     kv_blocks_empty: int = 0  # L1 blocks holding nothing (neither in use nor cached)
     sharing_hits: int = 0  # L1 lookups that reused a block another running sequence was using
+    profiling: PhaseTimings | None = None  # per-phase step timings (monitoring.detailed_profiling), else None
 
     @property
     def kv_usage(self) -> float:

@@ -30,7 +30,8 @@ class TransformersBackend(ModelBackend):
     def __init__(self, settings: Settings) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+        from tierserve.core.attention import attention_kernel
+        from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
         from tierserve.core.devices import resolve_device, resolve_dtype
 
         model = settings.model
@@ -42,12 +43,17 @@ class TransformersBackend(ModelBackend):
         config = self.model.config
         self.vocab_size = config.vocab_size
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
-        self.max_model_len = min(model.max_model_len or positions, positions)
+        self.max_model_len = context_length(model.max_model_len, positions, self.path)
         eos = load_generation_eos_ids(self.path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), "transformers")
+        self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
+        implementation = getattr(config, "_attn_implementation", None) or "eager"
+        # only the "sdpa" implementation calls torch's kernels; "eager" is plain math already
+        self.attention_kernel = self.attention.name if implementation == "sdpa" else f"{implementation} (transformers)"
+        variant = "".join(f"/{k.name}" for k in self.attention.forced) if implementation == "sdpa" else ""
+        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), "transformers" + variant)
         parameters = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self._caches: dict[int, object] = {}
@@ -55,7 +61,7 @@ class TransformersBackend(ModelBackend):
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), self.attention.scope():
             return self._forward(chunks)
 
     def _forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
@@ -92,7 +98,7 @@ class TransformersBackend(ModelBackend):
         import torch.nn.functional as F
 
         pooled = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.attention.scope():
             for ids in token_ids:
                 out = self.model(
                     input_ids=torch.tensor([ids], device=self.device), use_cache=False, output_hidden_states=True

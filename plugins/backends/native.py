@@ -67,7 +67,8 @@ class NativeBackend(ModelBackend):
     def __init__(self, settings: Settings) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+        from tierserve.core.attention import attention_kernel
+        from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
         from tierserve.core.devices import resolve_device, resolve_dtype
         from tierserve.plugins.backends.llama import PagedLlama
 
@@ -75,6 +76,8 @@ class NativeBackend(ModelBackend):
         self.path = resolve_model_path(model.path)
         self.device = resolve_device(model.device)
         self.dtype = resolve_dtype(model.dtype, self.device)
+        self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
+        self.attention_kernel = self.attention.name
         self.config = AutoConfig.from_pretrained(self.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = PagedLlama(
@@ -85,15 +88,15 @@ class NativeBackend(ModelBackend):
             linear_kernel=settings.plugin_options("native", NativeSettings).linear_kernel,
         )
         self.vocab_size = self.config.vocab_size
-        self.max_model_len = min(
-            model.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
-        )
+        self.max_model_len = context_length(model.max_model_len, self.config.max_position_embeddings, self.path)
         eos = load_generation_eos_ids(self.path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        # the kernel changes summation order, so its KV is not bit-identical to another kernel's
-        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), f"native/{self.model.linear_kernel}")
+        # kernels change summation order, so KV is not bit-identical across kernels
+        # (a forced attention kernel is named; torch's own choice keeps the fingerprint it always had)
+        kernels = f"native/{self.model.linear_kernel}" + "".join(f"/{k.name}" for k in self.attention.forced)
+        self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -121,14 +124,14 @@ class NativeBackend(ModelBackend):
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), self.attention.scope():
             return self.model.forward(self._build_batch(chunks))
 
     def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
         import torch
         import torch.nn.functional as F
 
-        with torch.inference_mode():
+        with torch.inference_mode(), self.attention.scope():
             sequences = [torch.tensor(ids, dtype=torch.long) for ids in token_ids]
             hidden = self.model.final_hidden_states(sequences)
             return F.normalize(torch.stack([h.float().mean(0) for h in hidden]), dim=-1)

@@ -1,0 +1,338 @@
+"""Probes of ``[kv_cache]``: the L1 pool, prefix caching, warming, and the tiers below L1, whether
+``[[kv_cache.tiers]]`` entries describe them or the legacy ``[kv_cache]`` keys do.
+
+Tier keys are probed on the tier their settings build (the tier plugin's own
+object, built as the engine builds it), with blocks put and read directly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.effects_lab import FINGERPRINT, Lab, entry, greedy, new_threads, run
+from tierserve.cache.codec import KVCodec
+from tierserve.cache.tier import CacheTier
+from tierserve.core.errors import ConfigError
+
+LONG = "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read books."
+ENTRY_BYTES = entry(0).nbytes
+LEGACY_DISK = {  # a disk tier's own keys -> the legacy [kv_cache] keys that set them on "l3"
+    "eviction_policy": "kv_cache.l3_eviction_policy",
+    "max_bytes": "kv_cache.max_disk_bytes",
+    "persistent": "kv_cache.persistence",
+    "compression_level": "kv_cache.compression_level",
+    "write_queue": "kv_cache.l3_write_queue",
+    "writer_nice": "kv_cache.l3_writer_nice",
+}
+
+
+def memory(**own) -> dict:
+    return {"kv_cache.tiers": [{"name": "l2", "plugin": "memory", **own}]}
+
+
+def disk(path: Path, legacy: bool, **own) -> dict:
+    """Settings of one disk tier: a ``[[kv_cache.tiers]]`` entry, or the legacy keys (``l3``, below L2)."""
+    if legacy:
+        return {"kv_cache.disk_path": str(path), **{LEGACY_DISK[key]: value for key, value in own.items()}}
+    return {"kv_cache.tiers": [{"name": "l3", "plugin": "disk", "path": str(path), **own}]}
+
+
+def stored_size(level: int = 3) -> int:
+    return len(KVCodec(FINGERPRINT, level).encode(entry(0)))
+
+
+def put_all(tier: CacheTier, count: int) -> None:
+    for index in range(count):
+        tier.put(entry(index))
+        tier.flush()
+
+
+def keeps_the_reused_entry(tier: CacheTier) -> bool:
+    """Room for two: put a, read a, put b, put c. lru evicts a (read earliest); the default, adaptive, keeps it."""
+    put_all(tier, 1)
+    assert tier.get(entry(0).key) is not None
+    tier.put(entry(1))
+    tier.flush()
+    tier.put(entry(2))
+    tier.flush()
+    return tier.contains(entry(0).key)
+
+
+def files_in(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+# ---- [kv_cache]: L1, prefix caching, warming ------------------------------------------------------
+
+
+def kv_cache_block_size(lab: Lab) -> None:
+    prompt_tokens = len(lab.shared.encode_prompt(LONG))
+    with lab.engine({"kv_cache.block_size": 4}) as engine:
+        assert engine.info.block_size == 4
+        run(engine, LONG)
+        assert run(engine, LONG).cached_tokens == (prompt_tokens - 1) // 4 * 4
+    run(lab.shared, LONG)
+    assert run(lab.shared, LONG).cached_tokens == (prompt_tokens - 1) // 16 * 16
+
+
+def kv_cache_l1_capacity(lab: Lab) -> None:
+    with lab.engine({"kv_cache.l1_capacity": 32}) as engine:
+        assert engine.info.kv_blocks == 32 and engine.stats().kv_blocks_total == 32
+
+
+def kv_cache_l1_max_bytes(lab: Lab) -> None:
+    with lab.engine({"kv_cache.l1_max_bytes": 10 * lab.shared.info.kv_block_bytes}) as engine:
+        assert engine.info.kv_blocks == 10
+
+
+def reused_prefix_survives(lab: Lab, policy: str) -> int:
+    """Four L1 blocks, no tier below: one prompt used three times, then three others; tokens it finds cached."""
+    values = {"kv_cache.eviction_policy": policy, "kv_cache.block_size": 4, "kv_cache.l1_capacity": 4,
+              "kv_cache.l2_capacity": 0}  # fmt: skip
+    with lab.engine(values) as engine:
+        for _ in range(3):
+            run(engine, "alpha beta gamma delta", greedy(1))
+        for prompt in ("one two three four", "five six seven eight", "nine ten eleven twelve"):
+            run(engine, prompt, greedy(1))
+        return run(engine, "alpha beta gamma delta", greedy(1)).cached_tokens
+
+
+def kv_cache_eviction_policy(lab: Lab) -> None:
+    assert reused_prefix_survives(lab, "lru") == 0  # least recently used: it goes
+    assert reused_prefix_survives(lab, "lfu") > 0  # most frequently used: it stays
+    with lab.tier({"kv_cache.eviction_policy": "lru", "kv_cache.l2_capacity": 2}) as tier:
+        assert not keeps_the_reused_entry(tier)  # and the tiers below take it unless they set their own
+
+
+def kv_cache_ttl_seconds(lab: Lab) -> None:
+    with lab.tier({"kv_cache.ttl_seconds": 0.05}) as tier:  # the legacy L2 inherits it
+        put_all(tier, 1)
+        time.sleep(0.1)
+        assert tier.get(entry(0).key) is None and tier.stats.expirations == 1
+
+
+def kv_cache_tiers(lab: Lab) -> None:
+    assert lab.shared.info.tier_names == ("l1", "l2")
+    with lab.engine({"kv_cache.tiers": []}) as engine:
+        assert engine.info.tier_names == ("l1",)
+
+
+def kv_cache_enable_prefix_caching(lab: Lab) -> None:
+    with lab.engine({"kv_cache.enable_prefix_caching": False}) as engine:
+        assert engine.info.tier_names == ()
+        run(engine, LONG)
+        assert run(engine, LONG).cached_tokens == 0
+
+
+def kv_cache_warm_prompts(lab: Lab) -> None:
+    with lab.engine({"kv_cache.warm_prompts": [LONG]}) as engine:
+        assert run(engine, LONG).cached_tokens > 0  # its first request
+
+
+def kv_cache_warm_prompts_file(lab: Lab) -> None:
+    path = lab.tmp / "warm.txt"
+    path.write_text(LONG + "\n")
+    with lab.engine({"kv_cache.warm_prompts_file": str(path)}) as engine:
+        assert run(engine, LONG).cached_tokens > 0
+
+
+# ---- legacy [kv_cache] keys of the L2 memory tier --------------------------------------------------
+
+
+def kv_cache_l2_capacity(lab: Lab) -> None:
+    with lab.tier({"kv_cache.l2_capacity": 2}) as tier:
+        put_all(tier, 4)
+        assert len(tier) == 2 and tier.stats.evictions == 2
+    with lab.engine({"kv_cache.l2_capacity": 0}) as engine:
+        assert engine.info.tier_names == ("l1",)  # 0 switches L2 off
+
+
+def kv_cache_max_memory_bytes(lab: Lab) -> None:
+    with lab.tier({"kv_cache.max_memory_bytes": 2 * ENTRY_BYTES}) as tier:
+        put_all(tier, 4)
+        assert len(tier) == 2 and tier.bytes_used == 2 * ENTRY_BYTES
+
+
+def kv_cache_l2_tier(lab: Lab) -> None:
+    with pytest.raises(ConfigError, match=r"kv_cache.tiers\[0\].path .*Field required"):
+        lab.settings({"kv_cache.l2_tier": "disk"})  # a disk L2 needs a directory, which no legacy L2 key gives
+
+
+def kv_cache_l2_eviction_policy(lab: Lab) -> None:
+    with lab.tier({"kv_cache.l2_capacity": 2}) as tier:
+        assert keeps_the_reused_entry(tier)
+    with lab.tier({"kv_cache.l2_capacity": 2, "kv_cache.l2_eviction_policy": "lru"}) as tier:
+        assert not keeps_the_reused_entry(tier)
+
+
+def kv_cache_l3_tier(lab: Lab) -> None:
+    with lab.engine({"kv_cache.disk_path": str(lab.tmp), "kv_cache.l3_tier": "memory"}) as engine:
+        assert engine.stats().cache.tiers["l3"].medium == "memory"
+    assert not files_in(lab.tmp)
+
+
+def kv_cache_disk_path(lab: Lab) -> None:
+    assert lab.shared.info.tier_names == ("l1", "l2")
+    with lab.engine({"kv_cache.disk_path": str(lab.tmp / "l3")}) as engine:
+        assert engine.info.tier_names == ("l1", "l2", "l3")
+        assert engine.stats().cache.tiers["l3"].medium == "disk"
+    disk_tier_path(lab, legacy=True)
+
+
+# ---- a disk tier's keys, as [[kv_cache.tiers]] keys or legacy [kv_cache] keys ----------------------
+
+
+def disk_tier_path(lab: Lab, legacy: bool = False) -> None:
+    with lab.tier(disk(lab.tmp / "blocks", legacy)) as tier:
+        put_all(tier, 2)
+        assert len(files_in(lab.tmp / "blocks")) >= 2
+
+
+def disk_tier_max_bytes(lab: Lab, legacy: bool = False) -> None:
+    bound = 2 * stored_size() + stored_size() // 2
+    with lab.tier(disk(lab.tmp, legacy, max_bytes=bound)) as tier:
+        put_all(tier, 4)
+        assert len(tier) == 2 and tier.bytes_used <= bound and tier.stats.evictions == 2
+
+
+def disk_tier_persistent(lab: Lab, legacy: bool = False) -> None:
+    for persistent in (True, False):
+        with lab.tier(disk(lab.tmp / str(persistent), legacy, persistent=persistent)) as tier:
+            put_all(tier, 1)
+        with lab.tier(disk(lab.tmp / str(persistent), legacy, persistent=persistent)) as tier:  # a restart
+            assert tier.contains(entry(0).key) is persistent
+
+
+def disk_tier_compression_level(lab: Lab, legacy: bool = False) -> None:
+    with lab.tier(disk(lab.tmp / "19", legacy, compression_level=19)) as tier:
+        put_all(tier, 1)
+        assert tier.bytes_used == stored_size(19) < stored_size(3)
+
+
+def disk_tier_write_queue(lab: Lab, legacy: bool = False) -> None:
+    with lab.tier(disk(lab.tmp, legacy, write_queue=1, compression_level=22)) as tier:
+        for index in range(20):  # faster than the writer compresses
+            tier.put(entry(index))
+        assert tier.stats.dropped_writes > 0
+
+
+def disk_tier_writer_nice(lab: Lab, legacy: bool = False) -> None:
+    if not hasattr(os, "getpriority"):
+        pytest.skip("thread priorities are a Linux feature")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    before = {t.ident for t in new_threads(set(), "tierserve-l3-writer")}
+    with lab.tier(disk(lab.tmp, legacy, writer_nice=15)) as tier:
+        [writer] = new_threads(before, "tierserve-l3-writer")
+        put_all(tier, 1)  # the writer has lowered its priority by the time it wrote
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, base + 15)
+
+
+def disk_tier_eviction_policy(lab: Lab, legacy: bool = False) -> None:
+    bound = 2 * stored_size() + stored_size() // 2
+    with lab.tier(disk(lab.tmp / "adaptive", legacy, max_bytes=bound)) as tier:
+        assert keeps_the_reused_entry(tier)
+    with lab.tier(disk(lab.tmp / "lru", legacy, max_bytes=bound, eviction_policy="lru")) as tier:
+        assert not keeps_the_reused_entry(tier)
+
+
+def legacy(probe):
+    return lambda lab: probe(lab, legacy=True)
+
+
+# ---- the keys of every [[kv_cache.tiers]] entry, and the memory tier's own ------------------------
+
+
+def tiers_name(lab: Lab) -> None:
+    with lab.engine({"kv_cache.tiers": [{"name": "warm", "plugin": "memory"}]}) as engine:
+        assert engine.info.tier_names == ("l1", "warm")
+        run(engine, LONG)
+        assert engine.offload_cache() > 0 and engine.stats().cache.tiers["warm"].entries > 0
+
+
+def tiers_plugin(lab: Lab) -> None:
+    values = {"kv_cache.tiers": [{"name": "l2", "plugin": "disk", "path": str(lab.tmp)}]}
+    with lab.engine(values) as engine:
+        assert engine.stats().cache.tiers["l2"].medium == "disk"
+        run(engine, LONG)
+        engine.offload_cache()
+        engine.flush_cache()
+        assert files_in(lab.tmp)
+
+
+def tiers_eviction_policy(lab: Lab) -> None:
+    with lab.tier(memory(capacity=2)) as tier:
+        assert keeps_the_reused_entry(tier)
+    with lab.tier(memory(capacity=2, eviction_policy="lru")) as tier:
+        assert not keeps_the_reused_entry(tier)
+
+
+def tiers_ttl_seconds(lab: Lab) -> None:
+    with lab.tier(memory(ttl_seconds=0.05)) as tier:
+        put_all(tier, 1)
+        time.sleep(0.1)
+        assert tier.get(entry(0).key) is None and tier.stats.expirations == 1
+
+
+def tiers_write_through(lab: Lab) -> None:
+    for write_through in (False, True):
+        tier = {"name": "l2", "plugin": "disk", "path": str(lab.tmp / str(write_through)), "write_through": write_through}
+        with lab.engine({"kv_cache.tiers": [tier]}) as engine:
+            run(engine, LONG)
+            engine.flush_cache()
+            stats = engine.stats().cache
+            assert (stats.write_through > 0) is write_through
+            assert (stats.tiers["l2"].entries > 0) is write_through  # computed blocks went down without an eviction
+
+
+def memory_capacity(lab: Lab) -> None:
+    with lab.tier(memory(capacity=2)) as tier:
+        put_all(tier, 4)
+        assert len(tier) == 2 and tier.stats.evictions == 2
+
+
+def memory_max_bytes(lab: Lab) -> None:
+    with lab.tier(memory(max_bytes=2 * ENTRY_BYTES)) as tier:
+        put_all(tier, 4)
+        assert len(tier) == 2 and tier.bytes_used == 2 * ENTRY_BYTES
+
+
+PROBES = {
+    "kv_cache.block_size": kv_cache_block_size,
+    "kv_cache.l1_capacity": kv_cache_l1_capacity,
+    "kv_cache.l1_max_bytes": kv_cache_l1_max_bytes,
+    "kv_cache.eviction_policy": kv_cache_eviction_policy,
+    "kv_cache.ttl_seconds": kv_cache_ttl_seconds,
+    "kv_cache.tiers": kv_cache_tiers,
+    "kv_cache.enable_prefix_caching": kv_cache_enable_prefix_caching,
+    "kv_cache.warm_prompts": kv_cache_warm_prompts,
+    "kv_cache.warm_prompts_file": kv_cache_warm_prompts_file,
+    "kv_cache.l2_capacity": kv_cache_l2_capacity,
+    "kv_cache.max_memory_bytes": kv_cache_max_memory_bytes,
+    "kv_cache.l2_tier": kv_cache_l2_tier,
+    "kv_cache.l3_tier": kv_cache_l3_tier,
+    "kv_cache.l2_eviction_policy": kv_cache_l2_eviction_policy,
+    "kv_cache.l3_eviction_policy": legacy(disk_tier_eviction_policy),
+    "kv_cache.disk_path": kv_cache_disk_path,
+    "kv_cache.max_disk_bytes": legacy(disk_tier_max_bytes),
+    "kv_cache.persistence": legacy(disk_tier_persistent),
+    "kv_cache.compression_level": legacy(disk_tier_compression_level),
+    "kv_cache.l3_write_queue": legacy(disk_tier_write_queue),
+    "kv_cache.l3_writer_nice": legacy(disk_tier_writer_nice),
+    "kv_cache.tiers[].name": tiers_name,
+    "kv_cache.tiers[].plugin": tiers_plugin,
+    "kv_cache.tiers[].eviction_policy": tiers_eviction_policy,
+    "kv_cache.tiers[].ttl_seconds": tiers_ttl_seconds,
+    "kv_cache.tiers[].write_through": tiers_write_through,
+    "kv_cache.tiers[memory].capacity": memory_capacity,
+    "kv_cache.tiers[memory].max_bytes": memory_max_bytes,
+    "kv_cache.tiers[disk].path": disk_tier_path,
+    "kv_cache.tiers[disk].max_bytes": disk_tier_max_bytes,
+    "kv_cache.tiers[disk].persistent": disk_tier_persistent,
+    "kv_cache.tiers[disk].compression_level": disk_tier_compression_level,
+    "kv_cache.tiers[disk].write_queue": disk_tier_write_queue,
+    "kv_cache.tiers[disk].writer_nice": disk_tier_writer_nice,
+}

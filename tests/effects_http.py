@@ -1,0 +1,64 @@
+"""Probes of the keys the HTTP routes give meaning to: the cached routes' defaults, model names, the timeout."""
+
+from __future__ import annotations
+
+from tests.effects_lab import Lab, greedy, run
+
+PROMPT = "The lighthouse keeper counted the ships that passed"
+
+
+def cached(client, **body) -> dict:
+    response = client.post("/v1/cached/completions", json={"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def greedy_text(lab: Lab) -> str:
+    return lab.once("greedy-text", lambda: run(lab.shared, PROMPT, greedy(6)).text)
+
+
+def speculative_temperature(lab: Lab) -> None:
+    # a cached request that omits temperature samples at [speculative] temperature: 0 is greedy
+    with lab.http({"speculative.temperature": 0}) as client:
+        assert cached(client, seed=3)["choices"][0]["text"] == greedy_text(lab)
+
+
+def speculative_top_k(lab: Lab) -> None:
+    # hot sampling, but only the best token may be drawn: the greedy text
+    with lab.http({"speculative.temperature": 2.0, "speculative.top_k": 1}) as client:
+        assert cached(client, seed=3)["choices"][0]["text"] == greedy_text(lab)
+
+
+def speculative_top_p(lab: Lab) -> None:
+    with lab.http({"speculative.temperature": 2.0, "speculative.top_k": 0, "speculative.top_p": 1e-9}) as client:
+        assert cached(client, seed=3)["choices"][0]["text"] == greedy_text(lab)
+
+
+def speculative_beam_width(lab: Lab) -> None:
+    # beam search asked for without a width gets [speculative] beam_width beams: n may not exceed it
+    with lab.http({"speculative.beam_width": 2}) as client:
+        assert len(cached(client, use_beam_search=True, n=2)["choices"]) == 2
+        refused = client.post("/v1/cached/completions", json={"prompt": PROMPT, "use_beam_search": True, "n": 3})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "num_return_sequences"
+
+
+def model_served_model_name(lab: Lab) -> None:
+    with lab.http({"model.served_model_name": ["house-model", "spare-name"]}) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["house-model", "spare-name"]
+        assert cached(client, model="spare-name", temperature=0)["model"] == "spare-name"
+
+
+def server_timeout_seconds(lab: Lab) -> None:
+    with lab.http({"server.timeout_seconds": 0.2}) as client:
+        late = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True})
+        assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+
+
+PROBES = {
+    "speculative.temperature": speculative_temperature,
+    "speculative.top_k": speculative_top_k,
+    "speculative.top_p": speculative_top_p,
+    "speculative.beam_width": speculative_beam_width,
+    "model.served_model_name": model_served_model_name,
+    "server.timeout_seconds": server_timeout_seconds,
+}
