@@ -23,6 +23,10 @@ class RequestError(TierserveError, ValueError):
         self.code = code
 
 
+class QueueFullError(TierserveError, RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``; the server answers 503 + Retry-After."""
+
+
 class RequestTimeoutError(TierserveError, TimeoutError):
     """A request ran past its deadline (``server.timeout_seconds``); it was aborted and its blocks freed."""
 

@@ -32,16 +32,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.core.batch import RunnerOutput, SchedulerOutput
 from tierserve.core.config import SchedulerSettings
+from tierserve.core.errors import QueueFullError
 from tierserve.core.outputs import CoreOutput, TokenLogprob
-from tierserve.core.sampler import SampledToken
 from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
 
+if TYPE_CHECKING:  # the server process imports this module; torch belongs to the engine core's
+    from tierserve.core.sampler import SampledToken
 
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting_requests``; the server answers 503 + Retry-After."""
+__all__ = ["ModelLimits", "QueueFullError", "Scheduler", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)

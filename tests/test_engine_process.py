@@ -142,3 +142,41 @@ def test_plugins_assembled_in_this_process_cannot_follow_the_core_into_its_own(l
     loaded = load_settings(None, environ={}, overrides={("model", "path"): str(llama)}, plugins=plugins)
     with pytest.raises(ConfigError, match="engine_process = false"):
         EngineClient.from_settings(loaded.settings, plugins, process=True)
+
+
+def test_a_core_whose_server_process_dies_exits_too(llama, tmp_path):
+    """SIGKILL the server process: its core process must not live on (it would keep writing the cache files a
+    restarted server opens)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from tierserve.core.config import load_settings
+        from tierserve.core.engine import EngineClient
+        loaded = load_settings(None, environ={{}}, overrides={{("model", "path"): {str(llama)!r}}})
+        engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=True)
+        print("CORE", engine.driver.process.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    core_pid = next(int(line.split()[1]) for line in server.stdout if line.startswith("CORE "))
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(core_pid, 0)
+        except ProcessLookupError:
+            break
+        try:
+            os.waitpid(core_pid, os.WNOHANG)  # not our child: only reaped by init; ignore
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    else:
+        os.kill(core_pid, signal.SIGKILL)
+        pytest.fail("the core process outlived its server process by 30 s")

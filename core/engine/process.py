@@ -8,14 +8,17 @@
 The child owns the model and the KV cache; the server process only
 tokenizes, detokenizes and speaks HTTP, so the step loop never waits for
 the server's GIL. If the child dies, every request in flight ends as
-aborted and later calls fail with a clear error.
+aborted and later calls fail with a clear error; if the server process
+dies, the child exits at once (as a crash of the whole service would).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 IDLE_POLL_SECONDS = 0.5
+PARENT_POLL_SECONDS = 0.2
 STARTUP_TIMEOUT_SECONDS = 600.0
 
 
@@ -56,6 +60,7 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
     configure_logging(settings.logging)
+    watch_parent(os.getppid())
     try:
         core = build_core(settings, load_plugins(allowlist=allowlist))
     except Exception as exc:
@@ -72,8 +77,9 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
                 messages.append(conn.recv())
                 while conn.poll(0):
                     messages.append(conn.recv())
-            except EOFError:  # the server process is gone
-                messages.append(Shutdown())
+            except EOFError:  # the server process died without saying goodbye: end as it did
+                log.error("engine_core_orphaned", reason="the server process closed its pipe")
+                os._exit(1)
         if any(isinstance(message, Shutdown) for message in messages):
             loop.run_once([m for m in messages if not isinstance(m, Shutdown)] + [Abort(list(core.requests))])
             core.close()
@@ -86,6 +92,20 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
             loop.run_once(messages)
         except Exception:  # the loop keeps serving the other requests
             log.exception("engine_loop_failed")
+
+
+def watch_parent(parent: int) -> None:
+    """Exit at once if the server process dies (killed, crashed): a core without its server serves no one,
+    and must not keep writing cache files while a restarted server opens them."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_SECONDS)
+            if os.getppid() != parent:
+                log.error("engine_core_orphaned", reason="the server process is gone", parent=parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="tierserve-parent-watch", daemon=True).start()
 
 
 class ProcessDriver:
@@ -176,7 +196,6 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
     """Start a core process for ``settings`` and return a client attached to it (after the model loaded)."""
     from tierserve.core.checkpoints import resolve_model_path
     from tierserve.core.engine.client import EngineClient
-    from transformers import AutoTokenizer
 
     if plugins is not None and not plugins.reproducible:
         raise ConfigError(
@@ -184,7 +203,7 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
             "the installed entry points the allowlist names), but these plugins were assembled in this process "
             "(a plugin added by hand); install the plugin as a package, or set server.engine_process = false"
         )
-    resolve_model_path(settings.model.path)  # a builtin checkpoint is written once, here, before the child reads it
+    path = resolve_model_path(settings.model.path)  # a builtin checkpoint is written once, here, before the child reads it
     allowlist = None if plugins is None else plugins.allowlist
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
@@ -193,6 +212,14 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
     )
     process.start()
     child.close()
+    try:  # the server's tokenizer loads while the core loads the model (transformers brings torch: seconds)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception:
+        process.kill()
+        process.join()
+        raise
     if not parent.poll(STARTUP_TIMEOUT_SECONDS):
         process.kill()
         raise EngineProcessError(f"the engine core process did not start within {STARTUP_TIMEOUT_SECONDS:.0f} s")
@@ -205,7 +232,7 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
         process.join()
         raise EngineProcessError(f"the engine core failed to load: {first.error}")
     info: ModelInfo = first
-    client = EngineClient(settings, info, AutoTokenizer.from_pretrained(info.path))
+    client = EngineClient(settings, info, tokenizer)
     client.driver = ProcessDriver(process, parent, client)
     log.info("engine_process_started", pid=process.pid)
     return client
