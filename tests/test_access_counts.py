@@ -15,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tests.store_helpers import BLOCK, build_tier, kv_for, prompt
+from tests.store_helpers import BLOCK, PROMPT_BLOCKS, Requests, StoreTier, build_tier, kv_for, prompt
 from tierserve.cache.tier import CacheEntry
 from tierserve.plugins.tiers import disk_counts
 
@@ -138,3 +138,30 @@ def test_a_removed_disk_entry_takes_its_count_with_it(tmp_path):
         assert tier.access_count(entry(0).key) == 0
     finally:
         tier.close()
+
+
+# ---------------------------------------------------------------------------
+# through the store: counts follow blocks down
+# ---------------------------------------------------------------------------
+
+
+def test_uses_in_l1_follow_a_block_down_to_the_tiers_below(tmp_path):
+    tiers = [
+        StoreTier("l2", build_tier("memory", capacity=PROMPT_BLOCKS, max_bytes=0)),
+        StoreTier("l3", build_tier("disk", path=str(tmp_path / "l3"))),
+    ]
+    requests = Requests(PROMPT_BLOCKS + 1, tiers)
+    store = requests.store
+    try:
+        hot = requests.hashes(prompt(0))
+        for _ in range(4):  # one miss, three hits in l1
+            requests.run(prompt(0))
+        requests.run(prompt(1))  # prompt 0 to l2, with its three uses each
+        assert [store.tiers[0].tier.access_count(key) for key in hot] == [3] * PROMPT_BLOCKS
+        requests.run(prompt(2))  # prompt 0 on to l3
+        store.flush()
+        assert [store.tiers[1].tier.access_count(key) for key in hot] == [3] * PROMPT_BLOCKS
+        assert requests.run(prompt(0))[0].hits["l3"] == PROMPT_BLOCKS  # one more use, counted in l3
+        assert [store.tiers[1].tier.access_count(key) for key in hot] == [4] * PROMPT_BLOCKS
+    finally:
+        requests.close()
