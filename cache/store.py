@@ -24,12 +24,14 @@ import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+from tierserve.cache import frequency, warming
 from tierserve.cache.block_pool import Block, BlockPool
 from tierserve.cache.hashing import extend_hashes, root_hash
 from tierserve.cache.placement import L1, Placement
 from tierserve.cache.stats import CacheSnapshot, PrefixMatch, StoreStats, TierSnapshot, TierStats
 from tierserve.cache.store_tier import KVTransfer, StoreTier
 from tierserve.cache.tier import CacheEntry
+from tierserve.cache.warming import WarmReport
 
 if TYPE_CHECKING:
     from tierserve.core.sequence import Sequence
@@ -281,6 +283,20 @@ class TieredStore:
                     removed += 1
         return removed
 
+    # ---- access counts ------------------------------------------------------------------------
+
+    def frequent_prefixes(self, limit: int) -> list[list[bytes]]:
+        """Up to ``limit`` cached prefixes (block hashes, first block first) used most, best first:
+        ranked by the access count, in the tiers below L1, of the block each ends at
+        (``cache.frequency``). Walks the whole index (an admin request)."""
+        return frequency.frequent_prefixes(self, limit)
+
+    def warm_frequent(self, limit_blocks: int) -> WarmReport:
+        """Promote the most used prefixes' blocks into L1 (cached, not pinned) and, from the last
+        tier, into the first tier below; at most ``limit_blocks`` blocks, parents first, never
+        evicting a pinned or in-use block (``cache.warming``)."""
+        return warming.warm_frequent(self, limit_blocks)
+
     # ---- management ---------------------------------------------------------------------
 
     def clear(self, tier: str = "all") -> dict[str, int]:
@@ -366,6 +382,8 @@ class TieredStore:
             store_tier.tier.flush()
 
     def close(self) -> None:
-        """Flush and release every tier."""
+        """Move every block's access counts down to the slowest tier holding it (a persistent tier
+        keeps the uses seen above it), then flush and release every tier."""
+        frequency.settle_accesses(self)
         for store_tier in self.tiers:
             store_tier.tier.close()
