@@ -6,13 +6,16 @@ can share one (forked prompts, beams, cached prefixes). A block whose count
 drops to zero is free: if it is registered under a prefix hash it stays
 "cached-free" (its content is still valid and can be revived by a prefix hit)
 until the eviction policy picks it for reuse; otherwise it goes straight back
-to the plain free list.
+to the plain free list. A cached block may also be pinned (a named prefix
+keeps it): with ref 0 it is then neither free nor evictable.
 
-    total = free (no content) + cached_free (hash kept, ref 0) + in_use (ref > 0)
+    total = free (no content) + cached_free (hash kept, ref 0) + pinned_idle (hash kept, ref 0, pinned)
+            + in_use (ref > 0)
 
 The eviction policy orders cached content, keyed by block hash, not by slot:
 a block is tracked from registration until its hash leaves the pool, pinned
-while in use, and every prefix hit is a ``touch``. So frequency counts and
+in the policy while in use or pinned here, and every prefix hit is a
+``touch`` (and one more in the block's access count). So frequency counts and
 ARC's ghost lists describe content coming back, not a slot being reused.
 """
 
@@ -36,6 +39,7 @@ class Block:
     block_hash: bytes | None = None  # set while the block is registered in the prefix cache
     parent_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    accesses: int = 0  # prefix hits on the registered content; carried down a tier when the block is evicted
 
 
 class BlockPool:
@@ -54,16 +58,17 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.policy = policy  # every registered hash; pinned while its block is in use
+        self.policy = policy  # every registered hash; pinned while its block is in use or pinned here
         self.cached: dict[bytes, int] = {}  # block hash -> block id (in use or cached-free)
         self.evictions = 0
         self.on_evict: Callable[[Block], None] | None = None
+        self.pinned: set[bytes] = set()  # hashes kept cached even with no sequence holding them
         self._free: deque[int] = deque(range(num_blocks))
-        self._num_cached_free = 0
+        self._num_cached_free = 0  # ref 0, registered, not pinned
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take now (plain free + cached-free)."""
+        """Blocks an allocation can take now (plain free + cached-free; pinned blocks are not free)."""
         return len(self._free) + self._num_cached_free
 
     @property
@@ -99,19 +104,23 @@ class BlockPool:
             allocated.append(block.block_id)
         return allocated
 
-    def share(self, block_id: int) -> None:
-        """Add a reference to a block in use, or revive a cached-free one.
+    def share(self, block_id: int, *, hit: bool = True) -> None:
+        """Add a reference to a block in use, or revive a cached (free or pinned) one.
 
         Sharing a registered block is a use of its content (a prefix hit):
-        the policy is told, and a revived block is pinned while in use.
+        the policy is told, its access count grows, and a revived block is
+        pinned in the policy while in use. ``hit=False`` holds the block
+        without counting a use (the store holding blocks while it warms).
         """
         block = self.blocks[block_id]
         if block.block_hash is None:
             if block.ref_count == 0:
                 raise ValueError(f"block {block_id} is free and holds no cached content")
         else:
-            self.policy.touch(block.block_hash)
-            if block.ref_count == 0:
+            if hit:
+                self.policy.touch(block.block_hash)
+                block.accesses += 1
+            if block.ref_count == 0 and block.block_hash not in self.pinned:
                 self.policy.pin(block.block_hash)
                 self._num_cached_free -= 1
         block.ref_count += 1
@@ -128,7 +137,7 @@ class BlockPool:
             if block.ref_count == 0:
                 if block.block_hash is None:
                     self._free.append(block_id)
-                else:
+                elif block.block_hash not in self.pinned:
                     self.policy.unpin(block.block_hash)
                     self._num_cached_free += 1
 
@@ -154,45 +163,81 @@ class BlockPool:
         return block_id
 
     def uncache(self, block_hash: bytes) -> bool:
-        """Withdraw a hash from the prefix cache; a cached-free block becomes plain free,
-        a block in use keeps its data until freed."""
+        """Withdraw a hash from the prefix cache (its pin too); a block no sequence holds
+        becomes plain free, a block in use keeps its data until freed."""
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return False
         block = self.blocks[block_id]
         self.policy.remove(block_hash)
         if block.ref_count == 0:
-            self._num_cached_free -= 1
+            if block_hash not in self.pinned:
+                self._num_cached_free -= 1
             self._free.append(block_id)
+        self.pinned.discard(block_hash)
         self._forget(block)
         return True
 
+    def pin(self, block_hash: bytes) -> None:
+        """Keep a cached block from reuse until ``unpin``, even when no sequence holds it.
+
+        A pinned block with no references is neither free (``num_free_blocks``
+        leaves it out) nor evictable. Pins do not nest (the tiered store counts
+        them); a hash not cached is ignored; ``uncache`` drops the pin.
+        """
+        block_id = self.cached.get(block_hash)
+        if block_id is None or block_hash in self.pinned:
+            return
+        self.pinned.add(block_hash)
+        if self.blocks[block_id].ref_count == 0:
+            self.policy.pin(block_hash)
+            self._num_cached_free -= 1
+
+    def unpin(self, block_hash: bytes) -> None:
+        """Let a pinned block be reused again once no sequence holds it; a hash not pinned is ignored."""
+        if block_hash not in self.pinned:
+            return
+        self.pinned.discard(block_hash)
+        if self.blocks[self.cached[block_hash]].ref_count == 0:
+            self.policy.unpin(block_hash)
+            self._num_cached_free += 1
+
     def _forget(self, block: Block) -> None:
-        """Drop the block's registration (the caller settles the policy)."""
+        """Drop the block's registration (the caller settles the policy and the pin)."""
         del self.cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = None
+        block.accesses = 0
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + cached-free + in-use == total, every count is sane,
-        and the policy tracks exactly the registered hashes, pinned exactly while in use."""
+        """Raise AssertionError unless free + cached-free + pinned-idle + in-use == total, every
+        count is sane, only cached blocks are pinned, and the policy tracks exactly the
+        registered hashes, pinned exactly while in use or pinned here."""
         free = set(self._free)
         in_use = {b.block_id for b in self.blocks if b.ref_count > 0}
-        cached = {b.block_id for b in self.blocks if b.ref_count == 0 and b.block_hash is not None}
+        idle = {b.block_id for b in self.blocks if b.ref_count == 0 and b.block_hash is not None}
+        pinned_idle = {block_id for block_id in idle if self.blocks[block_id].block_hash in self.pinned}
+        cached = idle - pinned_idle
         assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not (free & cached) and not (free & in_use), "a block is in two states"
-        assert len(free) + len(cached) + len(in_use) == self.num_blocks, (
-            f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
+        assert not (free & idle) and not (free & in_use), "a block is in two states"
+        assert len(free) + len(cached) + len(pinned_idle) + len(in_use) == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + pinned {len(pinned_idle)} + in use {len(in_use)} "
+            f"!= total {self.num_blocks}"
         )
         assert self._num_cached_free == len(cached), f"cached-free count {self._num_cached_free}, found {len(cached)}"
+        assert self.num_free_blocks == len(free) + len(cached), "num_free_blocks counts a block it cannot give"
+        assert self.pinned <= self.cached.keys(), "a pinned hash is not cached"
         for block_hash, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"cached map points at block {block_id} wrongly"
         registered = sum(1 for b in self.blocks if b.block_hash is not None)
         assert registered == len(self.cached), "a block carries a hash the cached map does not know"
         assert set(self.policy) == set(self.cached), "policy keys differ from the registered hashes"
-        pinned = {key for key in self.policy if self.policy.is_pinned(key)}
+        held = {key for key in self.policy if self.policy.is_pinned(key)}
         in_use_hashes = {key for key, block_id in self.cached.items() if self.blocks[block_id].ref_count > 0}
-        assert pinned == in_use_hashes, "pinned hashes differ from the registered blocks in use"
+        assert held == in_use_hashes | self.pinned, "policy pins differ from the blocks in use or pinned"
         for block in self.blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
+            assert block.accesses >= 0, f"block {block.block_id} has {block.accesses} accesses"
+            if block.block_hash is None:
+                assert block.accesses == 0, f"block {block.block_id} counts accesses of no content"
             if block.block_id in free:
                 assert block.block_hash is None, f"free block {block.block_id} still has a hash"

@@ -11,55 +11,32 @@ is only reused if its stored tokens equal the request's (hash collisions can
 never produce wrong output). Tier names come from the caller (settings); the
 index marks a block held by the tier at position ``i`` of ``tier_names`` with
 bit ``1 << i`` (L1 is bit 0).
+
+Pins are counted per block (``cache.pins``): a named prefix pins its blocks
+in every tier, and the last tier pins a block that cached children need.
+Access counts follow a block down: a demoted block carries the uses it had
+above to the tier that takes it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from tierserve.cache import frequency, warming
 from tierserve.cache.block_pool import Block, BlockPool
-from tierserve.cache.hash_index import BlockHashIndex
 from tierserve.cache.hashing import extend_hashes, root_hash
+from tierserve.cache.placement import L1, Placement
 from tierserve.cache.stats import CacheSnapshot, PrefixMatch, StoreStats, TierSnapshot, TierStats
-from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.cache.store_tier import KVTransfer, StoreTier
+from tierserve.cache.tier import CacheEntry
+from tierserve.cache.warming import WarmReport
 
 if TYPE_CHECKING:
-    import torch
-
     from tierserve.core.sequence import Sequence
 
-L1 = 0  # position of the block pool in ``tier_names``
 RESERVED_NAMES = ("l1", "all")
-
-
-class KVTransfer(Protocol):
-    """Copies blocks between the backend's arena and CPU tensors ``[n, layers, 2, block_size, kv_heads, head_dim]``."""
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
-
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
-
-
-@dataclass(slots=True)
-class StoreTier:
-    """A tier below L1, as the store uses it.
-
-    Attributes:
-        name: how statistics and ``clear`` name it (from settings, e.g. ``"l2"``,
-            ``"l3"``, ``"redis"``); ``"l1"`` and ``"all"`` are reserved.
-        tier: the storage.
-        write_through: also write every newly computed block here
-            (persistence). Entries written through are views of one batched
-            copy off the pool: a tier that keeps tensors as given keeps that
-            batch alive, so write through to tiers that encode (disk).
-    """
-
-    name: str
-    tier: CacheTier
-    write_through: bool = False
 
 
 class TieredStore:
@@ -94,15 +71,16 @@ class TieredStore:
         self.block_size = pool.block_size
         self.tiers = list(tiers)
         self.tier_names = ["l1", *names]
-        self.index = BlockHashIndex()
+        self.placement = Placement(pool, [t.tier for t in self.tiers], self.tier_names)
+        self.index = self.placement.index
+        self.pins = self.placement.pins
         self.stats = StoreStats.for_tiers(names)
         self.l1_stats = TierStats()
-        self._last = len(self.tiers) or None  # where eviction means loss: leaves go first
         self._write_through = [position for position, t in enumerate(self.tiers, 1) if t.write_through]
         pool.on_evict = self._demote_from_l1
         for position, store_tier in enumerate(self.tiers, 1):  # what survived a restart (persistent tiers)
             for key in store_tier.tier.keys():
-                self._index_add(key, store_tier.tier.parent_of(key), position)
+                self.placement.add(key, store_tier.tier.parent_of(key), position)
 
     # ---- lookups ------------------------------------------------------------
 
@@ -121,7 +99,7 @@ class TieredStore:
         if not seq.use_prefix_cache:
             return PrefixMatch(0, hits, 0.0)
         started = time.perf_counter()
-        self._sync_removed()
+        self.placement.sync_removed()
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs  # never the last token: its logits are needed
         extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, usable * bs)
@@ -144,7 +122,7 @@ class TieredStore:
         self.l1_stats.hits += shared
         self.l1_stats.misses += usable - shared
 
-        promoted = iter(self._promote([item for item in plan if isinstance(item, tuple)]))
+        promoted = iter(self.promote([item for item in plan if isinstance(item, tuple)]))
         table: list[int] = []
         for step, item in enumerate(plan):
             block_id, position = (item, L1) if isinstance(item, int) else (next(promoted, None), item[0])
@@ -172,7 +150,7 @@ class TieredStore:
                 continue
             entry = store_tier.tier.get(key)
             if entry is None:  # expired or corrupt: the tier removed it
-                self._index_discard(key, position)
+                self.placement.discard(key, position)
                 continue
             if entry.token_ids != tokens:
                 self.stats.token_mismatches += 1
@@ -180,8 +158,9 @@ class TieredStore:
             return position, entry
         return None
 
-    def _promote(self, found: list[tuple[int, CacheEntry]]) -> list[int]:
-        """Load entries into free L1 blocks in one copy; fewer if the pool is short."""
+    def promote(self, found: list[tuple[int, CacheEntry]]) -> list[int]:
+        """Load entries found at ``(position, entry)`` into free L1 blocks in one copy; fewer if the
+        pool is short. The blocks are the caller's (ref 1): a sequence's table, or held while warming."""
         count = min(len(found), self.pool.num_free_blocks)
         if not count:
             return []
@@ -193,7 +172,7 @@ class TieredStore:
         for block_id, (position, entry) in zip(block_ids, found):
             self.stats.promotions[self.tier_names[position]] += 1
             if self.pool.register(block_id, entry.key, entry.parent, entry.token_ids):
-                self._index_add(entry.key, entry.parent, L1)
+                self.placement.add(entry.key, entry.parent, L1)
         return block_ids
 
     # ---- publishing computed blocks ----------------------------------------------
@@ -203,7 +182,7 @@ class TieredStore:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks or not seq.use_prefix_cache:
             return
-        self._sync_removed()
+        self.placement.sync_removed()
         bs = self.block_size
         extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, full * bs)
         fresh: list[tuple[int, bytes, bytes | None, tuple[int, ...], list[int]]] = []  # ..., tiers to write
@@ -213,7 +192,7 @@ class TieredStore:
             tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
             block_id = seq.block_table[index]
             if self.pool.register(block_id, key, parent, tokens):
-                self._index_add(key, parent, L1)
+                self.placement.add(key, parent, L1)
                 held = self.index.tiers_of(key)
                 targets = [position for position in self._write_through if not held & (1 << position)]
                 if targets:
@@ -225,69 +204,105 @@ class TieredStore:
             data = self.transfer.read_blocks([block_id for block_id, *_ in fresh])
             for (_, key, parent, tokens, targets), kv in zip(fresh, data):
                 for position in targets:
-                    self._put(position, CacheEntry(key, parent, tokens, kv))
+                    self.put_below(position, CacheEntry(key, parent, tokens, kv))
                     self.stats.write_through += 1
 
     # ---- demotion -------------------------------------------------------------------
 
     def _demote_from_l1(self, block: Block) -> None:
-        """Write an evicted L1 block to the first tier below, unless that tier holds it already."""
-        key, parent, tokens = block.block_hash, block.parent_hash, block.token_ids
-        self._index_discard(key, L1)
-        if not self.tiers or self.index.tiers_of(key) & (1 << 1):
+        """Write an evicted L1 block to the first tier below, unless that tier holds it already
+        (then only its uses in L1 are credited there)."""
+        key, parent, tokens, accesses = block.block_hash, block.parent_hash, block.token_ids, block.accesses
+        self.placement.discard(key, L1)
+        if not self.tiers:
+            return
+        if self.index.tiers_of(key) & (1 << 1):
+            self.tiers[0].tier.add_accesses(key, accesses)
             return
         kv = self.transfer.read_blocks([block.block_id])[0]  # a fresh copy already, exactly one block
-        self._put(1, CacheEntry(key, parent, tokens, kv))
+        self.put_below(1, CacheEntry(key, parent, tokens, kv, accesses=accesses))
         self.stats.demotions[self.tier_names[1]] += 1
 
-    def _put(self, position: int, entry: CacheEntry) -> None:
-        """Store ``entry`` in the tier at ``position``; what it evicts goes to the next tier down."""
+    def put_below(self, position: int, entry: CacheEntry) -> list[bytes]:
+        """Store ``entry`` in the tier at ``position`` (1 or more); what it evicts goes to the next
+        tier down, carrying its access count. Returns the keys that tier evicted (or handed back)."""
         tier = self.tiers[position - 1].tier
         evicted = tier.put(entry)
         if tier.contains(entry.key):
-            self._index_add(entry.key, entry.parent, position)
+            self.placement.add(entry.key, entry.parent, position)
         below = position + 1
         for gone in evicted:
             if gone.key != entry.key:
-                self._index_discard(gone.key, position)
-            if below <= len(self.tiers) and not self.index.tiers_of(gone.key) & (1 << below):
-                self._put(below, gone)
+                self.placement.discard(gone.key, position)
+            if below > len(self.tiers):
+                continue
+            if self.index.tiers_of(gone.key) & (1 << below):
+                self.tiers[below - 1].tier.add_accesses(gone.key, gone.accesses)
+            else:
+                self.put_below(below, gone)
                 self.stats.demotions[self.tier_names[below]] += 1
+        return [gone.key for gone in evicted]
 
-    # ---- index upkeep (leaves first in the last tier) -----------------------------------
+    # ---- pins and removal by key ------------------------------------------------------------
 
-    def _sync_removed(self) -> None:
-        """Follow what tiers dropped by themselves (disk evictions and failed writes happen on their threads)."""
-        for position, store_tier in enumerate(self.tiers, 1):
-            for key in store_tier.tier.drain_removed():
-                if not store_tier.tier.contains(key):
-                    self._index_discard(key, position)
+    def pin(self, keys: Seq[bytes]) -> None:
+        """Keep these blocks from eviction in every tier that holds them now or receives them later.
 
-    def _index_add(self, key: bytes, parent: bytes | None, position: int) -> None:
-        new = self.index.add(key, parent, 1 << position)
-        last = self._last
-        if last is None:
-            return
-        last_tier = self.tiers[last - 1].tier
-        if new and parent is not None and self.index.num_children(parent) == 1:
-            if self.index.tiers_of(parent) & (1 << last):
-                last_tier.pin(parent)  # a cached child needs it: not a victim any more
-        if position == last and self.index.num_children(key):
-            last_tier.pin(key)
+        Pins are counted per key and nest: each ``pin`` needs one ``unpin``.
+        A block not cached anywhere is pinned when it arrives. In L1 a pinned
+        block stays cached with no sequence holding it and is not free; a
+        tier whose other entries are all pinned gives up newcomers instead.
+        """
+        for key in keys:
+            self.pins.pin(key)
 
-    def _index_discard(self, key: bytes, position: int) -> None:
-        parent = self.index.parent_of(key)
-        gone = self.index.discard(key, 1 << position)
-        last = self._last
-        if gone and last is not None and parent is not None and not self.index.num_children(parent):
-            if self.index.tiers_of(parent) & (1 << last):
-                self.tiers[last - 1].tier.unpin(parent)
+    def unpin(self, keys: Seq[bytes]) -> None:
+        """Release one ``pin`` of each key; ``ValueError`` (and no change) if a key has fewer pins."""
+        self.pins.unpin_all(keys)
+
+    def evict_keys(self, keys: Seq[bytes]) -> int:
+        """Remove these blocks from every tier where nothing holds them: a block still pinned
+        stays everywhere, and an L1 block a running sequence uses stays in L1.
+
+        Returns the tier entries removed (a block held by two tiers counts twice).
+        """
+        self.placement.sync_removed()
+        removed = 0
+        for key in reversed(keys):  # children before their parents
+            if self.pins.count(key):
+                continue
+            block_id = self.pool.cached.get(key)
+            if block_id is not None and self.pool.blocks[block_id].ref_count == 0:
+                self.pool.uncache(key)
+                self.placement.discard(key, L1)
+                removed += 1
+            for position, store_tier in enumerate(self.tiers, 1):
+                if self.index.tiers_of(key) & (1 << position):
+                    store_tier.tier.remove(key)
+                    self.placement.discard(key, position)
+                    removed += 1
+        return removed
+
+    # ---- access counts ------------------------------------------------------------------------
+
+    def frequent_prefixes(self, limit: int) -> list[list[bytes]]:
+        """Up to ``limit`` cached prefixes (block hashes, first block first) used most, best first:
+        ranked by the access count, in the tiers below L1, of the block each ends at
+        (``cache.frequency``). Walks the whole index (an admin request)."""
+        return frequency.frequent_prefixes(self, limit)
+
+    def warm_frequent(self, limit_blocks: int) -> WarmReport:
+        """Promote the most used prefixes' blocks into L1 (cached, not pinned) and, from the last
+        tier, into the first tier below; at most ``limit_blocks`` blocks, parents first, never
+        evicting a pinned or in-use block (``cache.warming``)."""
+        return warming.warm_frequent(self, limit_blocks)
 
     # ---- management ---------------------------------------------------------------------
 
     def clear(self, tier: str = "all") -> dict[str, int]:
         """Drop the cached blocks of one tier (a name in ``tier_names``) or ``all``; blocks in
-        use keep their data. Returns the blocks removed per tier name."""
+        use keep their data. Pinned blocks go too, but their pins stay counted: a pinned block
+        is pinned again wherever it is cached later. Returns the blocks removed per tier name."""
         allowed = [*self.tier_names, "all"]
         if tier not in allowed:
             raise ValueError(f"tier: got {tier!r}, allowed: {', '.join(allowed)}")
@@ -296,26 +311,29 @@ class TieredStore:
             keys = list(self.pool.cached)
             for key in keys:
                 self.pool.uncache(key)
-                self._index_discard(key, L1)
+                self.placement.discard(key, L1)
             removed["l1"] = len(keys)
         for position, store_tier in enumerate(self.tiers, 1):
             if tier in (store_tier.name, "all"):
                 removed[store_tier.name] = store_tier.tier.clear()
                 for key in self.index.keys_held_by(1 << position):
-                    self._index_discard(key, position)
+                    self.placement.discard(key, position)
         return removed
 
     def offload(self) -> int:
         """Move L1's unreferenced cached blocks to the first tier below and free them in L1.
 
         The prefixes stay servable (a later hit promotes them back); blocks in
-        use by running sequences stay where they are. Returns the blocks moved.
+        use by running sequences, and pinned blocks, stay where they are.
+        Returns the blocks moved.
         """
         if not self.tiers:
             return 0
         # registration order puts parents before children; children go first so a
         # full lower tier evicts leaves before the prefixes they extend
-        idle = [key for key, block_id in self.pool.cached.items() if self.pool.blocks[block_id].ref_count == 0]
+        pool = self.pool
+        idle = [key for key, block_id in pool.cached.items() if pool.blocks[block_id].ref_count == 0]
+        idle = [key for key in idle if key not in pool.pinned]
         for key in reversed(idle):
             self._demote_from_l1(self.pool.blocks[self.pool.cached[key]])
             self.pool.uncache(key)
@@ -323,7 +341,7 @@ class TieredStore:
 
     def snapshot(self) -> CacheSnapshot:
         """Statistics of every tier and of the index; O(number of tiers), no walk over entries."""
-        self._sync_removed()
+        self.placement.sync_removed()
         pool = self.pool
         self.l1_stats.evictions = pool.evictions
         tiers = {
@@ -355,14 +373,8 @@ class TieredStore:
         """The pool's and the index's invariants, and that they agree with every tier
         (queued background writes are settled first: a check is about a quiet store)."""
         self.flush()
-        self._sync_removed()
         self.pool.check_integrity()
-        self.index.check_integrity()
-        in_l1 = set(self.index.keys_held_by(1 << L1))
-        assert in_l1 == set(self.pool.cached), "hash index and block pool disagree about l1"
-        for position, store_tier in enumerate(self.tiers, 1):
-            indexed = set(self.index.keys_held_by(1 << position))
-            assert indexed == set(store_tier.tier.keys()), f"hash index and tier {store_tier.name} disagree"
+        self.placement.check_integrity()
 
     def flush(self) -> None:
         """Wait until every tier's queued background writes are on their medium."""
@@ -370,6 +382,8 @@ class TieredStore:
             store_tier.tier.flush()
 
     def close(self) -> None:
-        """Flush and release every tier."""
+        """Move every block's access counts down to the slowest tier holding it (a persistent tier
+        keeps the uses seen above it), then flush and release every tier."""
+        frequency.settle_accesses(self)
         for store_tier in self.tiers:
             store_tier.tier.close()

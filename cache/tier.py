@@ -5,6 +5,11 @@ policy (from the registry) that orders its keys; when a ``put`` needs room it
 evicts and returns what it evicted, so the tiered store can demote those
 entries to the next tier down. A corrupt, truncated or foreign value is never
 returned: ``get`` deletes it, logs it, counts it and reports a miss.
+
+Each stored entry also has an access count (``get`` hits, plus uses credited
+from the tier above when the store demotes a block), so the store can rank
+the prefixes used most (``TieredStore.frequent_prefixes``); a count leaves
+with its entry.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class CacheEntry:
         token_ids: the block's tokens; a hit is only used if they match.
         kv: CPU tensor ``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
         created: ``time.time()`` when first stored (for TTL).
+        accesses: uses counted for the block where it was before: a tier's
+            ``put`` adds them to the block's access count there, and an entry
+            a tier evicts (``put``'s return value) carries the count it had
+            there, so hits follow a block down the tiers. 0 in what ``get`` returns.
     """
 
     key: bytes
@@ -40,6 +49,7 @@ class CacheEntry:
     token_ids: tuple[int, ...]
     kv: torch.Tensor
     created: float = field(default_factory=time.time)
+    accesses: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +100,11 @@ class CacheTier(ABC):
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
         """Store ``entry`` (replacing one with the same key) and return the entries
         evicted to make room, for demotion; entries the tier cannot return
-        (disk) are dropped and only counted."""
+        (disk) are dropped and only counted.
+
+        ``entry.accesses`` is added to the key's access count (a replaced
+        entry's count is kept); each returned entry's ``accesses`` is the count
+        it had here (a newcomer handed back keeps the one it came with)."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -118,15 +132,34 @@ class CacheTier(ABC):
         """Bytes held (as stored)."""
 
     @abstractmethod
-    def pin(self, key: bytes) -> None:
-        """Keep ``key`` from being evicted or expired until ``unpin`` (the tiered store pins a
-        block that cached children need, where eviction would lose it).
+    def access_count(self, key: bytes) -> int:
+        """How often the stored ``key`` was used: its ``get`` hits here plus the uses
+        credited to it (``CacheEntry.accesses`` on ``put``, ``add_accesses``); 0 when not stored.
 
-        Pins do not nest: pinning twice and unpinning once leaves ``key``
-        evictable. A key not stored is ignored; ``remove`` and ``clear`` drop
-        the pins of what they delete. When everything else is pinned, a
-        ``put`` that needs room gives up the newcomer (returned, or dropped
-        by a tier that cannot return entries).
+        The count leaves with the entry (evicted, expired, removed, corrupt,
+        cleared). A tier that survives a restart keeps its counts too.
+        """
+
+    @abstractmethod
+    def add_accesses(self, key: bytes, count: int) -> None:
+        """Add ``count`` (may be negative; the result never goes below 0) to the access count
+        of the stored ``key``; a key not stored is ignored. The store credits a block
+        demoted onto a copy this tier already holds with the uses it had above."""
+
+    @abstractmethod
+    def pin(self, key: bytes) -> None:
+        """Keep ``key`` from being evicted or expired until ``unpin``.
+
+        The tiered store pins a block that cached children need where
+        eviction would lose it (leaves first), and every block of a named
+        prefix. The store counts its pins and calls this once per key, so
+        pins here need not nest: pinning twice and unpinning once leaves
+        ``key`` evictable. A key not stored is ignored (the store pins it
+        again when it arrives); ``remove`` and ``clear`` drop the pins of
+        what they delete. A tier whose other entries are all pinned keeps
+        them, even past its bounds: a ``put`` that needs room then gives up
+        the newcomer (returned, or dropped by a tier that cannot return
+        entries), so a pinned entry is never evicted.
         """
 
     @abstractmethod

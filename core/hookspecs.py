@@ -191,8 +191,9 @@ def register_cache_tiers(register: Register) -> None:
 
     ``factory(tier, policy_factory, fingerprint)`` returns a
     ``tierserve.cache.tier.CacheTier``: a bounded, thread-safe map from block
-    hash to ``CacheEntry`` that evicts with ``policy_factory(capacity)`` and
-    never returns a corrupt or foreign entry.
+    hash to ``CacheEntry`` that evicts with ``policy_factory(capacity)``,
+    never returns a corrupt or foreign entry, honours pins, and counts the
+    uses of each entry (``access_count``, ``add_accesses``).
 
     Args:
         tier: the entry, a ``tierserve.core.tier_settings.TierSettings``:

@@ -7,13 +7,13 @@ eviction choices never touch SQLite; diskcache's own culling is off.
 
     put ──► bounded queue (full: drop) ──► writer thread: encode, write, index, evict
     get ──► queued? ──► indexed? ──► read file ──► decode (corrupt: delete, miss)
+
+A persistent tier also keeps its entries' access counts across restarts, in
+one record of the directory (``disk_counts``).
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -25,8 +25,10 @@ import structlog
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier
 from tierserve.core.hookspecs import hookimpl
-from tierserve.plugins.tiers.disk_directory import DiskTierSettings, open_directory, stored_rows
+from tierserve.plugins.tiers.disk_counts import CountsRecord
+from tierserve.plugins.tiers.disk_directory import DiskTierSettings, open_directory, previous_entries
 from tierserve.plugins.tiers.disk_index import DiskIndex, StoredEntry
+from tierserve.plugins.tiers.disk_writer import DiskWriter
 
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
@@ -54,6 +56,9 @@ class DiskTier(CacheTier):
     only, a missing, truncated, damaged or foreign file) are logged and
     counted, never raised: a bad entry is deleted and reads as a miss.
     ``max_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
+    A persistent tier saves its access counts at ``flush`` and ``close`` and in
+    the background every ``disk_counts.SAVE_EVERY`` updates; a missing or
+    damaged record reads as zeros.
     """
 
     name = "disk"
@@ -70,20 +75,19 @@ class DiskTier(CacheTier):
         self.max_bytes = options.max_bytes
         self.ttl = tier.ttl_seconds or None
         self.codec = KVCodec(fingerprint, options.compression_level)
-        self.writer_nice = options.writer_nice
         self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
         self._index = DiskIndex(self.policy, self.max_bytes, self.stats)
-        self._pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
-        self._queue: queue.Queue[CacheEntry | None] = queue.Queue(maxsize=options.write_queue)
-        self._unwritten = 0  # puts accepted and not yet finished by the writer
-        self._drained = threading.Condition(self.lock)
+        self._writer = DiskWriter(
+            self.lock, options.write_queue, options.writer_nice, self._write, self._lose, self._save_counts
+        )
+        self._pending = self._writer.pending  # queued or being written, newest put per key
         self._closed = False
         self._cache = open_directory(self.directory, tier.name)
+        self._counts = CountsRecord(self._cache, self.directory, enabled=self.persistent)
         if self.persistent:
             self._rebuild()
         else:
             self._cache.clear()
-        self._writer = threading.Thread(target=self._write_loop, name="tierserve-l3-writer", daemon=True)
         self._writer.start()
 
     # ---- CacheTier ---------------------------------------------------------
@@ -114,18 +118,18 @@ class DiskTier(CacheTier):
             key = entry.key
             if key in self._index and key not in self._pending:
                 self.policy.touch(key)
+                self._credit(self._index.get(key), entry.accesses)
             elif self._closed:
                 self.stats.dropped_writes += 1
                 log.warning("kv_disk_write_after_close", key=key.hex())
             else:
-                try:
-                    self._queue.put_nowait(entry)
-                except queue.Full:
+                earlier = self._pending.get(key)
+                if not self._writer.submit(entry):
                     self.stats.dropped_writes += 1
                     log.debug("kv_disk_write_dropped", key=key.hex(), reason="write queue full")
-                else:
-                    self._pending[key] = entry
-                    self._unwritten += 1
+                else:  # the uses it came with, and those of a queued put it replaces
+                    carried, entry.accesses = entry.accesses + (earlier.accesses if earlier else 0), 0
+                    self._credit(entry, carried)
             self.stats.put_seconds += time.perf_counter() - start
         return []
 
@@ -170,6 +174,15 @@ class DiskTier(CacheTier):
     def bytes_used(self) -> int:
         return self._index.stored_bytes
 
+    def access_count(self, key: bytes) -> int:
+        with self.lock:
+            pending, stored = self._pending.get(key), self._index.get(key)
+            return (pending.accesses if pending else 0) + (stored.accesses if stored else 0)
+
+    def add_accesses(self, key: bytes, count: int) -> None:
+        with self.lock:
+            self._credit(self._pending.get(key) or self._index.get(key), count)
+
     def pin(self, key: bytes) -> None:
         """Protect ``key`` from eviction and expiry (a queued key once written); a key not stored is ignored."""
         with self.lock:
@@ -186,9 +199,9 @@ class DiskTier(CacheTier):
                 self.policy.unpin(key)
 
     def flush(self, timeout: float | None = None) -> None:
-        with self._drained:
-            if not self._drained.wait_for(lambda: self._unwritten == 0, timeout):
-                log.warning("kv_disk_flush_timeout", unwritten=self._unwritten, timeout=timeout)
+        """Wait until queued writes are on disk, then save changed access counts (persistent only)."""
+        self._writer.wait(timeout)
+        self._save_counts()
 
     def close(self) -> None:
         """Write what is queued, stop the writer and close the directory; later puts are dropped."""
@@ -198,8 +211,8 @@ class DiskTier(CacheTier):
         self.flush()
         with self.lock:
             self._closed = True
-        self._queue.put(None)
-        self._writer.join()
+        self._writer.stop()
+        self._save_counts()
         self._cache.close()
 
     def check_integrity(self) -> None:
@@ -215,8 +228,11 @@ class DiskTier(CacheTier):
         with self.lock:
             pending = self._pending.get(key)
             if pending is not None:
+                if self._expire_pending_if_old(pending):
+                    return None
+                self._credit(pending, 1)
                 # a new record around the queued tensor: the caller may reassign fields before it is written
-                return None if self._expire_pending_if_old(pending) else replace(pending)
+                return replace(pending, accesses=0)
             stored = self._index.get(key)
             if stored is None or self._expire_if_old(key, stored):
                 return None
@@ -245,6 +261,7 @@ class DiskTier(CacheTier):
             if self._expire_if_old(key, stored):
                 return None
             self.policy.touch(key)
+            self._credit(stored, 1)
         return entry
 
     def _drop_corrupt(self, key: bytes, reason: str) -> None:
@@ -256,51 +273,25 @@ class DiskTier(CacheTier):
 
     # ---- writing (the writer thread) ---------------------------------------
 
-    def _lower_priority(self) -> None:
-        """Compression and disk writes yield the CPU to the step loop (Linux: per-thread nice)."""
-        if not self.writer_nice or not hasattr(os, "setpriority"):
-            return
-        try:
-            thread = threading.get_native_id()
-            current = os.getpriority(os.PRIO_PROCESS, thread)
-            os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self.writer_nice))
-        except OSError as exc:
-            log.info("kv_disk_writer_priority_unchanged", error=str(exc))
-
-    def _write_loop(self) -> None:
-        self._lower_priority()
-        while True:
-            entry = self._queue.get()
-            if entry is None:
-                return
-            lost = False
-            try:
-                lost = not self._write(entry)
-            except Exception:
-                log.exception("kv_disk_write_failed", key=entry.key.hex())
-                with self.lock:
-                    self.stats.write_errors += 1
-                lost = True
-            finally:
-                with self.lock:
-                    if self._pending.get(entry.key) is entry:
-                        del self._pending[entry.key]
-                    else:
-                        lost = False  # put again while queued: the newer write decides
-                    self._unwritten -= 1
-                    # noted only once it is no longer pending, so the owner's index can never
-                    # see "removed" while contains() still says yes
-                    if lost:
-                        self.note_removed(entry.key)
-                    self._drained.notify_all()
+    def _lose(self, entry: CacheEntry) -> None:
+        """A queued entry could not be written (the writer calls this under the lock)."""
+        self.note_removed(entry.key)
+        if entry.key not in self._index and entry.key not in self._pending:
+            self._index.pinned.discard(entry.key)
 
     def _write(self, entry: CacheEntry) -> bool:
-        """Encode and store one queued entry; False if it could not be stored (the caller notes it)."""
+        """Encode and store one queued entry; False if it could not be stored (the writer reports it lost)."""
         key = entry.key
         with self.lock:
             if self._pending.get(key) is not entry:
                 return True  # removed, cleared or put again while queued: nothing was lost here
-        data = self.codec.encode(entry)
+        try:
+            data = self.codec.encode(entry)
+        except Exception:
+            log.exception("kv_disk_write_failed", key=key.hex())
+            with self.lock:
+                self.stats.write_errors += 1
+            return False
         if self.max_bytes and len(data) > self.max_bytes:
             with self.lock:
                 self.stats.dropped_writes += 1
@@ -325,9 +316,11 @@ class DiskTier(CacheTier):
                     self._delete_file(key)
                 return True  # else a newer put of the key is queued and will be written
             del self._pending[key]
+            accesses = entry.accesses
             if key in self._index:
+                accesses += self._index.get(key).accesses
                 self._index.remove(key, keep_pin=True)
-            self._index.add(key, StoredEntry(len(data), entry.nbytes, entry.parent, entry.created))
+            self._index.add(key, StoredEntry(len(data), entry.nbytes, entry.parent, entry.created, accesses))
             victims = self._index.evict_over_bound()
             if self._index.over_bound and key in self._index and key not in self._index.pinned:
                 # Everything else is pinned: the newcomer is the one that goes.
@@ -370,42 +363,37 @@ class DiskTier(CacheTier):
     # ---- start-up ------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        """Index what a previous run left, oldest first, then apply TTL and the byte bound."""
-        rows = stored_rows(self._cache, self._count_unreadable)
-        skipped = 0
-        for hexkey, tag, size, store_time in rows:
-            try:
-                key = bytes.fromhex(hexkey)
-                parent = bytes.fromhex(tag) if tag else None
-            except (TypeError, ValueError):
-                key = parent = None
-            if key is None or key.hex() != hexkey:
-                skipped += 1  # not written by this tier; leave it alone
-                continue
+        """Index what a previous run left, oldest first, with its access counts; then apply TTL and the byte bound."""
+        rows, skipped = previous_entries(self._cache, self._count_unreadable)
+        for key, parent, size, store_time in rows:
             if self._expired(store_time):
                 self._delete_file(key)
                 self.stats.expirations += 1
                 continue
             self._index.add(key, StoredEntry(size, size, parent, store_time))
+        self._index.restore_access_counts(self._counts.load())
         for victim in self._index.evict_over_bound():
             self._delete_file(victim)
-        log.info(
-            "kv_disk_index_rebuilt",
-            directory=str(self.directory),
-            entries=len(self._index),
-            bytes=self._index.stored_bytes,
-            skipped=skipped,
-        )
+        directory, entries, stored = str(self.directory), len(self._index), self._index.stored_bytes
+        log.info("kv_disk_index_rebuilt", directory=directory, entries=entries, bytes=stored, skipped=skipped)
 
     def _count_unreadable(self) -> None:
         self.stats.corrupt += 1
 
+    # ---- access counts (callers of _credit hold self.lock) ---------------------
+
+    def _credit(self, record: CacheEntry | StoredEntry | None, count: int) -> None:
+        """Add ``count`` to the access count of a queued or stored entry (never below 0)."""
+        if record is not None and count:
+            record.accesses = max(0, record.accesses + count)
+            if self._counts.changed():
+                self._writer.request_task()  # saved on the writer thread; skipped when its queue is full
+
+    def _save_counts(self) -> None:
+        self._counts.save(self.lock, self._index.access_counts)
+
 
 @hookimpl
 def register_cache_tiers(register):
-    register(
-        "disk",
-        DiskTier,
-        settings=DiskTierSettings,
-        description="local disk, zstd-compressed, persistent across restarts",
-    )
+    description = "local disk, zstd-compressed, persistent across restarts"
+    register("disk", DiskTier, settings=DiskTierSettings, description=description)

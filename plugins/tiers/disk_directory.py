@@ -17,12 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.codec import CorruptEntryError
 from tierserve.core.errors import TierserveError
+from tierserve.plugins.tiers.disk_counts import ACCESS_COUNTS_KEY
 
 log = structlog.get_logger(__name__)
 
 _DISKCACHE_SIZE_LIMIT = 2**62  # diskcache must never cull on its own; the tier's policy bounds the bytes
 
 Row = tuple[object, object, int, float]  # (hex key, tag = hex parent, bytes on disk, store time)
+Previous = tuple[bytes, bytes | None, int, float]  # (key, parent, bytes on disk, store time)
 
 
 class DiskTierSettings(BaseModel):
@@ -66,6 +68,25 @@ def open_directory(directory: Path, tier_name: str) -> diskcache.Cache:
             f"cannot open the cache directory {str(directory)!r} (path of tier {tier_name!r}): {exc}; "
             "point path at a writable directory"
         ) from exc
+
+
+def previous_entries(cache: diskcache.Cache, on_unreadable: Callable[[], None]) -> tuple[list[Previous], int]:
+    """The entries a previous run of the tier left, oldest first, and how many values were
+    skipped as not its own (the access counts record is neither)."""
+    entries, skipped = [], 0
+    for hexkey, tag, size, store_time in stored_rows(cache, on_unreadable):
+        if hexkey == ACCESS_COUNTS_KEY:
+            continue
+        try:
+            key = bytes.fromhex(hexkey)
+            parent = bytes.fromhex(tag) if tag else None
+        except (TypeError, ValueError):
+            key = parent = None
+        if key is None or key.hex() != hexkey:
+            skipped += 1  # not written by this tier; leave it alone
+            continue
+        entries.append((key, parent, size, store_time))
+    return entries, skipped
 
 
 def stored_rows(cache: diskcache.Cache, on_unreadable: Callable[[], None]) -> list[Row]:

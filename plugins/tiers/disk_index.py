@@ -1,7 +1,7 @@
 """The disk tier's index: what is on disk, by key, without reading it, and which entry goes first.
 
-Sizes, parents and ages of the stored entries, the pinned keys, the byte
-counts and the eviction policy, kept in step. Not thread-safe on its own:
+Sizes, parents, ages and access counts of the stored entries, the pinned
+keys, the byte counts and the eviction policy, kept in step. Not thread-safe on its own:
 the disk tier calls it with its lock held.
 """
 
@@ -22,6 +22,7 @@ class StoredEntry:
     raw: int  # tensor bytes; after a restart, the on-disk size until the entry is first read
     parent: bytes | None
     created: float  # entry.created; after a restart, diskcache's store time until first read
+    accesses: int = 0  # hits here plus uses credited from above; saved in the directory's counts record
 
 
 class DiskIndex:
@@ -69,6 +70,17 @@ class DiskIndex:
             self.pinned.discard(key)
         self._count(-stored.size, -stored.raw)
 
+    def access_counts(self) -> dict[bytes, int]:
+        """The non-zero access counts of the stored entries, by key."""
+        return {key: stored.accesses for key, stored in self._entries.items() if stored.accesses}
+
+    def restore_access_counts(self, counts: dict[bytes, int]) -> None:
+        """Set the access counts a previous run saved, for the keys indexed now."""
+        for key, count in counts.items():
+            stored = self._entries.get(key)
+            if stored is not None:
+                stored.accesses = count
+
     def clear(self) -> None:
         for key in list(self._entries):
             self.remove(key)
@@ -110,6 +122,8 @@ class DiskIndex:
             problems.append("stats bytes differ from bytes held")
         if not self.pinned <= self._entries.keys() | pending:
             problems.append("a pinned key is not stored")
+        if any(stored.accesses < 0 for stored in self._entries.values()):
+            problems.append("a negative access count")
         return problems
 
     def _count(self, stored: int, raw: int) -> None:

@@ -42,6 +42,8 @@ class MemoryTier(CacheTier):
 
     ``get`` returns a new ``CacheEntry`` around the stored ``kv`` tensor (not a
     copy of it): callers may reassign its fields but must not write into ``kv``.
+    Access counts live in the stored entries (``accesses``), so they leave
+    with them and an evicted entry carries its own; they do not outlive the process.
     """
 
     name = "memory"
@@ -75,7 +77,8 @@ class MemoryTier(CacheTier):
             else:
                 self.policy.touch(key)
                 self.stats.hits += 1
-                entry = replace(entry)
+                entry.accesses += 1
+                entry = replace(entry, accesses=0)
             self.stats.get_seconds += time.perf_counter() - start
             return entry
 
@@ -117,6 +120,17 @@ class MemoryTier(CacheTier):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def access_count(self, key: bytes) -> int:
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry.accesses if entry is not None else 0
+
+    def add_accesses(self, key: bytes, count: int) -> None:
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.accesses = max(0, entry.accesses + count)
+
     @property
     def bytes_used(self) -> int:
         return self._bytes
@@ -144,6 +158,8 @@ class MemoryTier(CacheTier):
                 problems.append("policy sizes differ from entry sizes")
             if self.stats.stored_bytes != self._bytes or self.stats.raw_bytes != self._bytes:
                 problems.append("stats bytes differ from bytes held")
+            if any(entry.accesses < 0 for entry in self._entries.values()):
+                problems.append("a negative access count")
             if problems:
                 raise AssertionError(f"{self.name} tier: " + "; ".join(problems))
 
@@ -154,7 +170,7 @@ class MemoryTier(CacheTier):
             return [entry]
         key = entry.key
         if key in self._entries:
-            self._forget(key)
+            entry.accesses += self._forget(key).accesses
         self._entries[key] = entry
         self._bytes += entry.nbytes
         self.policy.insert(key, self._size(entry))  # re-inserting a tracked key resizes and touches it

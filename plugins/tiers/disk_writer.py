@@ -1,0 +1,129 @@
+"""The disk tier's background writes: a bounded queue, the entries queued or being written, one thread.
+
+    submit(entry) ──► queue (full: refused) ──► writer thread (lower CPU priority): write(entry)
+                      pending[key] = entry       └► done: leaves pending; lost: lost(entry) is told
+    request_task() ──► the same queue ──► task()   (e.g. save the access counts)
+
+Every change to ``pending`` and the unwritten count happens under the tier's
+lock, which the caller passes in; ``wait`` is ``flush``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from tierserve.cache.tier import CacheEntry
+
+log = structlog.get_logger(__name__)
+
+_TASK = object()  # a queue item: run the task instead of writing
+
+
+class DiskWriter(threading.Thread):
+    """One daemon thread that writes queued entries in order.
+
+    Args:
+        lock: the tier's lock; guards ``pending`` and the unwritten count.
+        size: queue capacity; ``submit`` refuses an entry when it is full.
+        nice: added to the thread's niceness (Linux), so writes yield the CPU to the step loop.
+        write: stores one entry; False if it could not be stored (it counts and logs its own
+            failures; one that raises is logged here and treated as lost). Runs without the lock.
+        lost: called under the lock for an entry ``write`` failed on (or raised for),
+            once it no longer counts as pending.
+        task: what ``request_task`` runs on this thread.
+    """
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        size: int,
+        nice: int,
+        write: Callable[[CacheEntry], bool],
+        lost: Callable[[CacheEntry], None],
+        task: Callable[[], None],
+    ) -> None:
+        super().__init__(name="tierserve-l3-writer", daemon=True)
+        self.lock = lock
+        self.nice = nice
+        self.pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
+        self._write, self._lost, self._task = write, lost, task
+        self._queue: queue.Queue[CacheEntry | object | None] = queue.Queue(maxsize=size)
+        self._unwritten = 0  # entries accepted and not yet finished
+        self._drained = threading.Condition(lock)
+
+    def submit(self, entry: CacheEntry) -> bool:
+        """Queue ``entry`` (the caller holds the lock); False, and nothing queued, when the queue is full."""
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:
+            return False
+        self.pending[entry.key] = entry
+        self._unwritten += 1
+        return True
+
+    def request_task(self) -> None:
+        """Run the task on this thread after what is queued; skipped when the queue is full."""
+        try:
+            self._queue.put_nowait(_TASK)
+        except queue.Full:
+            pass  # the queue drains; the owner asks again later
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted entry is finished; False on timeout (logged)."""
+        with self._drained:
+            if self._drained.wait_for(lambda: self._unwritten == 0, timeout):
+                return True
+            log.warning("kv_disk_flush_timeout", unwritten=self._unwritten, timeout=timeout)
+            return False
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the thread."""
+        self._queue.put(None)
+        self.join()
+
+    def run(self) -> None:
+        self._lower_priority()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if item is _TASK:
+                self._task()
+            else:
+                self._finish(item)
+
+    def _finish(self, entry: CacheEntry) -> None:
+        lost = False
+        try:
+            lost = not self._write(entry)
+        except Exception:
+            log.exception("kv_disk_write_failed", key=entry.key.hex())
+            lost = True
+        finally:
+            with self.lock:
+                if self.pending.get(entry.key) is entry:
+                    del self.pending[entry.key]
+                else:
+                    lost = False  # put again while queued: the newer write decides
+                self._unwritten -= 1
+                # told only once it is no longer pending, so the owner's index can never
+                # see "removed" while contains() still says yes
+                if lost:
+                    self._lost(entry)
+                self._drained.notify_all()
+
+    def _lower_priority(self) -> None:
+        """Compression and disk writes yield the CPU to the step loop (Linux: per-thread nice)."""
+        if not self.nice or not hasattr(os, "setpriority"):
+            return
+        try:
+            thread = threading.get_native_id()
+            current = os.getpriority(os.PRIO_PROCESS, thread)
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self.nice))
+        except OSError as exc:
+            log.info("kv_disk_writer_priority_unchanged", error=str(exc))
