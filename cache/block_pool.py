@@ -72,6 +72,12 @@ class BlockPool:
         return len(self._free) + self._num_cached_free
 
     @property
+    def num_pinned_idle_blocks(self) -> int:
+        """Blocks kept only by a pin (no sequence holds them): neither free nor in use."""
+        blocks, cached = self.blocks, self.cached
+        return sum(1 for key in self.pinned if blocks[cached[key]].ref_count == 0)
+
+    @property
     def num_empty_blocks(self) -> int:
         """Blocks that hold no KV worth keeping (neither in use nor cached)."""
         return len(self._free)

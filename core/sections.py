@@ -118,6 +118,16 @@ class KVCacheSettings(Section):
     enable_prefix_caching: bool = True
     warm_prompts: list[str] = Field(default_factory=list)
     warm_prompts_file: str | None = None
+    warm_frequent_blocks: int = Field(
+        256, gt=0, description="blocks POST /v1/cache/warm with no prompts promotes at most (most used prefixes first)"
+    )
+    cache_keys_max: int = Field(1024, gt=0, description="named prefixes (request cache_key) kept; the least recently used goes first")
+    cache_key_ttl_seconds: float | None = Field(
+        3600, ge=0, description="a cache_key unused this long is unpinned and forgotten; 0 or unset: never"
+    )
+    cache_keys_max_pinned_bytes: int | None = Field(
+        None, gt=0, description="bytes of KV that cache keys pin at most; unset: a quarter of L1"
+    )
     # legacy tier keys, used only when `tiers` is not set
     l2_capacity: int = Field(50000, ge=0, description="legacy: blocks held in L2 host memory; 0 disables L2")
     max_memory_bytes: int = Field(1_000_000_000, ge=0, description="legacy: byte bound of L2; 0 disables L2")

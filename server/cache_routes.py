@@ -1,4 +1,5 @@
-"""Cache operations: ``GET /v1/cache/stats`` (with alerts and trends), ``POST /v1/cache/clear``, ``/offload`` and ``/warm``.
+"""Cache operations: ``GET /v1/cache/stats`` (with alerts and trends), ``POST /v1/cache/clear``, ``/offload``
+and ``/warm``, and the named prefixes: ``GET /v1/cache/keys``, ``DELETE /v1/cache/keys/{key}``.
 
 A monitor thread samples the published statistics every
 ``monitoring.collection_interval_seconds`` into a rolling window of
@@ -15,12 +16,12 @@ from collections import deque
 from typing import TYPE_CHECKING, Annotated, Any
 
 import structlog
-from litestar import Request, get, post
-from litestar.params import JSONBody
+from litestar import Request, delete, get, post
+from litestar.params import FromPath, FromQuery, JSONBody
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.server.errors import APIError
-from tierserve.server.generation_jobs import remember_prefix
+from tierserve.server.generation_jobs import cache_namespace
 from tierserve.server.state import ServerState, ready_engine, state_of
 from tierserve.server.stats_document import (
     Activity,
@@ -32,6 +33,7 @@ from tierserve.server.stats_document import (
 )
 
 if TYPE_CHECKING:
+    from tierserve.cache.named_prefixes import NamedPrefix
     from tierserve.core.engine import EngineClient, EngineSnapshot
 
 log = structlog.get_logger(__name__)
@@ -134,12 +136,15 @@ class Message(BaseModel):
 
 
 class WarmRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """``POST /v1/cache/warm``: prompts (or conversations) to prefill, or none to promote the most used prefixes."""
 
-    prompts: list[str] | None = None
-    messages: list[Annotated[list[Message], Field(min_length=1)]] | None = None  # an empty conversation has no prompt
-    cache_salt: str | None = None
-    cache_key: str | None = None  # name the (single) warmed prompt for /v1/cached/* requests
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    messages: list[Annotated[list[Message], Field(min_length=1)]] | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, max_length=256)
+    cache_key: str | None = Field(None, min_length=1, max_length=256)  # name and pin the (single) warmed prompt
+    limit_blocks: int | None = Field(None, gt=0)  # no prompts: blocks promoted at most (kv_cache.warm_frequent_blocks)
 
 
 @get("/v1/cache/stats", sync_to_thread=False)
@@ -189,30 +194,94 @@ async def cache_offload(request: Request) -> dict[str, Any]:
 
 
 @post("/v1/cache/warm", opt={"admin": True}, status_code=200)
-async def cache_warm(request: Request, data: JSONBody[WarmRequest]) -> dict[str, Any]:
+async def cache_warm(request: Request, data: JSONBody[WarmRequest | None] = None) -> dict[str, Any]:
+    """Prefill the prompts given; with none, promote the most used cached prefixes into the faster tiers."""
     engine = ready_engine(request)
-    if not data.prompts and not data.messages:
-        message = "prompts: give a non-empty list of prompts, or messages (a list of conversations)"
-        raise APIError(400, message, param="prompts", code="invalid_value")
+    data = data or WarmRequest()
+    if data.prompts is None and data.messages is None:
+        return await warm_frequent(engine, data)
+    if data.limit_blocks is not None:
+        message = "limit_blocks: bounds a warm of the most used prefixes; send it without prompts or messages"
+        raise APIError(400, message, param="limit_blocks", code="invalid_value")
     conversations = [[m.model_dump() for m in conversation] for conversation in data.messages or []]
     prompts: list[Any] = list(data.prompts or [])
     if data.cache_key is not None and len(prompts) + len(conversations) != 1:
         message = "cache_key: names one prefix; give exactly one prompt (or one conversation) with it"
         raise APIError(400, message, param="cache_key", code="invalid_value")
     batch = engine.settings.scheduler.max_num_seqs  # in batches, so a long list never fills the waiting queue
+    named = {"cache_key": data.cache_key, "cache_namespace": cache_namespace(data.cache_salt)} if data.cache_key else {}
 
     def warm() -> int:
         # chat templates and tokenisation happen here, off the event loop
         items = [engine.encode_prompt(p) for p in prompts]
         items += [engine.encode_prompt(None, conversation) for conversation in conversations]
-        if data.cache_key is not None:
-            remember_prefix(state_of(request), data.cache_key, items[0])
-        return sum(engine.warm(items[i : i + batch], cache_salt=data.cache_salt) for i in range(0, len(items), batch))
+        return sum(
+            engine.warm(items[i : i + batch], cache_salt=data.cache_salt, **named) for i in range(0, len(items), batch)
+        )
 
     tokens = await asyncio.to_thread(warm)
     count = len(prompts) + len(conversations)
     log.info("cache_warmed", prompts=count, tokens=tokens)
-    return {"warmed": count, "tokens": tokens, "blocks": tokens // engine.info.block_size}
+    return {"source": "prompts", "warmed": count, "tokens": tokens, "blocks": tokens // engine.info.block_size}
+
+
+async def warm_frequent(engine: EngineClient, data: WarmRequest) -> dict[str, Any]:
+    """The spec's "frequent patterns": the most used prefixes (access counts kept with the tier
+    indexes, so they survive a restart) move from L3/L2 into the faster tiers."""
+    if data.cache_key is not None:
+        message = "cache_key: names one warmed prompt; give exactly one prompt (or one conversation) with it"
+        raise APIError(400, message, param="cache_key", code="invalid_value")
+    limit = data.limit_blocks or engine.settings.kv_cache.warm_frequent_blocks
+    report = await asyncio.to_thread(engine.warm_frequent, limit)  # the same default, named in the response
+    blocks = sum(report.blocks.values())
+    log.info("cache_warmed_frequent", prefixes=report.prefixes, blocks=report.blocks, skipped=report.skipped)
+    return {
+        "source": "frequent",
+        "warmed": report.prefixes,
+        "tokens": report.tokens,
+        "blocks": blocks,
+        "blocks_by_tier": report.blocks,
+        "skipped": report.skipped,
+        "limit_blocks": limit,
+    }
+
+
+def key_document(entry: NamedPrefix) -> dict[str, Any]:
+    """One named prefix as ``GET /v1/cache/keys`` lists it."""
+    return {
+        "object": "cache_key",
+        "id": entry.name,
+        "cache_salt": entry.namespace or None,
+        "prefix_tokens": entry.prefix_tokens,
+        "blocks": len(entry.block_hashes),
+        "pinned_bytes": entry.pinned_bytes,
+        "tiers": {"complete": entry.tiers.complete, "blocks": entry.tiers.blocks},
+        "hits": entry.hits,
+        "requests": entry.requests,
+        "created": round(entry.created, 3),
+        "last_used": round(entry.last_used, 3),
+        "expires_at": round(entry.expires_at, 3) if entry.expires_at is not None else None,
+    }
+
+
+@get("/v1/cache/keys", opt={"admin": True}, sync_to_thread=False)
+def cache_keys(request: Request, cache_salt: FromQuery[str | None] = None) -> dict[str, Any]:
+    """The named prefixes (``cache_key``): of one tenant with ``?cache_salt=``, else of all."""
+    engine = ready_engine(request)
+    namespace = cache_namespace(cache_salt) if cache_salt is not None else None
+    entries = engine.list_cache_keys(namespace)
+    return {"object": "list", "data": [key_document(entry) for entry in entries]}
+
+
+@delete("/v1/cache/keys/{key:str}", opt={"admin": True}, status_code=200, sync_to_thread=False)
+def cache_key_delete(request: Request, key: FromPath[str], cache_salt: FromQuery[str | None] = None) -> dict[str, Any]:
+    """Unpin a named prefix and evict its blocks from every tier (those no other key pins)."""
+    engine = ready_engine(request)
+    if not engine.delete_cache_key(cache_namespace(cache_salt), key):
+        where = f" with cache_salt {cache_salt!r}" if cache_salt else ""
+        raise APIError(404, f"cache key {key!r}{where} is not registered", param="key", code="not_found")
+    log.info("cache_key_deleted", cache_key=key)
+    return {"object": "cache_key", "id": key, "deleted": True}
 
 
 def setup(state: ServerState) -> None:
@@ -228,4 +297,4 @@ def teardown(state: ServerState) -> None:
         monitor.stop()
 
 
-ROUTES = [cache_stats, cache_clear, cache_offload, cache_warm]
+ROUTES = [cache_stats, cache_clear, cache_offload, cache_warm, cache_keys, cache_key_delete]

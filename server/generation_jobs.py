@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +18,7 @@ from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
 from tierserve.server.schemas import ChatRequest, SamplingFields
-from tierserve.server.state import ServerState, ready_engine, state_of
-
-NAMED_PREFIXES_MAX = 1024
+from tierserve.server.state import ready_engine, state_of
 
 
 @dataclass
@@ -60,6 +57,9 @@ class Job:
 # ---- building a job ---------------------------------------------------------------------
 
 
+def cache_namespace(cache_salt: str | None) -> str:
+    """The namespace a request's ``cache_key`` lives in: its tenant, which is its ``cache_salt`` (or none)."""
+    return cache_salt or ""
 
 
 def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
@@ -77,31 +77,6 @@ def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
 def chat_prompt(engine: EngineClient, body: ChatRequest) -> list[int]:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     return engine.encode_prompt(messages=messages)
-
-
-def named_prefixes(state: ServerState) -> OrderedDict[str, list[int]]:
-    """``cache_key`` -> prefix token ids, most recently used last (kept in memory, bounded)."""
-    return state.extras.setdefault("named_prefixes", OrderedDict())
-
-
-def remember_prefix(state: ServerState, key: str, token_ids: list[int]) -> None:
-    table = named_prefixes(state)
-    table[key] = list(token_ids)
-    table.move_to_end(key)
-    while len(table) > NAMED_PREFIXES_MAX:
-        table.popitem(last=False)
-
-
-def apply_cache_key(state: ServerState, key: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    """A known key prepends its prefix; an unknown one names this request's first prompt as the prefix."""
-    if key is None:
-        return prompts
-    prefix = named_prefixes(state).get(key)
-    if prefix is None:
-        remember_prefix(state, key, prompts[0])
-        return prompts
-    named_prefixes(state).move_to_end(key)
-    return [prefix + p for p in prompts]
 
 
 def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
@@ -148,6 +123,9 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
                     logprobs=logprobs,
                 )
             )
+    if getattr(body, "cache_key", None) is not None and len(prompts) > 1:
+        message = f"cache_key: names one prefix; send one prompt with it (got {len(prompts)} prompts)"
+        raise APIError(400, message, param="cache_key", code="invalid_value")
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = getattr(body, "request_id", None) if cached else None
     timeout = state.settings.server.timeout_seconds
@@ -164,6 +142,7 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
     """Submit every choice now (so queue-full and bad input become HTTP errors before any byte is sent)."""
     body = job.body
     use_cache = getattr(body, "enable_caching", True)
+    cache_key = getattr(body, "cache_key", None)
     submitted: list[tuple[str, Any]] = []
     try:
         for index, params in enumerate(job.params):
@@ -177,6 +156,9 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
                     use_prefix_cache=use_cache,
                     speculate=getattr(body, "enable_speculation", None),
                     sliding_window=getattr(body, "enable_sliding_window", None),
+                    # the first choice names the prefix: one request is one use of its key
+                    cache_key=cache_key if index == 0 else None,
+                    cache_namespace=cache_namespace(body.cache_salt),
                     loop=loop,
                 )
             )

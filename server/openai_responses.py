@@ -61,6 +61,10 @@ def cache_report(job: Job, choices: list[Choice]) -> dict[str, Any]:
     total = time.perf_counter() - job.started
     completion = sum(len(c.token_ids) for c in choices)
     methods = sorted({c.speculation_method for c in choices if c.speculation_method})
+    tier_hits: dict[str, int] = {}
+    for choice in firsts:
+        for tier, count in choice.cache.hits.items():
+            tier_hits[tier] = tier_hits.get(tier, 0) + count
     return {
         "cache_stats": {
             "cache_used": hits > 0,
@@ -71,6 +75,7 @@ def cache_report(job: Job, choices: list[Choice]) -> dict[str, Any]:
             "prefix_matches": sum(1 for c in firsts if c.cached_tokens > 0),
             "window_reuse": sum(1 for c in choices if c.timings is not None and c.timings.windows_slid),
             "speculation_method": methods[0] if methods else None,  # which speculator drafted, if any
+            "tier_hits": tier_hits,  # blocks served per tier ("l1" = the live pool)
         },
         "performance": {
             "total_time_ms": round(total * 1000, 3),

@@ -62,6 +62,9 @@ async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job)
     if body.stream:
         raise APIError(400, "stream: beam search returns whole beams; allowed: false with beam_width > 1",
                        param="stream", code="unsupported")
+    if getattr(body, "cache_key", None) is not None:
+        raise APIError(400, "cache_key: beam search neither reads nor keeps cached prefixes; send it without beams",
+                       param="cache_key", code="unsupported")
     params = BeamSearchParams(
         beam_width=body.beam_width,
         max_tokens=job.params[0].max_tokens,

@@ -68,6 +68,7 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
     summary["promotions"] = dict(cache.promotions) if cache is not None else {}
     summary["demotions"] = dict(cache.demotions) if cache is not None else {}
     summary["tiers"] = {name: tier.as_dict() for name, tier in tiers.items()}
+    summary["cache_keys"] = {"count": snapshot.cache_keys, "pinned_bytes": snapshot.cache_keys_pinned_bytes}
     return summary
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.effects_lab import FINGERPRINT, Lab, entry, greedy, new_threads, run
+from tests.effects_lab import FINGERPRINT, Lab, entry, greedy, new_threads, run, run_keyed
 from tierserve.cache.codec import KVCodec
 from tierserve.cache.tier import CacheTier
-from tierserve.core.errors import ConfigError
+from tierserve.core.errors import ConfigError, RequestError
 
 LONG = "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read books."
 ENTRY_BYTES = entry(0).nbytes
@@ -138,6 +138,44 @@ def kv_cache_warm_prompts_file(lab: Lab) -> None:
     path.write_text(LONG + "\n")
     with lab.engine({"kv_cache.warm_prompts_file": str(path)}) as engine:
         assert run(engine, LONG).cached_tokens > 0
+
+
+def kv_cache_warm_frequent_blocks(lab: Lab) -> None:
+    with lab.engine({"kv_cache.warm_frequent_blocks": 1, "kv_cache.block_size": 4}) as engine:
+        run(engine, LONG)
+        run(engine, LONG)  # used twice: its blocks have access counts
+        assert engine.offload_cache() > 1  # now only in L2
+        assert engine.warm_frequent().blocks["l1"] == 1  # the setting's bound
+        assert engine.warm_frequent(100).blocks["l1"] > 1  # the rest was left below
+
+
+def names(engine) -> list[str]:
+    return [entry.name for entry in engine.list_cache_keys()]
+
+
+def kv_cache_cache_keys_max(lab: Lab) -> None:
+    with lab.engine({"kv_cache.cache_keys_max": 1}) as engine:
+        run_keyed(engine, LONG, "first")
+        run_keyed(engine, LONG + " Again.", "second")
+        assert names(engine) == ["second"]  # the oldest went
+
+
+def kv_cache_cache_key_ttl_seconds(lab: Lab) -> None:
+    with lab.engine({"kv_cache.cache_key_ttl_seconds": 0.2}) as engine:
+        run_keyed(engine, LONG, "brief")
+        assert names(engine) == ["brief"]
+        time.sleep(0.3)
+        assert names(engine) == []
+
+
+def kv_cache_cache_keys_max_pinned_bytes(lab: Lab) -> None:
+    block = lab.shared.info.kv_block_bytes
+    with lab.engine({"kv_cache.cache_keys_max_pinned_bytes": block}) as engine:
+        with pytest.raises(RequestError, match="cache_keys_max_pinned_bytes") as refused:
+            run_keyed(engine, LONG * 3, "long")  # several blocks
+        assert refused.value.param == "cache_key" and names(engine) == []
+        run_keyed(engine, LONG[:60], "short")  # one block
+        assert names(engine) == ["short"]
 
 
 # ---- legacy [kv_cache] keys of the L2 memory tier --------------------------------------------------
@@ -310,6 +348,10 @@ PROBES = {
     "kv_cache.enable_prefix_caching": kv_cache_enable_prefix_caching,
     "kv_cache.warm_prompts": kv_cache_warm_prompts,
     "kv_cache.warm_prompts_file": kv_cache_warm_prompts_file,
+    "kv_cache.warm_frequent_blocks": kv_cache_warm_frequent_blocks,
+    "kv_cache.cache_keys_max": kv_cache_cache_keys_max,
+    "kv_cache.cache_key_ttl_seconds": kv_cache_cache_key_ttl_seconds,
+    "kv_cache.cache_keys_max_pinned_bytes": kv_cache_cache_keys_max_pinned_bytes,
     "kv_cache.l2_capacity": kv_cache_l2_capacity,
     "kv_cache.max_memory_bytes": kv_cache_max_memory_bytes,
     "kv_cache.l2_tier": kv_cache_l2_tier,

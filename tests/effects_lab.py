@@ -61,6 +61,15 @@ def run(engine: EngineClient, prompt: str, params: SamplingParams | None = None)
     return result
 
 
+def run_keyed(engine: EngineClient, prompt: str, key: str, namespace: str = "", max_tokens: int = 2) -> int:
+    """One greedy request naming its prefix ``key`` (in ``namespace``); the prompt tokens it found cached."""
+    ids = engine.encode_prompt(prompt)
+    _, stream = engine.submit(ids, greedy(max_tokens), cache_key=key, cache_namespace=namespace)
+    while not (output := engine.next_output(stream)).finished:
+        pass
+    return output.cached_tokens
+
+
 def entry(index: int, tokens: int = 16) -> CacheEntry:
     """A KV block of a 2-layer, 2-head model, the same compressible contents for every index."""
     generator = torch.Generator().manual_seed(0)

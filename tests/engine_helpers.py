@@ -62,5 +62,5 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[
 def assert_pool_released(engine: EngineClient) -> None:
     engine.check_integrity()
     stats = engine.stats()
-    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.kv_blocks_free + stats.kv_blocks_pinned == stats.kv_blocks_total  # pinned: named prefixes
     assert stats.requests_running == stats.requests_waiting == 0

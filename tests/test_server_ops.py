@@ -257,10 +257,12 @@ def test_cache_stats_shape_and_hits_after_warming(server, engine):
 
     prompt = PROMPTS[4]
     ids = engine.encode_prompt(prompt)
-    warmed = httpx.post(f"{server}/v1/cache/warm", json={"prompts": [prompt], "extra": "ignored"}, timeout=60)
+    unknown = httpx.post(f"{server}/v1/cache/warm", json={"prompts": [prompt], "extra": "x"}, timeout=60)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "extra"  # never silently ignored
+    warmed = httpx.post(f"{server}/v1/cache/warm", json={"prompts": [prompt]}, timeout=60)
     assert warmed.status_code == 200, warmed.text
     tokens = len(ids) // BLOCK * BLOCK
-    assert warmed.json() == {"warmed": 1, "tokens": tokens, "blocks": tokens // BLOCK}
+    assert warmed.json() == {"source": "prompts", "warmed": 1, "tokens": tokens, "blocks": tokens // BLOCK}
 
     [result] = engine.generate([prompt + " And then"])
     assert result.cached_tokens >= tokens - BLOCK
@@ -287,7 +289,6 @@ def test_warm_chat_messages_and_validation(server):
     warmed = httpx.post(f"{server}/v1/cache/warm", json={"messages": messages}, timeout=60)
     assert warmed.status_code == 200 and warmed.json()["warmed"] == 1 and warmed.json()["blocks"] > 0
     for body, param in (
-        ({}, "prompts"),
         ({"prompts": []}, "prompts"),
         ({"prompts": "not a list"}, "prompts"),
         ({"messages": [[{"role": "user"}]]}, "messages"),

@@ -12,6 +12,7 @@ import structlog
 
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
+from tierserve.cache.named_prefixes import NamedPrefixes
 from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
@@ -63,7 +64,8 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         adaptive=settings.speculative.adaptive,
         clock=clock,
     )
-    core = EngineCore(settings, scheduler, runner, store, clock)
+    keys = build_named_prefixes(settings, store, spec.block_bytes, num_blocks)
+    core = EngineCore(settings, scheduler, runner, store, clock, keys)
     log.info(
         "engine_ready",
         model=str(getattr(backend, "path", settings.model.path)),
@@ -93,6 +95,18 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
         for made in tiers:  # a later tier failed: release the ones already open (threads, files)
             made.tier.close()
         raise
+
+
+def build_named_prefixes(
+    settings: Settings, store: TieredStore | None, block_bytes: int, num_blocks: int
+) -> NamedPrefixes | None:
+    """The registry of ``cache_key`` prefixes, bounded by ``[kv_cache] cache_keys_*``; None without a store."""
+    if store is None or block_bytes <= 0:
+        return None
+    kv = settings.kv_cache
+    cap = kv.cache_keys_max_pinned_bytes or max(block_bytes, num_blocks * block_bytes // 4)
+    ttl = kv.cache_key_ttl_seconds or None
+    return NamedPrefixes(store, max_keys=kv.cache_keys_max, max_pinned_bytes=cap, ttl_seconds=ttl, block_bytes=block_bytes)
 
 
 FALLBACK_SPECULATOR = "ngram"  # prompt lookup: needs no extra model, so any request may ask for it
@@ -142,6 +156,7 @@ def model_info(core: EngineCore) -> ModelInfo:
         fallback_speculator=FALLBACK_SPECULATOR if FALLBACK_SPECULATOR in core.runner.speculators else None,
         supports_streaming_window=backend.paged and backend.supports_released_kv,
         attention_kernel=backend.attention_kernel,
+        key_max_pinned_bytes=core.keys.max_pinned_bytes if core.keys is not None else 0,
     )
 
 

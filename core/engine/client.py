@@ -34,6 +34,8 @@ from tierserve.core.scheduler import QueueFullError
 if TYPE_CHECKING:
     import torch
 
+    from tierserve.cache.named_prefixes import NamedPrefix
+    from tierserve.cache.warming import WarmReport
     from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from tierserve.core.config import Settings
     from tierserve.core.plugins import PluginManager
@@ -112,6 +114,8 @@ class EngineClient:
         use_prefix_cache: bool = True,
         speculate: bool | None = None,
         sliding_window: bool | None = None,
+        cache_key: str | None = None,
+        cache_namespace: str = "",
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
@@ -119,7 +123,9 @@ class EngineClient:
         ``speculate``: ``None`` follows the settings (on when ``[speculative] method``
         is set); ``True`` asks for it (prompt lookup when no method is configured);
         requests with penalties or logprobs decode without drafts. ``speculation_method``
-        tells which method a request would get.
+        tells which method a request would get. ``cache_key`` names the prompt's
+        cached prefix within ``cache_namespace`` (the tenant): when the request ends
+        normally its full prompt blocks are pinned under that key (``check_cache_key``).
 
         Raises:
             RequestError: empty prompt, or prompt + max_tokens beyond the context or KV capacity.
@@ -128,6 +134,8 @@ class EngineClient:
         ids = list(prompt_token_ids)
         streaming = self.settings.sliding_window.enabled if sliding_window is None else sliding_window
         spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
+        if cache_key is not None:
+            self.check_cache_key(len(ids), use_prefix_cache)
         request_id = request_id or f"req-{next(self._counter)}-{self._rng.getrandbits(32):08x}"
         with self._lock:
             waiting = self._core_waiting + self._unacknowledged
@@ -137,7 +145,10 @@ class EngineClient:
             if request_id in self._processor.requests:
                 raise RequestError(f"request_id: {request_id!r} is already in flight", param="request_id")
             stream = RequestStream(loop)
-            request = EngineRequest(request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming)
+            request = EngineRequest(
+                request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming,
+                cache_key=cache_key, cache_namespace=cache_namespace,
+            )  # fmt: skip
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer,
                 ids,
@@ -157,6 +168,26 @@ class EngineClient:
                 self._unacknowledged -= 1
             raise
         return request_id, stream
+
+    def check_cache_key(self, num_prompt_tokens: int, use_prefix_cache: bool = True) -> None:
+        """Raise ``RequestError`` (param ``cache_key``) unless a prompt this long can be named:
+        prefix caching is on, for the request too, and its blocks fit the cap on pinned bytes."""
+        info = self.info
+        if not info.key_max_pinned_bytes:
+            raise RequestError(
+                "cache_key: names a cached prefix, and prefix caching is off (kv_cache.enable_prefix_caching) "
+                "or the backend keeps no paged cache", param="cache_key",
+            )  # fmt: skip
+        if not use_prefix_cache:
+            raise RequestError("cache_key: names a cached prefix; allowed only with enable_caching: true", param="cache_key")
+        blocks = num_prompt_tokens // info.block_size
+        needed = blocks * info.kv_block_bytes
+        if needed > info.key_max_pinned_bytes:
+            raise RequestError(
+                f"cache_key: the prompt's prefix takes {needed} bytes of KV ({blocks} blocks), more than "
+                f"kv_cache.cache_keys_max_pinned_bytes ({info.key_max_pinned_bytes}); use a shorter prompt or no key",
+                param="cache_key",
+            )
 
     async def add_request(
         self,
@@ -274,21 +305,52 @@ class EngineClient:
 
     # ---- cache and statistics --------------------------------------------------------------
 
-    def warm(self, prompts: Seq[str | Seq[int]], cache_salt: str | None = None) -> int:
-        """Prefill ``prompts`` and keep their KV in the cache tiers; returns the tokens now cached."""
+    def warm(
+        self,
+        prompts: Seq[str | Seq[int]],
+        cache_salt: str | None = None,
+        *,
+        cache_key: str | None = None,
+        cache_namespace: str = "",
+    ) -> int:
+        """Prefill ``prompts`` and keep their KV in the cache tiers; returns the tokens now cached.
+
+        ``cache_key`` (with exactly one prompt) names and pins the warmed prefix, as a request's key does.
+        """
         if not self.info.tier_names:
             raise RequestError(
                 "warm: prefix caching is off (kv_cache.enable_prefix_caching) or the backend is not paged", param="prompts"
             )
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         ids = [self.encode_prompt(p) for p in prompts]
-        streams = [self.submit(i, params, cache_salt=cache_salt)[1] for i in ids]
+        if cache_key is not None and len(ids) != 1:
+            raise RequestError("cache_key: names one prefix; warm exactly one prompt with it", param="cache_key")
+        named = {"cache_key": cache_key, "cache_namespace": cache_namespace} if cache_key is not None else {}
+        streams = [self.submit(i, params, cache_salt=cache_salt, **named)[1] for i in ids]
         for stream in streams:
             while not self.next_output(stream).finished:
                 pass
         self.driver.call("flush_cache")
         bs = self.info.block_size
         return sum((len(i) // bs) * bs for i in ids)
+
+    def warm_frequent(self, limit_blocks: int | None = None) -> WarmReport:
+        """Promote the most used cached prefixes from the lower tiers into the faster ones (no prompts
+        needed); at most ``limit_blocks`` blocks (default ``[kv_cache] warm_frequent_blocks``)."""
+        limit_blocks = limit_blocks or self.settings.kv_cache.warm_frequent_blocks
+        if not self.info.tier_names:
+            raise RequestError(
+                "warm: prefix caching is off (kv_cache.enable_prefix_caching) or the backend is not paged", param="prompts"
+            )
+        return self.driver.call("warm_frequent", limit_blocks)
+
+    def list_cache_keys(self, namespace: str | None = None) -> list[NamedPrefix]:
+        """Named prefixes (``cache_key``) of one namespace, or of all with ``None``."""
+        return self.driver.call("list_cache_keys", namespace)
+
+    def delete_cache_key(self, namespace: str, name: str) -> bool:
+        """Unpin a named prefix and evict its blocks (those no other key pins); False for an unknown key."""
+        return self.driver.call("delete_cache_key", namespace, name)
 
     def clear_cache(self, tier: str = "all") -> dict[str, int]:
         """Drop cached prefixes of one tier (a name from ``info.tier_names``) or ``all``; safe while requests run."""

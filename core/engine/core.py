@@ -29,13 +29,17 @@ from tierserve.core.scheduler import QueueFullError, Scheduler
 from tierserve.core.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
+    from tierserve.cache.named_prefixes import Key, NamedPrefix, NamedPrefixes
     from tierserve.cache.store import TieredStore
+    from tierserve.cache.warming import WarmReport
     from tierserve.core.batch import SchedulerOutput
     from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from tierserve.core.config import Settings
     from tierserve.core.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
+
+KEY_EXPIRY_INTERVAL_SECONDS = 1.0  # how often the step loop unpins cache keys past their TTL
 
 
 class EngineCore:
@@ -47,6 +51,7 @@ class EngineCore:
         runner: the model runner over the backend (and speculator).
         store: the tiered prefix store, or ``None`` when prefix caching is off.
         clock: the phase clock the runner shares (``[monitoring] detailed_profiling``), or ``None``.
+        keys: the registry of named prefixes (requests' ``cache_key``), or ``None`` without a store.
     """
 
     def __init__(
@@ -56,12 +61,16 @@ class EngineCore:
         runner: ModelRunner,
         store: TieredStore | None = None,
         clock: PhaseClock | None = None,
+        keys: NamedPrefixes | None = None,
     ) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.runner = runner
         self.store = store
         self.clock = clock
+        self.keys = keys
+        self._keyed: dict[str, Key] = {}  # request id -> the cache key it registers when it ends normally
+        self._keys_expired_at = 0.0
         self.kv = scheduler.kv
         self.counters = EngineCounters()
         self.requests: dict[str, Sequence] = {}
@@ -100,6 +109,8 @@ class EngineCore:
         except QueueFullError:
             return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
         self.requests[request.request_id] = seq
+        if request.cache_key is not None and self.keys is not None:
+            self._keyed[request.request_id] = (request.cache_namespace, request.cache_key)
         self.counters.requests_added += 1
         self.counters.prompt_tokens += seq.num_prompt_tokens
         return []
@@ -115,6 +126,7 @@ class EngineCore:
             if seq is None or seq.is_finished:
                 continue
             self.scheduler.finish_sequence(seq, reason)
+            self._ended(seq, reason.value)
             if reason is FinishReason.ABORT:
                 self.counters.requests_aborted += 1
             self.counters.requests_finished += 1
@@ -135,9 +147,50 @@ class EngineCore:
             self.counters.steps += 1
         for output in outputs:
             if output.finish_reason is not None:
-                self.requests.pop(output.request_id, None)
+                seq = self.requests.pop(output.request_id, None)
+                if seq is not None:
+                    self._ended(seq, output.finish_reason)
                 self.counters.requests_finished += 1
+        if self.keys is not None and time.monotonic() - self._keys_expired_at >= KEY_EXPIRY_INTERVAL_SECONDS:
+            self._keys_expired_at = time.monotonic()
+            self.keys.expire(time.time())
         return outputs
+
+    def _ended(self, seq: Sequence, finish_reason: str) -> None:
+        """A keyed request that ended normally names its prompt's full blocks (counting its hit
+        first when the key is known); an aborted one registers nothing."""
+        key = self._keyed.pop(seq.request_id, None)
+        if key is None or self.keys is None or finish_reason not in ("stop", "length"):
+            return
+        now = time.time()
+        hit_blocks = seq.cache_info.hit_blocks if seq.cache_info is not None else 0
+        self.keys.use(*key, hit_blocks, now)
+        blocks = seq.block_hashes[: seq.num_prompt_tokens // self.kv.block_size]
+        try:
+            self.keys.register(*key, blocks, now)
+        except ValueError as exc:  # the client checks the cap first; a changed cap lands here
+            log.warning("cache_key_not_registered", cache_key=key[1], reason=str(exc))
+
+    # ---- named prefixes (cache_key) -----------------------------------------------------
+
+    def list_cache_keys(self, namespace: str | None = None) -> list[NamedPrefix]:
+        """The named prefixes of one namespace (``None``: all), with where their blocks are now."""
+        if self.keys is None:
+            return []
+        self.keys.expire(time.time())
+        return self.keys.list(namespace)
+
+    def delete_cache_key(self, namespace: str, name: str) -> bool:
+        """Unpin a named prefix and evict the blocks no other key pins; False for an unknown key."""
+        return self.keys.delete(namespace, name) if self.keys is not None else False
+
+    def warm_frequent(self, limit_blocks: int) -> WarmReport:
+        """Promote the most used cached prefixes into the faster tiers (at most ``limit_blocks`` blocks)."""
+        if self.store is None:
+            raise RequestError("warm: prefix caching is off (kv_cache.enable_prefix_caching)", param="prompts")
+        report = self.store.warm_frequent(limit_blocks)
+        self.store.flush()
+        return report
 
     def _profiled_round(self) -> tuple[SchedulerOutput, list[CoreOutput]]:
         """``step``'s three calls, timed: scheduler work less prefix matching, and prefix matching
@@ -241,8 +294,11 @@ class EngineCore:
             kv_block_size=self.kv.block_size,
             kv_block_bytes=self.kv.spec.block_bytes,
             kv_blocks_empty=self.kv.pool.num_empty_blocks,
+            kv_blocks_pinned=self.kv.pool.num_pinned_idle_blocks,
             sharing_hits=self.kv.sharing.sharing_hits,
             profiling=core_timings(self.clock) if self.clock is not None else None,
+            cache_keys=len(self.keys) if self.keys is not None else 0,
+            cache_keys_pinned_bytes=self.keys.pinned_bytes if self.keys is not None else 0,
         )
 
     def _window_snapshot(self) -> WindowSnapshot:

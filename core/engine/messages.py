@@ -39,6 +39,7 @@ class ModelInfo:
     fallback_speculator: str | None  # what a request asking for speculation gets when none is configured
     supports_streaming_window: bool
     attention_kernel: str  # e.g. "flash/math (torch picks)", or "math" ([sliding_window] use_flash_attention = false)
+    key_max_pinned_bytes: int = 0  # the most KV one cache_key may pin; 0: cache keys unavailable (no prefix cache)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -42,6 +42,8 @@ class EngineRequest:
     use_prefix_cache: bool = True
     spec_method: str | None = None  # the speculator drafting for it; None: plain decoding
     streaming: bool = False  # sliding-window streaming mode
+    cache_key: str | None = None  # names the prompt's cached prefix: pinned once the request ends normally
+    cache_namespace: str = ""  # the tenant the key belongs to (a key is (namespace, name))
     arrival_time: float = field(default_factory=time.monotonic)
 
 

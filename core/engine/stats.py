@@ -112,6 +112,9 @@ class EngineSnapshot:
     kv_blocks_empty: int = 0  # L1 blocks holding nothing (neither in use nor cached)
     sharing_hits: int = 0  # L1 lookups that reused a block another running sequence was using
     profiling: PhaseTimings | None = None  # per-phase step timings (monitoring.detailed_profiling), else None
+    kv_blocks_pinned: int = 0  # L1 blocks kept only by a pin (named prefixes): neither free nor in use
+    cache_keys: int = 0  # named prefixes (cache_key) registered
+    cache_keys_pinned_bytes: int = 0  # bytes of the distinct blocks they pin
 
     @property
     def kv_usage(self) -> float:
