@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -187,12 +188,27 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
             prompts += read_warm_prompts(args.file)
         except (OSError, ValueError) as exc:
             raise TierserveError(f"--file {args.file}: {exc}") from None
-    if not prompts:
-        raise TierserveError("nothing to warm: give prompts as arguments or --file FILE (a JSON list, or one prompt per line)")
-    body: dict[str, Any] = {"prompts": prompts}
+    body: dict[str, Any] = {"prompts": prompts} if prompts else {}  # no prompts: the most used prefixes
     if args.cache_salt:
         body["cache_salt"] = args.cache_salt
+    if args.cache_key:
+        body["cache_key"] = args.cache_key
+    if args.limit_blocks:
+        body["limit_blocks"] = args.limit_blocks
     print(json.dumps(_call_server(args, "POST", "/v1/cache/warm", body), indent=2))
+    return 0
+
+
+def cmd_cache_keys(args: argparse.Namespace) -> int:
+    query = f"?{urllib.parse.urlencode({'cache_salt': args.cache_salt})}" if args.cache_salt else ""
+    print(json.dumps(_call_server(args, "GET", f"/v1/cache/keys{query}"), indent=2))
+    return 0
+
+
+def cmd_cache_forget(args: argparse.Namespace) -> int:
+    query = f"?{urllib.parse.urlencode({'cache_salt': args.cache_salt})}" if args.cache_salt else ""
+    path = f"/v1/cache/keys/{urllib.parse.quote(args.key, safe='')}{query}"
+    print(json.dumps(_call_server(args, "DELETE", path), indent=2))
     return 0
 
 
@@ -223,12 +239,27 @@ def _add_cache_commands(commands: Any) -> None:
     )
     _add_server_arguments(offload)
     offload.set_defaults(handler=cmd_cache_offload)
-    warm = cache_commands.add_parser("warm", help="prefill prompts into the cache (POST /v1/cache/warm; admin key)")
+    warm = cache_commands.add_parser(
+        "warm", help="prefill prompts, or with none promote the most used prefixes (POST /v1/cache/warm; admin key)"
+    )
     _add_server_arguments(warm)
-    warm.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to warm")
+    warm.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to warm (none: the most used prefixes)")
     warm.add_argument("--file", help="more prompts: a JSON list of strings, or one prompt per line")
     warm.add_argument("--cache-salt", help="warm under this cache salt (the one requests will send)")
+    warm.add_argument("--cache-key", help="name and pin the (single) warmed prompt's prefix")
+    warm.add_argument("--limit-blocks", type=int, help="with no prompts: blocks promoted at most")
     warm.set_defaults(handler=cmd_cache_warm)
+    keys = cache_commands.add_parser("keys", help="list named prefixes (GET /v1/cache/keys; admin key)")
+    _add_server_arguments(keys)
+    keys.add_argument("--cache-salt", help="only this tenant's keys")
+    keys.set_defaults(handler=cmd_cache_keys)
+    forget = cache_commands.add_parser(
+        "forget", help="unpin and evict a named prefix (DELETE /v1/cache/keys/KEY; admin key)"
+    )
+    _add_server_arguments(forget)
+    forget.add_argument("key", help="the cache_key")
+    forget.add_argument("--cache-salt", help="the tenant the key belongs to")
+    forget.set_defaults(handler=cmd_cache_forget)
 
 
 def build_parser() -> argparse.ArgumentParser:

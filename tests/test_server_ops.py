@@ -452,6 +452,8 @@ def test_cache_cli_against_a_running_server(server, tmp_path):
     assert warmed.returncode == 0, warmed.stderr
     result = json.loads(warmed.stdout)
     assert result["warmed"] == 3 and result["blocks"] == result["tokens"] // BLOCK > 0
+    reused = cli("cache", "warm", "One more prompt given as an argument", "--url", server)  # a hit: counted
+    assert reused.returncode == 0, reused.stderr
 
     offloaded = cli("cache", "offload", "--url", server)
     assert offloaded.returncode == 0, offloaded.stderr
@@ -462,7 +464,19 @@ def test_cache_cli_against_a_running_server(server, tmp_path):
     assert cleared.returncode == 0, cleared.stderr
     assert set(json.loads(cleared.stdout)["cleared"]) == {"l1", "l3"}
 
-    nothing = cli("cache", "warm", "--url", server)
-    assert nothing.returncode == 2 and "nothing to warm" in nothing.stderr
+    frequent = cli("cache", "warm", "--limit-blocks", "4", "--url", server)  # no prompts: the most used, from l2
+    assert frequent.returncode == 0, frequent.stderr
+    report = json.loads(frequent.stdout)
+    assert report["source"] == "frequent" and 0 < report["blocks_by_tier"]["l1"] <= 4, report
+
+    named = cli("cache", "warm", "A manual worth naming, long enough for a block or two", "--cache-key", "manual",
+                "--url", server)  # fmt: skip
+    assert named.returncode == 0, named.stderr
+    listed = cli("cache", "keys", "--url", server)
+    assert [key["id"] for key in json.loads(listed.stdout)["data"]] == ["manual"]
+    forgot = cli("cache", "forget", "manual", "--url", server)
+    assert forgot.returncode == 0 and json.loads(forgot.stdout)["deleted"] is True
+    again = cli("cache", "forget", "manual", "--url", server)
+    assert again.returncode == 2 and "not registered" in again.stderr
     unreachable = cli("cache", "stats", "--url", "http://127.0.0.1:9")
     assert unreachable.returncode == 2 and "cannot reach the server" in unreachable.stderr
