@@ -18,7 +18,7 @@ from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
 from tierserve.server.schemas import ChatRequest, SamplingFields
-from tierserve.server.state import ready_engine, state_of
+from tierserve.server.state import BODY_REQUEST_ID, ready_engine, state_of
 
 
 @dataclass
@@ -128,6 +128,8 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
         raise APIError(400, message, param="cache_key", code="invalid_value")
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = getattr(body, "request_id", None) if cached else None
+    if request_id is not None:
+        request.scope.setdefault("state", {})[BODY_REQUEST_ID] = request_id
     timeout = state.settings.server.timeout_seconds
     deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
     return Job(

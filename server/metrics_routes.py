@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from tierserve.core.config import Settings
 from tierserve.core.logs import request_context
 from tierserve.core.metrics import EngineCollector
-from tierserve.server.state import ServerState
+from tierserve.server.state import BODY_REQUEST_ID, ServerState
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +170,9 @@ def request_middleware(app: ASGIApp) -> ASGIApp:
             nonlocal status, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableScopeHeaders.from_message(message)[REQUEST_ID_HEADER] = request_id
+                # a body's own request_id (the cached routes) is the one the client knows: echo that
+                echoed = scope["state"].get(BODY_REQUEST_ID, request_id)
+                MutableScopeHeaders.from_message(message)[REQUEST_ID_HEADER] = echoed
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = time.perf_counter()
             await send(message)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tierserve.core.engine import EngineClient
 
 log = structlog.get_logger(__name__)
+BODY_REQUEST_ID = "body_request_id"  # ASGI scope state: the request_id a request body gave (echoed in X-Request-Id)
 
 
 @dataclass

@@ -58,7 +58,7 @@ def test_the_spec_cached_example_works_verbatim(preset, checkpoint, tmp_path):
         body = reply.json()
         # the spec's top-level fields, beside OpenAI's choices
         assert body["text"] == body["choices"][0]["text"] and body["finish_reason"] in ("stop", "length")
-        assert body["request_id"] == "req-123" and reply.headers["x-request-id"]
+        assert body["request_id"] == "req-123" and reply.headers["x-request-id"] == "req-123"
         assert body["model"] == "advanced-model"
         usage = body["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
