@@ -7,6 +7,7 @@ are kept raw here and validated by the models their plugins registered, by
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
@@ -17,6 +18,7 @@ from tierserve.core.tables import validate_table
 from tierserve.core.tier_settings import TierSettings, legacy_tiers, unique_names
 
 M = TypeVar("M", bound=BaseModel)
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class Section(BaseModel):
@@ -242,6 +244,27 @@ class AuthSettings(Section):
 
     api_keys: list[str] = Field(default_factory=list)
     admin_api_keys: list[str] = Field(default_factory=list)
+    tenants: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="tenant name -> its API keys: keys of one tenant share cached prefixes, cache keys and "
+        "statistics; any key not listed is a tenant of its own",
+    )
+    shared_cache_keys: list[str] = Field(
+        default_factory=list, description="API keys that share one cache namespace (the tenant 'shared')"
+    )
+    public_stats: bool = Field(
+        False, description="every key reads the global /v1/cache/stats; false: only admin keys, others see their tenant's"
+    )
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, keys in value.items():
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+            if not keys:
+                raise ValueError(f"tenant {name!r} lists no API keys")
+        return value
 
 
 class LoggingSettings(Section):

@@ -19,9 +19,10 @@ from litestar.openapi import OpenAPIConfig
 from tierserve.core import __version__
 from tierserve.core.config import LoadedSettings, Settings
 from tierserve.core.plugins import PluginManager, load_plugins
-from tierserve.server.auth import auth_guard
+from tierserve.server.auth import auth_guard, tenant_map
 from tierserve.server.errors import EXCEPTION_HANDLERS
 from tierserve.server.state import ServerState
+from tierserve.server.tenants import bearer_token
 
 ROUTE_MODULES: tuple[str, ...] = (
     "tierserve.server.openai_routes",
@@ -34,8 +35,11 @@ ROUTE_MODULES: tuple[str, ...] = (
 
 
 def _rate_limit_identity(request) -> str:
-    header = request.headers.get("authorization", "")
-    return header or (request.client.host if request.client else "unknown")
+    """The bucket of a request: its API key (however the header is spelled), else its client address."""
+    caller = tenant_map(request.app.state.tierserve).resolve(bearer_token(request.headers.get("authorization")))
+    if caller is not None and caller.key_id is not None:
+        return caller.key_id
+    return request.client.host if request.client else "unknown"
 
 
 def create_app(

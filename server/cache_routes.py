@@ -21,8 +21,9 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.server.errors import APIError
-from tierserve.server.generation_jobs import cache_namespace
+from tierserve.server.openai_responses import usage_table
 from tierserve.server.state import ServerState, ready_engine, state_of
+from tierserve.server.tenants import OPEN_TENANT, Caller, cache_scope, caller_of, split_scope
 from tierserve.server.stats_document import (
     Activity,
     current_alerts,
@@ -149,8 +150,14 @@ class WarmRequest(BaseModel):
 
 @get("/v1/cache/stats", sync_to_thread=False)
 def cache_stats(request: Request) -> dict[str, Any]:
+    """The global document for an admin key (or anyone with ``[auth] public_stats``, or without API
+    keys); a tenant's own figures for any other key."""
     engine = ready_engine(request)
-    return build_stats(state_of(request), engine)
+    state = state_of(request)
+    caller = caller_of(request.scope)
+    if caller.admin or state.settings.auth.public_stats:
+        return build_stats(state, engine)
+    return usage_table(state).document(caller.tenant)
 
 
 def _requested_tiers(tiers: list[str] | str, known: tuple[str, ...]) -> list[str]:
@@ -209,14 +216,15 @@ async def cache_warm(request: Request, data: JSONBody[WarmRequest | None] = None
         message = "cache_key: names one prefix; give exactly one prompt (or one conversation) with it"
         raise APIError(400, message, param="cache_key", code="invalid_value")
     batch = engine.settings.scheduler.max_num_seqs  # in batches, so a long list never fills the waiting queue
-    named = {"cache_key": data.cache_key, "cache_namespace": cache_namespace(data.cache_salt)} if data.cache_key else {}
+    scope = cache_scope(caller_of(request.scope).tenant, data.cache_salt)
+    named = {"cache_key": data.cache_key, "cache_namespace": scope or ""} if data.cache_key else {}
 
     def warm() -> int:
         # chat templates and tokenisation happen here, off the event loop
         items = [engine.encode_prompt(p) for p in prompts]
         items += [engine.encode_prompt(None, conversation) for conversation in conversations]
         return sum(
-            engine.warm(items[i : i + batch], cache_salt=data.cache_salt, **named) for i in range(0, len(items), batch)
+            engine.warm(items[i : i + batch], cache_salt=scope, **named) for i in range(0, len(items), batch)
         )
 
     tokens = await asyncio.to_thread(warm)
@@ -248,10 +256,12 @@ async def warm_frequent(engine: EngineClient, data: WarmRequest) -> dict[str, An
 
 def key_document(entry: NamedPrefix) -> dict[str, Any]:
     """One named prefix as ``GET /v1/cache/keys`` lists it."""
+    tenant, cache_salt = split_scope(entry.namespace)
     return {
         "object": "cache_key",
         "id": entry.name,
-        "cache_salt": entry.namespace or None,
+        "tenant": tenant or None,
+        "cache_salt": cache_salt,
         "prefix_tokens": entry.prefix_tokens,
         "blocks": len(entry.block_hashes),
         "pinned_bytes": entry.pinned_bytes,
@@ -264,23 +274,47 @@ def key_document(entry: NamedPrefix) -> dict[str, Any]:
     }
 
 
-@get("/v1/cache/keys", opt={"admin": True}, sync_to_thread=False)
-def cache_keys(request: Request, cache_salt: FromQuery[str | None] = None) -> dict[str, Any]:
-    """The named prefixes (``cache_key``): of one tenant with ``?cache_salt=``, else of all."""
-    engine = ready_engine(request)
-    namespace = cache_namespace(cache_salt) if cache_salt is not None else None
-    entries = engine.list_cache_keys(namespace)
-    return {"object": "list", "data": [key_document(entry) for entry in entries]}
+def tenant_asked(caller: Caller, tenant: str | None) -> str | None:
+    """The tenant whose keys a caller may read or delete: its own, or with an admin key any (``None``: all)."""
+    if caller.admin:
+        return tenant
+    if tenant is not None and tenant != caller.tenant:
+        raise APIError(403, "tenant: only an admin key may read or delete another tenant's cache keys",
+                       param="tenant", code="admin_key_required")  # fmt: skip
+    return caller.tenant
 
 
-@delete("/v1/cache/keys/{key:str}", opt={"admin": True}, status_code=200, sync_to_thread=False)
-def cache_key_delete(request: Request, key: FromPath[str], cache_salt: FromQuery[str | None] = None) -> dict[str, Any]:
-    """Unpin a named prefix and evict its blocks from every tier (those no other key pins)."""
+@get("/v1/cache/keys")
+async def cache_keys(
+    request: Request, tenant: FromQuery[str | None] = None, cache_salt: FromQuery[str | None] = None
+) -> dict[str, Any]:
+    """Named prefixes (``cache_key``): the caller's tenant's; an admin key sees every tenant's
+    (``?tenant=`` for one). ``?cache_salt=`` keeps one salt's."""
     engine = ready_engine(request)
-    if not engine.delete_cache_key(cache_namespace(cache_salt), key):
+    wanted = tenant_asked(caller_of(request.scope), tenant)
+    entries = await asyncio.to_thread(engine.list_cache_keys)
+    documents = [key_document(entry) for entry in entries]
+    if wanted is not None:
+        documents = [doc for doc in documents if (doc["tenant"] or OPEN_TENANT) == wanted]
+    if cache_salt is not None:
+        documents = [doc for doc in documents if doc["cache_salt"] == (cache_salt or None)]
+    return {"object": "list", "data": documents}
+
+
+@delete("/v1/cache/keys/{key:str}", status_code=200)
+async def cache_key_delete(
+    request: Request, key: FromPath[str], tenant: FromQuery[str | None] = None, cache_salt: FromQuery[str | None] = None
+) -> dict[str, Any]:
+    """Unpin a named prefix of the caller's tenant (an admin key: of ``?tenant=``) and evict its
+    blocks from every tier (those no other key pins)."""
+    engine = ready_engine(request)
+    caller = caller_of(request.scope)
+    owner = tenant_asked(caller, tenant)
+    namespace = cache_scope(owner if owner is not None else caller.tenant, cache_salt) or ""
+    if not await asyncio.to_thread(engine.delete_cache_key, namespace, key):
         where = f" with cache_salt {cache_salt!r}" if cache_salt else ""
         raise APIError(404, f"cache key {key!r}{where} is not registered", param="key", code="not_found")
-    log.info("cache_key_deleted", cache_key=key)
+    log.info("cache_key_deleted", cache_key=key, tenant=owner)
     return {"object": "cache_key", "id": key, "deleted": True}
 
 

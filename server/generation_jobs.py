@@ -19,6 +19,7 @@ from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
 from tierserve.server.schemas import ChatRequest, SamplingFields
 from tierserve.server.state import BODY_REQUEST_ID, ready_engine, state_of
+from tierserve.server.tenants import OPEN_TENANT, cache_scope, caller_of
 
 
 @dataclass
@@ -52,14 +53,10 @@ class Job:
     deadline: float | None = None  # the event loop's clock: past it the request is aborted (server.timeout_seconds)
     started: float = field(default_factory=time.perf_counter)
     id: str = ""
+    tenant: str = OPEN_TENANT  # the caller's tenant: its cache scope and its own request ids
 
 
 # ---- building a job ---------------------------------------------------------------------
-
-
-def cache_namespace(cache_salt: str | None) -> str:
-    """The namespace a request's ``cache_key`` lives in: its tenant, which is its ``cache_salt`` (or none)."""
-    return cache_salt or ""
 
 
 def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
@@ -133,8 +130,9 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
     timeout = state.settings.server.timeout_seconds
     deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
     return Job(
-        prompts, params, body.n, chat, cached, body, model, deadline, id=request_id or f"{prefix}-{uuid.uuid4().hex}"
-    )
+        prompts, params, body.n, chat, cached, body, model, deadline,
+        id=request_id or f"{prefix}-{uuid.uuid4().hex}", tenant=caller_of(request.scope).tenant,
+    )  # fmt: skip
 
 
 # ---- running a job ------------------------------------------------------------------------
@@ -145,6 +143,9 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
     body = job.body
     use_cache = getattr(body, "enable_caching", True)
     cache_key = getattr(body, "cache_key", None)
+    scope = cache_scope(job.tenant, body.cache_salt)
+    # ids are unique per tenant: another tenant's id neither blocks nor reveals this one
+    engine_id = f"{job.tenant}/{job.id}" if job.tenant else job.id
     submitted: list[tuple[str, Any]] = []
     try:
         for index, params in enumerate(job.params):
@@ -152,15 +153,15 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
                 engine.submit(
                     job.prompts[index // job.n],
                     params,
-                    request_id=f"{job.id}-{index}",
+                    request_id=f"{engine_id}-{index}",
                     priority=body.priority,
-                    cache_salt=body.cache_salt,
+                    cache_salt=scope,
                     use_prefix_cache=use_cache,
                     speculate=getattr(body, "enable_speculation", None),
                     sliding_window=getattr(body, "enable_sliding_window", None),
                     # the first choice names the prefix: one request is one use of its key
                     cache_key=cache_key if index == 0 else None,
-                    cache_namespace=cache_namespace(body.cache_salt),
+                    cache_namespace=scope or "",
                     loop=loop,
                 )
             )

@@ -9,6 +9,7 @@ from typing import Any
 from tierserve.core.engine import EngineClient, TokenLogprob
 from tierserve.server.generation_jobs import Choice, Job
 from tierserve.server.state import ServerState
+from tierserve.server.tenant_usage import UsageTable
 
 
 def usage_of(job: Job, choices: list[Choice]) -> dict[str, Any]:
@@ -141,12 +142,30 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def usage_table(state: ServerState) -> UsageTable:
+    """Per-tenant usage (``/v1/cache/stats`` for a non-admin key)."""
+    table = state.extras.get("tenant_usage")
+    if table is None:
+        table = state.extras["tenant_usage"] = UsageTable()
+    return table  # type: ignore[return-value]
+
+
 def observe(state: ServerState, job: Job, choices: list[Choice], first_token_at: float | None) -> None:
+    usage = usage_of(job, choices)
+    firsts = [c.cache for c in choices if c.index % job.n == 0 and c.cache is not None]
+    hits = sum(info.hit_blocks for info in firsts)
+    usage_table(state).add(
+        job.tenant,
+        prompt=usage["prompt_tokens"],
+        cached=usage["prompt_tokens_details"]["cached_tokens"],
+        completion=usage["completion_tokens"],
+        hits=hits,
+        misses=sum(info.lookup_blocks for info in firsts) - hits,
+    )
     metrics = state.extras.get("metrics")
     if metrics is None:
         return
     now = time.perf_counter()
-    usage = usage_of(job, choices)
     metrics.count_tokens(usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
     metrics.observe_e2e(now - job.started)
     if first_token_at is not None:

@@ -23,6 +23,7 @@ from tierserve.server.stats_document import current_alerts
 
 LONG = "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read books."
 FAST_MONITOR = {"monitoring.collection_interval_seconds": 0.02}
+TENANT_PROMPT = "A prompt long enough to fill two blocks of the cache, so a second key could find it there."
 
 
 @contextmanager
@@ -195,6 +196,33 @@ def auth_admin_api_keys(lab: Lab) -> None:
         assert client.post("/v1/cache/clear", headers=admin).status_code == 200
 
 
+def shares_a_prefix(lab: Lab, values: dict, first: str, second: str) -> bool:
+    """Whether key ``second`` finds the prompt key ``first`` just sent in the cache (a fresh engine)."""
+    body = {"prompt": f"{TENANT_PROMPT} {first} {second}", "max_tokens": 1, "temperature": 0}
+    with lab.engine() as engine, lab.http(values, engine=engine) as client:
+        for key in (first, second):
+            reply = client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def auth_tenants(lab: Lab) -> None:
+    assert not shares_a_prefix(lab, {"auth.api_keys": ["sk-1", "sk-2"]}, "sk-1", "sk-2")
+    assert shares_a_prefix(lab, {"auth.tenants": {"team": ["sk-1", "sk-2"]}}, "sk-1", "sk-2")
+
+
+def auth_shared_cache_keys(lab: Lab) -> None:
+    assert shares_a_prefix(lab, {"auth.shared_cache_keys": ["sk-1", "sk-2"]}, "sk-1", "sk-2")
+
+
+def auth_public_stats(lab: Lab) -> None:
+    user = {"Authorization": "Bearer sk-1"}
+    with lab.http({"auth.api_keys": ["sk-1"]}) as client:
+        assert client.get("/v1/cache/stats", headers=user).json()["scope"] == "tenant"
+    with lab.http({"auth.api_keys": ["sk-1"], "auth.public_stats": True}) as client:
+        assert "cache_manager" in client.get("/v1/cache/stats", headers=user).json()
+
+
 @contextmanager
 def captured_logs(values: dict, lab: Lab) -> Iterator[io.StringIO]:
     root = logging.getLogger()
@@ -262,6 +290,9 @@ PROBES = {
     "monitoring.alert_queue_fraction_above": monitoring_alert_queue_fraction_above,
     "auth.api_keys": auth_api_keys,
     "auth.admin_api_keys": auth_admin_api_keys,
+    "auth.tenants": auth_tenants,
+    "auth.shared_cache_keys": auth_shared_cache_keys,
+    "auth.public_stats": auth_public_stats,
     "logging.level": logging_level,
     "logging.format": logging_format,
     "plugins.enabled": plugins_enabled,

@@ -49,8 +49,24 @@ def test_rate_limit_answers_429_in_openai_shape(checkpoint):
         assert statuses[:3] == [200, 200, 200] and statuses[3:] == [429, 429]
         limited = httpx.get(base + "/v1/models")
         assert limited.json()["error"]["type"] == "rate_limit_error"
-        other_key = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer someone-else"})
-        assert other_key.status_code == 200  # limits are per key
+        # without API keys the bucket is the client's address: a made-up header is no fresh bucket
+        other_header = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer someone-else"})
+        assert other_header.status_code == 429
+    engine.close()
+
+
+def test_rate_limits_are_per_key_however_the_header_is_spelled(checkpoint):
+    """Rewriting the Authorization header (case, spacing) used to get a fresh bucket each time."""
+    values = {("server", "rate_limit_per_minute"): 3, ("auth", "api_keys"): ["sk-a", "sk-b"]}
+    loaded = settings_for(checkpoint, values)
+    engine = make_engine(checkpoint)
+    with running_server(loaded.settings, engine=engine, plugins=loaded.plugins) as base:
+        spellings = ["Bearer sk-a", "bearer sk-a", "BEARER sk-a", "Bearer  sk-a", "bEaReR \tsk-a"]
+        statuses = [httpx.get(base + "/v1/models", headers={"Authorization": h}).status_code for h in spellings]
+        assert statuses == [200, 200, 200, 429, 429]
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sk-b"}).status_code == 200
+        for junk in ("Bearer nope-1", "Bearer nope-2"):  # unknown keys share the address's bucket
+            assert httpx.get(base + "/v1/models", headers={"Authorization": junk}).status_code in (401, 429)
     engine.close()
 
 
