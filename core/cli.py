@@ -97,8 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierserve.core.logs import configure_logging
+    from tierserve.core.secrets import auth_secrets
 
-    configure_logging(loaded.settings.logging)
+    configure_logging(loaded.settings.logging, secrets=auth_secrets(loaded.settings.auth))
     server = uvicorn.Server(server_config(loaded))
     try:
         server.run()

@@ -24,6 +24,7 @@ from tierserve.core.layers import Layer, parse_override, preset_names, preset_pa
 from tierserve.core.merge import Merged, merge_layers
 from tierserve.core.plugins import ALLOWLIST_ENV, TIER_KIND, PluginManager, load_plugins, parse_allowlist
 from tierserve.core.resolve import check_components, check_tier_keys, resolve_plugin_tables, resolve_tiers
+from tierserve.core.secrets import redact_auth
 from tierserve.core.sections import (
     AuthSettings,
     KVCacheSettings,
@@ -93,6 +94,8 @@ class LoadedSettings:
             if section == "plugins":
                 values = {"enabled": values["enabled"]}
             values.pop("tiers", None)
+            if section == "auth":  # a settings dump never shows a key
+                values = redact_auth(values)
             out[section] = self._items(section, values)
             if section == "kv_cache":
                 out["kv_cache.tiers"] = [

@@ -10,17 +10,25 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
 import structlog
 
 from tierserve.core.config import LoggingSettings
+from tierserve.core.secrets import SecretScrubber
 
 
-def configure_logging(settings: LoggingSettings | None = None, stream: TextIO | None = None) -> None:
-    """Route structlog and standard logging to one handler in the chosen format."""
+def configure_logging(
+    settings: LoggingSettings | None = None, stream: TextIO | None = None, secrets: Iterable[str] = ()
+) -> None:
+    """Route structlog and standard logging to one handler in the chosen format.
+
+    Tracebacks never show local variables (a request's headers or the settings
+    could be among them), and every string in ``secrets`` (the API keys) is
+    replaced by ``[redacted]`` in each rendered line.
+    """
     settings = settings or LoggingSettings()
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -31,9 +39,10 @@ def configure_logging(settings: LoggingSettings | None = None, stream: TextIO | 
     ]
     if settings.format == "json":
         renderer: structlog.types.Processor = structlog.processors.JSONRenderer()
-        shared.append(structlog.processors.dict_tracebacks)
+        no_locals = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        shared.append(structlog.processors.ExceptionRenderer(no_locals))
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        renderer = structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
 
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
@@ -45,7 +54,7 @@ def configure_logging(settings: LoggingSettings | None = None, stream: TextIO | 
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer, SecretScrubber(secrets)],
         )
     )
     root = logging.getLogger()

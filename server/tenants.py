@@ -14,10 +14,11 @@ is one tenant, ``""``, and behaviour is as before tenants existed.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from tierserve.core.secrets import key_id
 
 if TYPE_CHECKING:
     from tierserve.core.sections import AuthSettings
@@ -40,11 +41,6 @@ class Caller:
     tenant: str
     admin: bool
     key_id: str | None = None
-
-
-def key_id(key: str) -> str:
-    """A short id of an API key that reveals nothing of it."""
-    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
 
 
 def bearer_token(authorization: str | None) -> str | None:
