@@ -20,6 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
+from tierserve.core.chat_prompt import encode_chat
 from tierserve.core.detokenizer import IncrementalDetokenizer
 from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
 from tierserve.core.engine.output_processor import OutputProcessor, RequestState, RequestStream
@@ -83,8 +84,7 @@ class EngineClient:
         if messages is not None:
             if not getattr(self._tokenizer, "chat_template", None):
                 raise RequestError("messages: this model's tokenizer has no chat template; send a prompt instead", param="messages")
-            text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+            return encode_chat(self._tokenizer, messages)  # a message's text never becomes a control token
         if isinstance(prompt, str):
             return list(self._tokenizer(prompt)["input_ids"])
         if prompt is None:
