@@ -172,3 +172,26 @@ def test_a_malformed_warm_body_is_a_400(serve):
     with serve() as base:
         reply = httpx.post(f"{base}/v1/cache/warm", content="{", headers={"content-type": "application/json"})
         assert reply.status_code == 400 and reply.json()["error"]["message"]
+
+
+def test_rejected_huge_prompts_keep_nothing_in_memory(serve):
+    """A 9.8 MB keyed prompt rejected for its length used to stay stored under its key (37 MB each)."""
+    import gc
+    import tracemalloc
+
+    huge = "many words " * 90_000  # about 1 MB, far past the context
+    with serve() as base:
+        first = complete(base, huge, cache_key="huge-0")
+        assert first.status_code in (400, 413), first.text
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before, _ = tracemalloc.get_traced_memory()
+            for index in range(1, 5):
+                assert complete(base, huge, cache_key=f"huge-{index}").status_code in (400, 413)
+            gc.collect()
+            after, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert after - before < 6 * 1024 * 1024, f"{(after - before) / 2**20:.1f} MiB kept by 4 rejected requests"
+        assert keys(base) == []
