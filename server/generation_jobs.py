@@ -125,7 +125,7 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
         raise APIError(400, message, param="cache_key", code="invalid_value")
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = getattr(body, "request_id", None) if cached else None
-    if request_id is not None:
+    if request_id is not None and request_id.isascii() and request_id.isprintable():  # a header can carry it
         request.scope.setdefault("state", {})[BODY_REQUEST_ID] = request_id
     timeout = state.settings.server.timeout_seconds
     deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None

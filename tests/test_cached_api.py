@@ -179,3 +179,16 @@ def test_the_stats_document_has_every_field_of_the_spec_measured(checkpoint, tmp
     assert overall["avg_response_time_us"] > 0 and 0 < overall["efficiency_score"] <= 100
     assert overall["total_memory_bytes"] >= kv["memory_bytes"] and overall["background_tasks_active"] is True
     assert set(doc["trends"]) == {"window_seconds", "data_points"} and isinstance(doc["trend_points"], list)
+
+
+def test_a_request_id_no_header_can_carry_is_echoed_in_the_body_only(checkpoint, tmp_path):
+    """A request_id outside Latin-1 made the echoed X-Request-Id header fail: a 500."""
+    loaded = preset_settings("development", checkpoint, tmp_path)
+    engine = make_engine(checkpoint)
+    with running_server(loaded.settings, engine=engine, plugins=loaded.plugins) as base:
+        for request_id in ("zażółć-ünïcode-☃", "tab\there"):
+            body = {"prompt": "x", "max_tokens": 1, "request_id": request_id}
+            reply = httpx.post(f"{base}/v1/cached/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["request_id"] == request_id and reply.headers["x-request-id"].startswith("req-")
+    engine.close()
