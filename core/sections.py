@@ -29,6 +29,12 @@ class ServerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    max_prompt_bytes: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="UTF-8 bytes of prompt text (a completion's prompts, a chat's messages, embedding inputs) "
+        "one request may carry; more is a 400 before anything is tokenized",
+    )
     max_tokens_limit: int = Field(
         32768,
         gt=0,

@@ -17,7 +17,7 @@ from tierserve.core.errors import RequestError, RequestTimeoutError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
-from tierserve.server.schemas import ChatRequest, SamplingFields
+from tierserve.server.schemas import SamplingFields
 from tierserve.server.state import BODY_REQUEST_ID, ready_engine, state_of
 
 
@@ -62,6 +62,28 @@ def cache_namespace(cache_salt: str | None) -> str:
     return cache_salt or ""
 
 
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of the text in a prompt or in messages: every string at any depth (token ids count nothing)."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list) and item and not isinstance(item[0], int):  # a list of ids holds no text
+            pending.extend(item)
+    return total
+
+
+def check_prompt_bytes(value: Any, limit: int, param: str) -> None:
+    """Refuse more prompt text than ``server.max_prompt_bytes`` before anything is tokenized."""
+    size = text_bytes(value)
+    if size > limit:
+        message = f"{param}: {size} bytes of text; at most {limit} per request (server.max_prompt_bytes)"
+        raise APIError(400, message, param=param, code="invalid_value")
+
+
 def check_max_tokens(requested: int | None, limit: int, param: str) -> None:
     """Refuse a ``max_tokens`` above ``server.max_tokens_limit``, sliding window or not."""
     if requested is not None and requested > limit:
@@ -81,12 +103,11 @@ def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
     return [engine.encode_prompt(item) for item in items]
 
 
-def chat_prompt(engine: EngineClient, body: ChatRequest) -> list[int]:
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    return engine.encode_prompt(messages=messages)
+def chat_prompt(engine: EngineClient, messages: list[dict[str, Any]]) -> list[list[int]]:
+    return [engine.encode_prompt(messages=messages)]
 
 
-def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
+async def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
     state = state_of(request)
     server = state.settings.server
     model = state.resolve_model(body.model)
@@ -94,7 +115,10 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
     requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     sent_as = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
     check_max_tokens(requested, server.max_tokens_limit, sent_as)
-    prompts = [chat_prompt(engine, body)] if chat else completion_prompts(engine, body.prompt)
+    text: Any = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
+    check_prompt_bytes(text, server.max_prompt_bytes, "messages" if chat else "prompt")
+    # off the event loop: a long prompt (or chat template) must not stall every other route meanwhile
+    prompts = await asyncio.to_thread(chat_prompt if chat else completion_prompts, engine, text)
     limit = engine.info.max_model_len
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if chat:

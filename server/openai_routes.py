@@ -29,7 +29,7 @@ from tierserve.server.state import ServerState, state_of
 
 async def respond(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Response | Stream:
     state = state_of(request)
-    job = build_job(request, body, chat=chat, cached=cached)
+    job = await build_job(request, body, chat=chat, cached=cached)
     engine = state.engine
     if cached and body.use_beam_search and body.beam_width is None:
         body.beam_width = state.settings.speculative.beam_width

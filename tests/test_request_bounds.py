@@ -1,5 +1,5 @@
 """What one request may take from the server: generation length, the sliding window, a client that left
-or stopped reading.
+or stopped reading, and prompt text (tokenized off the event loop, bounded before it).
 
 Each test is a regression test for a defect a hostile user found.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -157,4 +158,49 @@ def test_a_stream_whose_reader_stops_reading_is_aborted_past_max_stream_backlog(
         return [output async for output in engine.add_request("read along", params)]
 
     assert asyncio.run(reading())[-1].finish_reason == "length"
+    engine.close()
+
+
+# ---- item 8: tokenizing on the event loop ---------------------------------------------------------
+
+
+def test_health_live_answers_while_a_long_prompt_is_tokenized(checkpoint):
+    # under the default server.max_prompt_bytes (1 MiB), and seconds of tokenizing with this tokenizer
+    text = "1234567890 " * 90_000
+    server, engine = serve(checkpoint, {})
+    with server as base:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        sock = send_raw(base, "/v1/chat/completions", body)
+        time.sleep(0.3)  # sendall returned: the server holds (nearly) all of the body and begins tokenizing it
+        for _ in range(3):
+            assert httpx.get(f"{base}/health/live", timeout=120).status_code == 200
+        readable, _, _ = select.select([sock], [], [], 0)
+        assert not readable, "the long prompt was answered before /health/live: the event loop was blocked"
+        sock.settimeout(120)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 400")  # it was tokenized: 180,000 tokens do not fit the context
+        sock.close()
+    engine.close()
+
+
+def test_prompt_text_over_max_prompt_bytes_is_a_400_before_tokenizing(checkpoint):
+    server, engine = serve(checkpoint, {"server.max_prompt_bytes": 1000})
+    over = "é" * 501  # 1,002 bytes in 501 characters; tokenized, far more than the context allows
+    with server as base:
+        for path, body, param in (
+            ("/v1/completions", {"prompt": over, "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": ["short", over[:300], over[:300]], "max_tokens": 1}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": over}]}, "messages"),
+            ("/v1/cached/chat/completions",
+             {"messages": [{"role": "user", "content": [{"type": "text", "text": over}]}]}, "messages"),
+            ("/v1/embeddings", {"input": [over]}, "input"),
+        ):
+            refused = httpx.post(base + path, json=body, timeout=60)
+            assert refused.status_code == 400, (path, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == param and "1000" in error["message"] and "max_prompt_bytes" in error["message"]
+        fits = httpx.post(f"{base}/v1/completions", json={"prompt": "é" * 400, "max_tokens": 1}, timeout=60)
+        assert fits.status_code == 200, fits.text
     engine.close()
