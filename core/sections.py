@@ -31,6 +31,24 @@ class ServerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    max_prompt_bytes: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="UTF-8 bytes of prompt text (a completion's prompts, a chat's messages, embedding inputs) "
+        "one request may carry; more is a 400 before anything is tokenized",
+    )
+    max_tokens_limit: int = Field(
+        32768,
+        gt=0,
+        description="the most tokens one choice may generate, on every route, sliding window or not: a larger "
+        "max_tokens (or max_completion_tokens) is a 400, and a request that names none gets at most this many",
+    )
+    max_stream_backlog: int = Field(
+        1024,
+        gt=0,
+        description="outputs (about one per engine step) a request's reader may leave unread; a stream whose "
+        "client stops reading is aborted past it and its blocks freed",
+    )
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
     public_health: bool = True
@@ -191,6 +209,11 @@ class SlidingWindowSettings(Section):
     """[sliding_window]: bounded-memory generation past the KV budget."""
 
     enabled: bool = False
+    allow_per_request: bool = Field(
+        False,
+        description="requests may turn streaming mode on (enable_sliding_window: true on /v1/cached/*) while "
+        "enabled is false; otherwise that flag is a 400 unless enabled is true",
+    )
     window_size: int = Field(512, gt=0)
     window_overlap: int = Field(64, ge=0)
     sink_tokens: int = Field(4, ge=0)

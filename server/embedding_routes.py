@@ -10,6 +10,7 @@ from litestar import Request, post
 from litestar.params import JSONBody
 
 from tierserve.server.errors import APIError
+from tierserve.server.generation_jobs import check_prompt_bytes
 from tierserve.server.schemas import Body
 from tierserve.server.state import ready_engine, state_of
 
@@ -48,6 +49,7 @@ async def embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> dict
     state = state_of(request)
     model = state.resolve_model(data.model)
     inputs = _inputs(data.input)
+    check_prompt_bytes(inputs, state.settings.server.max_prompt_bytes, "input")
     engine = ready_engine(request)
     vectors, prompt_tokens = await asyncio.to_thread(engine.embed, inputs)
     hidden = vectors.shape[1]

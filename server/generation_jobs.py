@@ -17,7 +17,7 @@ from tierserve.core.errors import RequestError, RequestTimeoutError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
-from tierserve.server.schemas import ChatRequest, SamplingFields
+from tierserve.server.schemas import SamplingFields
 from tierserve.server.state import BODY_REQUEST_ID, ready_engine, state_of
 from tierserve.server.tenants import OPEN_TENANT, cache_scope, caller_of
 
@@ -59,6 +59,35 @@ class Job:
 # ---- building a job ---------------------------------------------------------------------
 
 
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of the text in a prompt or in messages: every string at any depth (token ids count nothing)."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list) and item and not isinstance(item[0], int):  # a list of ids holds no text
+            pending.extend(item)
+    return total
+
+
+def check_prompt_bytes(value: Any, limit: int, param: str) -> None:
+    """Refuse more prompt text than ``server.max_prompt_bytes`` before anything is tokenized."""
+    size = text_bytes(value)
+    if size > limit:
+        message = f"{param}: {size} bytes of text; at most {limit} per request (server.max_prompt_bytes)"
+        raise APIError(400, message, param=param, code="invalid_value")
+
+
+def check_max_tokens(requested: int | None, limit: int, param: str) -> None:
+    """Refuse a ``max_tokens`` above ``server.max_tokens_limit``, sliding window or not."""
+    if requested is not None and requested > limit:
+        message = f"{param}: {requested}; at most {limit} tokens per choice here (server.max_tokens_limit)"
+        raise APIError(400, message, param=param, code="invalid_value")
+
+
 def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -71,18 +100,23 @@ def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
     return [engine.encode_prompt(item) for item in items]
 
 
-def chat_prompt(engine: EngineClient, body: ChatRequest) -> list[int]:
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    return engine.encode_prompt(messages=messages)
+def chat_prompt(engine: EngineClient, messages: list[dict[str, Any]]) -> list[list[int]]:
+    return [engine.encode_prompt(messages=messages)]
 
 
-def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
+async def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
     state = state_of(request)
+    server = state.settings.server
     model = state.resolve_model(body.model)
     engine = ready_engine(request)
-    prompts = [chat_prompt(engine, body)] if chat else completion_prompts(engine, body.prompt)
-    limit = engine.info.max_model_len
     requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    sent_as = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    check_max_tokens(requested, server.max_tokens_limit, sent_as)
+    text: Any = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
+    check_prompt_bytes(text, server.max_prompt_bytes, "messages" if chat else "prompt")
+    # off the event loop: a long prompt (or chat template) must not stall every other route meanwhile
+    prompts = await asyncio.to_thread(chat_prompt if chat else completion_prompts, engine, text)
+    limit = engine.info.max_model_len
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if chat:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -98,7 +132,7 @@ def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: boo
     top_k = body.top_k if body.top_k is not None else (defaults.top_k if defaults else 0)
     params: list[SamplingParams] = []
     for ids in prompts:
-        room = output_room(len(ids), limit, param="messages" if chat else "prompt")
+        room = min(output_room(len(ids), limit, param="messages" if chat else "prompt"), server.max_tokens_limit)
         if cached and body.enable_sliding_window:  # a window lets generation run past the context
             room = requested if requested is not None else room
         max_tokens = min(requested if requested is not None else (room if chat else 16), room)
@@ -174,6 +208,18 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
     return submitted
 
 
+async def collect(
+    engine: EngineClient, job: Job, submitted: list[tuple[str, Any]], choices: list[Choice]
+) -> float | None:
+    """Fold every choice's outputs into ``choices``; returns when the first token came (``perf_counter``)."""
+    first_token_at = None
+    async for index, output in merged(engine, submitted, job.deadline):
+        if first_token_at is None and output.token_ids:
+            first_token_at = time.perf_counter()
+        fold(choices[index], output)
+    return first_token_at
+
+
 async def merged(
     engine: EngineClient, submitted: list[tuple[str, Any]], deadline: float | None = None
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -183,24 +229,25 @@ async def merged(
         async for output in engine.outputs(request_id, stream, deadline=deadline):
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a consumer that stops reading stops the pumps, so the backlog stays in the request
+    # streams, where [server] max_stream_backlog sees it
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(submitted))
 
     async def pump(index: int, request_id: str, stream: Any) -> None:
-        ended: Any = None
         try:
             async for output in engine.outputs(request_id, stream, deadline=deadline):
                 await queue.put((index, output))
-        except RequestTimeoutError as exc:
-            ended = exc
-        finally:
-            await queue.put((index, ended))
+        except Exception as exc:  # RequestTimeoutError: the consumer raises it
+            await queue.put((index, exc))
+        else:
+            await queue.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, rid, s)) for i, (rid, s) in enumerate(submitted)]
     try:
         remaining = len(tasks)
         while remaining:
             index, output = await queue.get()
-            if isinstance(output, RequestTimeoutError):
+            if isinstance(output, Exception):
                 raise output
             if output is None:
                 remaining -= 1

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from tierserve.core.config import Settings
 from tierserve.core.logs import request_context
 from tierserve.core.metrics import EngineCollector
+from tierserve.server.connection import CLIENT_CLOSED
 from tierserve.server.state import BODY_REQUEST_ID, ServerState
 
 log = structlog.get_logger(__name__)
@@ -85,9 +86,9 @@ class RequestMetrics:
         self.requests.labels(endpoint, str(status)).inc()
         self.request_seconds.labels(endpoint).observe(seconds)
         if status >= 400 and endpoint in GENERATION_ENDPOINTS:
-            # rejected before or while generating (validation, limits, queue full, failures):
-            # with success and abort this makes requests = successes + aborts + errors
-            self.count_outcome("error")
+            # rejected before or while generating (validation, limits, queue full, failures), or
+            # abandoned by its client: with success this makes requests = successes + aborts + errors
+            self.count_outcome("abort" if status == CLIENT_CLOSED else "error")
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)

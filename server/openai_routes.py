@@ -13,8 +13,9 @@ from litestar.response import Stream
 
 from tierserve.core.engine import EngineClient, RequestTimings
 from tierserve.core.errors import RequestTimeoutError
+from tierserve.server.connection import CLIENT_CLOSED, ClientDisconnected, unless_disconnected
 from tierserve.server.errors import APIError, timeout_body
-from tierserve.server.generation_jobs import Choice, Job, build_job, fold, merged, submit_all
+from tierserve.server.generation_jobs import Choice, Job, build_job, collect, fold, merged, submit_all
 from tierserve.server.openai_responses import cache_report, chat_logprobs, completion_logprobs, full_response, observe, sse, usage_of
 from tierserve.server.schemas import (
     CachedChatRequest,
@@ -28,7 +29,7 @@ from tierserve.server.state import ServerState, state_of
 
 async def respond(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Response | Stream:
     state = state_of(request)
-    job = build_job(request, body, chat=chat, cached=cached)
+    job = await build_job(request, body, chat=chat, cached=cached)
     engine = state.engine
     if cached and body.use_beam_search and body.beam_width is None:
         body.beam_width = state.settings.speculative.beam_width
@@ -40,14 +41,12 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
         for choice in choices:
             choice.text.append(engine.decode(job.prompts[choice.prompt_index]))
     if not body.stream:
-        first_token_at = None
         try:
-            async for index, output in merged(engine, submitted, job.deadline):
-                if first_token_at is None and output.token_ids:
-                    first_token_at = time.perf_counter()
-                fold(choices[index], output)
+            first_token_at = await unless_disconnected(request, collect(engine, job, submitted, choices))
         except RequestTimeoutError:
             return Response(timeout_body(state.settings.server.timeout_seconds), status_code=504)
+        except ClientDisconnected:  # its requests are aborted; nobody reads this, the access log and metrics do
+            return Response(None, status_code=CLIENT_CLOSED)
         observe(state, job, choices, first_token_at)
         return Response(full_response(engine, state, job, choices))
     return Stream(stream_events(engine, state, job, submitted, choices), media_type="text/event-stream",

@@ -185,6 +185,21 @@ def sliding_window_enabled(lab: Lab) -> None:
         assert engine.stats().sliding_window.enabled and engine.stats().sliding_window.windows_slid > 0
 
 
+def sliding_window_allow_per_request(lab: Lab) -> None:
+    ids = lab.shared.encode_prompt("Hello there")
+    with pytest.raises(RequestError, match="allow_per_request"):  # off: a request may not turn the window on
+        lab.shared.submit(ids, greedy(4), sliding_window=True)
+    limited = {"model.max_model_len": 32, **SMALL_WINDOW}
+    with lab.engine({**limited, "sliding_window.allow_per_request": True}) as engine:
+        _, stream = engine.submit(ids, greedy(48), sliding_window=True)
+        tokens = 0
+        while not (output := engine.next_output(stream)).finished:
+            tokens += len(output.token_ids)
+        assert tokens + len(output.token_ids) == 48  # that request streams past the context
+        with pytest.raises(RequestError, match="context length"):  # the others do not
+            run(engine, "Hello there", greedy(48))
+
+
 def sliding_window_window_size(lab: Lab) -> None:
     assert window_stats({}, lab).tokens_dropped > window_stats({"sliding_window.window_size": 24}, lab).tokens_dropped
 
@@ -288,6 +303,7 @@ PROBES = {
     "speculative.num_speculative_tokens": speculative_num_speculative_tokens,
     "speculative.adaptive": speculative_adaptive,
     "sliding_window.enabled": sliding_window_enabled,
+    "sliding_window.allow_per_request": sliding_window_allow_per_request,
     "sliding_window.window_size": sliding_window_window_size,
     "sliding_window.window_overlap": sliding_window_window_overlap,
     "sliding_window.sink_tokens": sliding_window_sink_tokens,

@@ -1,4 +1,5 @@
-"""Probes of the keys the HTTP routes give meaning to: the cached routes' defaults, model names, the timeout."""
+"""Probes of the keys the HTTP routes give meaning to: the cached routes' defaults, model names, the timeout,
+the bounds on max_tokens and prompt text."""
 
 from __future__ import annotations
 
@@ -54,6 +55,26 @@ def server_timeout_seconds(lab: Lab) -> None:
         assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
 
 
+def server_max_tokens_limit(lab: Lab) -> None:
+    with lab.http({"server.max_tokens_limit": 4}) as client:
+        over = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        chat = {"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True}  # names no max_tokens
+        assert client.post("/v1/chat/completions", json=chat).json()["usage"]["completion_tokens"] == 4
+    with lab.http({}) as client:
+        assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}).status_code == 200
+
+
+def server_max_prompt_bytes(lab: Lab) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    with lab.http({"server.max_prompt_bytes": len(PROMPT) - 1}) as client:
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+        assert "max_prompt_bytes" in refused.json()["error"]["message"]
+    with lab.http({"server.max_prompt_bytes": len(PROMPT)}) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+
+
 PROBES = {
     "speculative.temperature": speculative_temperature,
     "speculative.top_k": speculative_top_k,
@@ -61,4 +82,6 @@ PROBES = {
     "speculative.beam_width": speculative_beam_width,
     "model.served_model_name": model_served_model_name,
     "server.timeout_seconds": server_timeout_seconds,
+    "server.max_tokens_limit": server_max_tokens_limit,
+    "server.max_prompt_bytes": server_max_prompt_bytes,
 }

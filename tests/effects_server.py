@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -17,6 +18,7 @@ from tests.effects_lab import Lab, greedy, run, wait_until
 from tests.server_helpers import free_port
 from tierserve.core.cli import server_config
 from tierserve.core.config import load_settings
+from tierserve.core.engine import RequestOutput
 from tierserve.core.errors import ConfigError
 from tierserve.core.logs import configure_logging
 from tierserve.server.stats_document import current_alerts
@@ -108,6 +110,24 @@ def server_retry_after_seconds(lab: Lab) -> None:
         response = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1})
         assert response.status_code == 503 and response.headers["retry-after"] == "7"
         assert response.json()["error"]["code"] == "queue_full"
+
+
+def server_max_stream_backlog(lab: Lab) -> None:
+    def unread_after_steps(values: dict) -> RequestOutput:
+        """Step an engine while nobody reads the request's stream; then read its last output."""
+
+        async def scenario() -> RequestOutput:
+            request_id, stream = engine.submit(engine.encode_prompt(LONG), greedy(12), loop=asyncio.get_running_loop())
+            for _ in range(14):
+                engine.step()
+            return [output async for output in engine.outputs(request_id, stream)][-1]
+
+        with lab.engine(values) as engine:
+            return asyncio.run(scenario())
+
+    assert unread_after_steps({}).finish_reason == "length"
+    last = unread_after_steps({"server.max_stream_backlog": 3})
+    assert last.finish_reason == "abort" and last.completion_tokens < 12
 
 
 # ---- [monitoring] -----------------------------------------------------------------------------
@@ -279,6 +299,7 @@ PROBES = {
     "server.public_health": server_public_health,
     "server.public_metrics": server_public_metrics,
     "server.retry_after_seconds": server_retry_after_seconds,
+    "server.max_stream_backlog": server_max_stream_backlog,
     "monitoring.enabled": monitoring_enabled,
     "monitoring.collection_interval_seconds": monitoring_collection_interval_seconds,
     "monitoring.detailed_profiling": monitoring_detailed_profiling,

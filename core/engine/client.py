@@ -25,7 +25,14 @@ from tierserve.core.detokenizer import IncrementalDetokenizer
 from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
 from tierserve.core.engine.output_processor import OutputProcessor, RequestState, RequestStream
 from tierserve.core.engine.profiling import CLIENT_PHASES, PhaseClock, with_client_phases
-from tierserve.core.engine.requests import EngineRequest, RequestError, batch_by_tokens, check_fits, check_request
+from tierserve.core.engine.requests import (
+    EngineRequest,
+    RequestError,
+    batch_by_tokens,
+    check_fits,
+    check_request,
+    window_mode,
+)
 from tierserve.core.engine.stats import EngineSnapshot, empty_snapshot
 from tierserve.core.errors import RequestTimeoutError
 from tierserve.core.outputs import CompletedRequest, RequestOutput, TokenLogprob
@@ -127,12 +134,16 @@ class EngineClient:
         cached prefix within ``cache_namespace`` (the tenant): when the request ends
         normally its full prompt blocks are pinned under that key (``check_cache_key``).
 
+        An asyncio consumer (``loop``) that leaves more than ``[server] max_stream_backlog``
+        deltas unread has its request aborted (its stream ends with ``finish_reason="abort"``).
+
         Raises:
-            RequestError: empty prompt, or prompt + max_tokens beyond the context or KV capacity.
+            RequestError: empty prompt, prompt + max_tokens beyond the context or KV capacity, or
+                ``sliding_window=True`` where ``[sliding_window]`` neither enables nor allows it.
             QueueFullError: the waiting queue is full (back-pressure).
         """
         ids = list(prompt_token_ids)
-        streaming = self.settings.sliding_window.enabled if sliding_window is None else sliding_window
+        streaming = window_mode(self.settings.sliding_window, sliding_window)
         spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
         if cache_key is not None:
             self.check_cache_key(len(ids), use_prefix_cache)
@@ -144,7 +155,7 @@ class EngineClient:
                 raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests = {limit}); retry later")
             if request_id in self._processor.requests:
                 raise RequestError(f"request_id: {request_id!r} is already in flight", param="request_id")
-            stream = RequestStream(loop)
+            stream = RequestStream(loop, self.settings.server.max_stream_backlog)
             request = EngineRequest(
                 request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming,
                 cache_key=cache_key, cache_namespace=cache_namespace,
@@ -243,9 +254,10 @@ class EngineClient:
         """End a request's stream as aborted without asking the core (its core is gone)."""
         self._processor.fail(request_id)
 
-    def _abort_in_core(self, request_id: str) -> None:
-        """The client ended a request on a stop string: the core stops it too (not counted as an abort)."""
-        self.driver.send(Abort([request_id], "stop"))
+    def _abort_in_core(self, request_id: str, reason: str) -> None:
+        """The client ended a request itself: the core stops it too (``"stop"``: a stop string, not counted
+        as an abort; ``"abort"``: its stream's reader fell ``[server] max_stream_backlog`` outputs behind)."""
+        self.driver.send(Abort([request_id], reason))
 
     def generate(
         self,

@@ -21,14 +21,29 @@ from tierserve.core.sampling_params import SamplingParams
 
 
 class RequestStream:
-    """Carries a request's deltas to its consumer: an asyncio queue on ``loop``, else a blocking queue."""
+    """Carries a request's deltas to its consumer: an asyncio queue on ``loop``, else a blocking queue.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    ``max_backlog`` bounds an asyncio consumer: once more deltas than that were
+    put and not yet taken, ``overflowing`` is true (its reader stopped reading).
+    A blocking consumer is not bounded: ``generate`` reads its streams one after another.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, max_backlog: int | None = None) -> None:
         self._loop = loop
         self._async: asyncio.Queue[RequestOutput] | None = asyncio.Queue() if loop else None
         self._sync: queue.SimpleQueue[RequestOutput] | None = None if loop else queue.SimpleQueue()
+        self.max_backlog = max_backlog if loop else None
+        # two counters, each written by one thread only, so no lock is needed to compare them
+        self._put = 0
+        self._taken = 0
+
+    @property
+    def overflowing(self) -> bool:
+        """More than ``max_backlog`` deltas wait for a consumer that is not taking them."""
+        return self.max_backlog is not None and self._put - self._taken > self.max_backlog
 
     def put(self, output: RequestOutput) -> None:
+        self._put += 1
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async.put_nowait, output)
@@ -38,7 +53,9 @@ class RequestStream:
             self._sync.put(output)
 
     async def get_async(self) -> RequestOutput:
-        return await self._async.get()
+        output = await self._async.get()
+        self._taken += 1
+        return output
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """The next delta; ``queue.Empty`` after ``timeout`` seconds."""
@@ -68,7 +85,8 @@ class OutputProcessor:
     Args:
         eos_token_ids: the model's eos ids (a "stop" on one of them emits no text).
         kv_block_bytes: bytes per KV block, for the reported peak KV memory.
-        abort_in_core: called with a request id the client ended on its own (a stop string).
+        abort_in_core: called with a request id the client ended on its own, and the reason the core
+            should record: ``"stop"`` (a stop string) or ``"abort"`` (a stream whose reader stopped reading).
         clock: times each round of ``process`` as the ``detokenize`` phase
             (``[monitoring] detailed_profiling``), or ``None``.
     """
@@ -77,7 +95,7 @@ class OutputProcessor:
         self,
         eos_token_ids: Collection[int],
         kv_block_bytes: int,
-        abort_in_core: Callable[[str], None],
+        abort_in_core: Callable[[str, str], None],
         clock: PhaseClock | None = None,
     ) -> None:
         self.eos_token_ids = eos_token_ids
@@ -145,9 +163,12 @@ class OutputProcessor:
         logprobs = output.logprobs[: len(tokens)] if output.logprobs is not None else None
         if reason is None:
             state.stream.put(self._delta(state, "".join(texts), tokens, None, logprobs))
+            if state.stream.overflowing:  # nobody reads: free the engine instead of queueing without end
+                self.abort_in_core(state.request_id, "abort")
+                self._finish(state, "", [], "abort", None)
             return
         if output.finish_reason is None:
-            self.abort_in_core(state.request_id)  # a stop string: the core would go on
+            self.abort_in_core(state.request_id, "stop")  # a stop string: the core would go on
         self._finish(state, "".join(texts), tokens, reason, logprobs)
 
     def _finish(

@@ -27,6 +27,7 @@ __all__ = [
     "check_request",
     "output_room",
     "read_warm_prompts",
+    "window_mode",
 ]
 
 
@@ -74,6 +75,25 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, kv_c
         raise RequestError(
             f"max_tokens: {where} exceeds the KV cache capacity ({kv_capacity_tokens} tokens)", param="max_tokens"
         )
+
+
+def window_mode(window: SlidingWindowSettings, requested: bool | None) -> bool:
+    """Whether a request runs in streaming (sliding-window) mode: as it asks (``enable_sliding_window``),
+    else as ``[sliding_window] enabled`` says.
+
+    Streaming lets generation run past the context, so turning it on is the
+    operator's call: ``RequestError`` for a request asking for it unless
+    ``enabled`` or ``allow_per_request`` is set. Asking for it off is always allowed.
+    """
+    if requested is None:
+        return window.enabled
+    if requested and not (window.enabled or window.allow_per_request):
+        raise RequestError(
+            "enable_sliding_window: this server does not let requests turn streaming mode on "
+            "([sliding_window] enabled and allow_per_request are both false); allowed: false or omitted",
+            param="enable_sliding_window",
+        )
+    return requested
 
 
 def check_request(
