@@ -109,7 +109,8 @@ class SamplingParams:
             raise RequestError(message, param="logit_bias")
         for token, value in self.logit_bias.items():
             if not is_int(token) or token < 0:
-                raise RequestError(f"logit_bias: token id {token!r}, allowed: non-negative token ids", param="logit_bias")
+                message = f"logit_bias: token id {token!r}, allowed: non-negative token ids"
+                raise RequestError(message, param="logit_bias")
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not math.isfinite(value) or abs(value) > self.MAX_BIAS:
                 raise RequestError(

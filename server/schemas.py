@@ -24,6 +24,8 @@ MAX_SEED = 2**64 - 1  # what a torch generator takes; negative seeds down to -2*
 PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of token id lists"
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenKey = Annotated[int, Field(ge=0)]  # JSON object keys are strings: "50256" is token 50256
+Bias = Annotated[float, Field(ge=-SamplingParams.MAX_BIAS, le=SamplingParams.MAX_BIAS)]
 
 
 def invalid(message: str) -> PydanticCustomError:
@@ -90,10 +92,7 @@ class SamplingFields(Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # >= 0.01: dividing logits by a near-zero penalty overflows float32 and the draw returns no valid token
     repetition_penalty: float = Field(1.0, ge=0.01, le=10)
-    logit_bias: (
-        dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-SamplingParams.MAX_BIAS, le=SamplingParams.MAX_BIAS)]]
-        | None
-    ) = Field(None, max_length=SamplingParams.MAX_LOGIT_BIAS)
+    logit_bias: dict[TokenKey, Bias] | None = Field(None, max_length=SamplingParams.MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -189,6 +189,7 @@ def test_edge_values_are_refused_in_openai_shape(api, route, edge):
 @pytest.mark.parametrize("route", [*GENERATION_ROUTES, "/v1/embeddings", "/v1/cache/warm", "/v1/cache/clear"])
 def test_a_body_that_is_not_json_is_refused_in_openai_shape(api, route):
     base, _ = api
-    response = httpx.post(base + route, content=b"prompt=Hi", headers={"content-type": "application/x-www-form-urlencoded"})
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    response = httpx.post(base + route, content=b"prompt=Hi", headers=form, timeout=60)
     check_response(f"POST {route}", Sent(b"prompt=Hi"), response)
     assert response.status_code == 415

@@ -1,4 +1,4 @@
-"""Hostile input at the HTTP level: bounded lists, edge values that once were 500s, fields refused rather than ignored."""
+"""Hostile input over HTTP: bounded lists, edge values that once were 500s, fields refused rather than ignored."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def deep(levels: int, leaf: str = "1") -> str:
         ("/v1/cached/completions", '{"max_tokens": 2, "prompt": %s}' % deep(100_000)),
         ("/v1/chat/completions", '{"max_tokens": 2, "messages": [{"role": "user", "content": %s}]}' % deep(100_000)),
         ("/v1/chat/completions",
-         '{"max_tokens": 2, "messages": [{"role": "user", "content": [%s]}]}' % ('{"a": ' * 100_000 + "1" + "}" * 100_000)),
+         '{"max_tokens": 2, "messages": [{"role": "user", "content": [%s]}]}' % ('{"a": ' * 100_000 + "1" + "}" * 100_000)
+         ),
         ("/v1/embeddings", '{"input": %s}' % deep(100_000)),
     ],
     ids=["prompt", "cached-prompt", "chat-content", "chat-content-objects", "embeddings-input"],
@@ -144,7 +145,8 @@ def test_a_large_logit_bias_forces_its_token_on_both_routes(server, temperature)
     _, engine = server
     forced = forced_token(engine)
     expected = engine.decode([forced] * 6, skip_special_tokens=True)
-    body = {"max_tokens": 6, "temperature": temperature, "seed": 1, "ignore_eos": True, "logit_bias": {str(forced): 100}}
+    body = {"max_tokens": 6, "temperature": temperature, "seed": 1, "ignore_eos": True,
+            "logit_bias": {str(forced): 100}}
     completion = post(server, "/v1/completions", {"prompt": PROMPTS[1], **body})
     assert completion.json()["choices"][0]["text"] == expected, completion.text
     chat = post(server, "/v1/cached/chat/completions", {"messages": CHAT, **body})
@@ -167,7 +169,8 @@ def test_min_tokens_delays_eos(server):
 @pytest.mark.parametrize(
     ("route", "body", "param", "words"),
     [
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"2048": 5}}, "logit_bias", ["outside the vocabulary", "2047"]),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"2048": 5}}, "logit_bias",
+         ["outside the vocabulary", "2047"]),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", ["-100 to 100"]),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias", ["not a token id"]),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}, "beam_width": 2}, "logit_bias", ["beam"]),

@@ -48,7 +48,8 @@ def test_a_large_negative_bias_bans_its_tokens_and_leaves_the_batch_alone(engine
     plain, _ = engines
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     [alone] = plain.generate([PROMPTS[4]], greedy)
-    banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=dict.fromkeys(alone.token_ids, -100))
+    ban = dict.fromkeys(alone.token_ids, -100)
+    banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=ban)
     neighbour, avoided = plain.generate([PROMPTS[4], PROMPTS[4]], [greedy, banned])
     assert neighbour.token_ids == alone.token_ids  # an unbiased request in the same batch is unchanged
     assert not set(avoided.token_ids) & set(alone.token_ids)

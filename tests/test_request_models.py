@@ -108,7 +108,8 @@ def test_any_json_in_any_field_is_accepted_or_a_validation_error(model, field, v
 @SETTINGS
 @given(extra=st.one_of(long_lists, sampling_bodies), chat=st.booleans())
 def test_what_is_accepted_stays_inside_the_limits_and_the_engine_takes_it(extra, chat):
-    model, base = (CachedChatRequest, BASES[ChatRequest]) if chat else (CachedCompletionRequest, BASES[CompletionRequest])
+    model = CachedChatRequest if chat else CachedCompletionRequest
+    base = BASES[ChatRequest] if chat else BASES[CompletionRequest]
     body = validate(model, {**base, **extra})
     if body is None:
         return

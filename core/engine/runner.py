@@ -29,7 +29,8 @@ def sampling_row(seq: Sequence, eos_token_ids: frozenset[int] = frozenset(), ahe
     params = seq.params
     suppressed: frozenset[int] = frozenset()
     if seq.num_output_tokens + ahead < params.min_tokens:
-        suppressed = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | eos_token_ids
+        stops = frozenset(params.stop_token_ids)
+        suppressed = stops if params.ignore_eos else stops | eos_token_ids
     if params.has_penalties:
         return SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids, suppressed)
     return SamplingRow(params, seq.generator, [], [], suppressed)
