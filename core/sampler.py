@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens: penalties, greedy or filtered sampling, logprobs.
 
 Per row the order is: repetition penalty, presence and frequency penalties,
+``logit_bias``, the ban on eos and stop ids before ``min_tokens``,
 then either argmax (greedy) or temperature, top-k, top-p, min-p and a draw
 from the row's own ``torch.Generator``. Everything is computed in float32 on
 ``logits.device`` (the final draw in float64); rows are batched wherever that
@@ -8,8 +9,8 @@ does not couple their random streams, and each sampled row draws its random
 number from its own generator, so a seeded request gets the same tokens
 whatever else shares its batch.
 
-Reported logprobs are ``log_softmax`` of the logits *after* the penalties and
-*before* temperature, top-k, top-p and min-p: they describe the model's
+Reported logprobs are ``log_softmax`` of the logits *after* the penalties (and
+the bias and ban) and *before* temperature, top-k, top-p and min-p: they describe the model's
 (penalised) distribution, not the filtered one the token was drawn from, so
 they do not depend on the sampling knobs (vLLM's default, "raw" after
 penalties).
@@ -40,6 +41,8 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Token ids this token may not be (eos and stop ids while min_tokens is not reached).
+    suppressed: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -50,6 +53,11 @@ class SampledToken:
     # Top params.logprobs (token id, logprob) pairs, descending; [] for 0,
     # None when params.logprobs is None.
     top_logprobs: list[tuple[int, float]] | None
+
+
+def adjusts(row: SamplingRow) -> bool:
+    """Whether the row's logits change before the pick (penalties, bias, banned tokens)."""
+    return row.params.has_penalties or bool(row.params.logit_bias) or bool(row.suppressed)
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -77,7 +85,7 @@ class Sampler:
 
         # Hot path: plain greedy decoding is one batched argmax and one transfer.
         # The float32 cast is skipped because it cannot change the argmax.
-        if all(is_greedy(r.params) and not r.params.has_penalties and r.params.logprobs is None for r in rows):
+        if all(is_greedy(r.params) and r.params.logprobs is None and not adjusts(r) for r in rows):
             return [SampledToken(t, None, None) for t in logits.argmax(dim=-1).tolist()]
 
         x = logits.to(torch.float32, copy=True)
@@ -87,6 +95,7 @@ class Sampler:
         penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if penalised:
             _apply_penalties(x, rows, penalised)
+        adjust_logits(x, rows)
 
         with_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs = torch.log_softmax(_take(x, with_logprobs, n), dim=-1) if with_logprobs else None
@@ -162,6 +171,24 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], index: list[i
         frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive], device=device).unsqueeze(1)
         sub = _take(x, additive, n)
         _put(x, additive, n, sub - (frequency * counts + presence * (counts > 0)))
+
+
+def adjust_logits(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's ``logit_bias`` to float32 logits ``x`` in place, then set its suppressed ids to -inf.
+
+    Ids at or past the logits' width (a tokenizer larger than the model's
+    output) are skipped: nothing can be sampled there anyway.
+    """
+    vocab = x.shape[1]
+    biased = [(i, t, v) for i, r in enumerate(rows) for t, v in r.params.logit_bias.items() if t < vocab]
+    if biased:
+        index, tokens, values = zip(*biased)
+        where = (torch.tensor(index, device=x.device), torch.tensor(tokens, device=x.device))
+        x.index_put_(where, torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=True)
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.suppressed if t < vocab]
+    if banned:
+        index, tokens = zip(*banned)
+        x[torch.tensor(index, device=x.device), torch.tensor(tokens, device=x.device)] = float("-inf")
 
 
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

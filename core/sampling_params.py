@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from tierserve.core.errors import RequestError
@@ -14,6 +16,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and
     ``min_p == 0`` disable those filters. ``logprobs=None`` returns none,
     ``0`` the chosen token's, ``N`` also the top ``N`` alternatives.
+    ``min_tokens``: eos (unless ``ignore_eos``) and ``stop_token_ids`` cannot be
+    sampled before that many output tokens (stop strings still apply).
+    ``logit_bias``: token id -> value added to its logit (OpenAI's, -100 to
+    100; the engine checks the ids against the vocabulary).
+    ``stop_token_ids`` becomes a frozenset, so the per-token stop check is O(1).
     """
 
     max_tokens: int = 16
@@ -26,16 +33,26 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: Collection[int] = frozenset()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
+    # every list is walked on the engine's step thread, which all running requests share
+    MAX_STOP = 16
+    MAX_STOP_CHARS = 256
+    MAX_STOP_TOKEN_IDS = 1024
+    MAX_LOGIT_BIAS = 1024
+    MAX_BIAS = 100.0
 
     def __post_init__(self) -> None:
         self.validate()
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +67,9 @@ class SamplingParams:
 
         def bad(name: str, allowed: str) -> RequestError:
             return RequestError(f"{name}: got {getattr(self, name)!r}, allowed: {allowed}", param=name)
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
 
         if self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
@@ -73,9 +93,27 @@ class SamplingParams:
             raise bad("seed", "an integer from -2**63 to 2**64 - 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"0 to {self.MAX_LOGPROBS}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "non-empty strings")
-        if len(self.stop) > 16:
-            raise bad("stop", "at most 16 strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if len(self.stop) > self.MAX_STOP:
+            raise RequestError(f"stop: {len(self.stop)} strings, allowed: at most {self.MAX_STOP}", param="stop")
+        if any(not isinstance(s, str) or not s or len(s) > self.MAX_STOP_CHARS for s in self.stop):
+            raise bad("stop", f"non-empty strings of at most {self.MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            message = f"stop_token_ids: {len(self.stop_token_ids)} ids, allowed: at most {self.MAX_STOP_TOKEN_IDS}"
+            raise RequestError(message, param="stop_token_ids")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "non-negative token ids")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"0 to max_tokens ({self.max_tokens})")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            message = f"logit_bias: {len(self.logit_bias)} entries, allowed: at most {self.MAX_LOGIT_BIAS}"
+            raise RequestError(message, param="logit_bias")
+        for token, value in self.logit_bias.items():
+            if not is_int(token) or token < 0:
+                message = f"logit_bias: token id {token!r}, allowed: non-negative token ids"
+                raise RequestError(message, param="logit_bias")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or abs(value) > self.MAX_BIAS:
+                raise RequestError(
+                    f"logit_bias: {value!r} for token {token}, allowed: -{self.MAX_BIAS:g} to {self.MAX_BIAS:g}",
+                    param="logit_bias",
+                )

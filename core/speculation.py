@@ -15,7 +15,8 @@ one token from the target:
              Leviathan et al. 2023 / Chen et al. 2023), so the output
              distribution equals sampling from p alone.
 
-``p`` is the target's filtered distribution (temperature, top-k/p, min-p);
+``p`` is the target's filtered distribution (``logit_bias`` and the
+``min_tokens`` ban per position, then temperature, top-k/p, min-p);
 ``q`` the draft's, or a point mass on the draft for deterministic proposers
 (n-gram lookup). KV written for rejected drafts is rolled back: the sequence
 forgets those positions, trailing blocks are freed, nothing is published.
@@ -92,20 +93,25 @@ class SpeculationStats:
     emitted: int = 0  # accepted drafts + the target's own token
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, row: SamplingRow, greedy: bool) -> list[int]:
+def verify(logits: torch.Tensor, proposal: Proposal, rows: list[SamplingRow], greedy: bool) -> list[int]:
     """Tokens to emit: the accepted drafts, then one token of the target's.
 
     Args:
         logits: ``[len(drafts) + 1, vocab]`` target logits at the last real token and each draft.
         proposal: the drafts (and their draft distributions, if any).
-        row: the sequence's sampling parameters and generator.
+        rows: per logits row, the sequence's sampling parameters, generator and the
+            tokens banned at that position (``min_tokens``).
         greedy: whether the request decodes greedily.
     """
     import torch
 
-    from tierserve.core.sampler import draw, filtered_probs
+    from tierserve.core.sampler import adjust_logits, adjusts, draw, filtered_probs
 
     drafts = proposal.token_ids
+    row = rows[0]
+    if any(adjusts(r) for r in rows):
+        logits = logits.to(torch.float32, copy=True)
+        adjust_logits(logits, rows)
     if greedy:
         targets = logits.argmax(dim=-1).tolist()
         emitted = []
@@ -116,7 +122,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, row: SamplingRow, greedy: b
         emitted.append(targets[len(emitted)])
         return emitted
 
-    probs = filtered_probs(logits.to(torch.float32), [row] * logits.shape[0])
+    probs = filtered_probs(logits.to(torch.float32), rows)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     emitted = []
     for index, draft in enumerate(drafts):

@@ -21,6 +21,7 @@ from tierserve.core.config import LoadedSettings, Settings
 from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.server.auth import auth_guard, tenant_map
 from tierserve.server.errors import EXCEPTION_HANDLERS
+from tierserve.server.json_body import check_json_body
 from tierserve.server.state import ServerState
 from tierserve.server.tenants import bearer_token
 
@@ -91,6 +92,7 @@ def create_app(
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         guards=[auth_guard],
+        before_request=check_json_body,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=middleware,
         request_max_body_size=settings.server.max_request_bytes,

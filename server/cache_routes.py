@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.server.errors import APIError
 from tierserve.server.openai_responses import usage_table
+from tierserve.server.schemas import MAX_MESSAGES, MAX_PROMPTS, MAX_TIERS
 from tierserve.server.state import ServerState, ready_engine, state_of
 from tierserve.server.tenants import OPEN_TENANT, Caller, cache_scope, caller_of, split_scope
 from tierserve.server.stats_document import (
@@ -126,7 +127,7 @@ def operations_per_second(state: ServerState, snapshot: EngineSnapshot, points: 
 class ClearRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    tiers: list[str] | str = "all"
+    tiers: Annotated[list[str], Field(max_length=MAX_TIERS)] | str = "all"
 
 
 class Message(BaseModel):
@@ -141,8 +142,10 @@ class WarmRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompts: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
-    messages: list[Annotated[list[Message], Field(min_length=1)]] | None = Field(None, min_length=1)
+    prompts: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_PROMPTS)
+    messages: list[Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]] | None = Field(
+        None, min_length=1, max_length=MAX_PROMPTS
+    )
     cache_salt: str | None = Field(None, max_length=256)
     cache_key: str | None = Field(None, min_length=1, max_length=256)  # name and pin the (single) warmed prompt
     limit_blocks: int | None = Field(None, gt=0)  # no prompts: blocks promoted at most (kv_cache.warm_frequent_blocks)

@@ -8,10 +8,11 @@ from typing import Any, Literal
 
 from litestar import Request, post
 from litestar.params import JSONBody
+from pydantic import field_validator
 
 from tierserve.server.errors import APIError
 from tierserve.server.generation_jobs import check_prompt_bytes
-from tierserve.server.schemas import Body
+from tierserve.server.schemas import Body, check_prompts
 from tierserve.server.state import ready_engine, state_of
 
 
@@ -24,8 +25,10 @@ class EmbeddingRequest(Body):
     dimensions: int | None = None
     user: str | None = None
 
-
-MAX_INPUTS = 2048  # OpenAI's limit per request
+    @field_validator("input", mode="before")
+    @classmethod
+    def bounded_input(cls, value: Any) -> Any:
+        return check_prompts(value, "inputs")
 
 
 def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -38,8 +41,6 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | 
             "or a list of such lists, each with at least one character or token",
             param="input",
         )
-    if len(items) > MAX_INPUTS:
-        raise APIError(400, f"input: {len(items)} items; send at most {MAX_INPUTS} per request", param="input")
     return items
 
 

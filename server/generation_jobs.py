@@ -135,7 +135,8 @@ async def build_job(request: Request, body: SamplingFields, *, chat: bool, cache
         room = min(output_room(len(ids), limit, param="messages" if chat else "prompt"), server.max_tokens_limit)
         if cached and body.enable_sliding_window:  # a window lets generation run past the context
             room = requested if requested is not None else room
-        max_tokens = min(requested if requested is not None else (room if chat else 16), room)
+        # beyond the context is the engine's 400 (context_length_exceeded), not a silent clamp
+        max_tokens = requested if requested is not None else (room if chat else min(16, room))
         for i in range(body.n):
             params.append(
                 SamplingParams(
@@ -147,10 +148,12 @@ async def build_job(request: Request, body: SamplingFields, *, chat: bool, cache
                     repetition_penalty=body.repetition_penalty,
                     presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty,
-                    seed=None if body.seed is None else body.seed + i,
+                    seed=None if body.seed is None else (body.seed + i) % 2**64,  # 2**64 - 1 with n > 1 wraps
                     stop=stop,
-                    stop_token_ids=list(body.stop_token_ids or []),
+                    stop_token_ids=body.stop_token_ids or (),
                     ignore_eos=body.ignore_eos,
+                    min_tokens=body.min_tokens,
+                    logit_bias=body.logit_bias or {},
                     logprobs=logprobs,
                 )
             )

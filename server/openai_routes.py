@@ -61,6 +61,9 @@ async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job)
     if body.stream:
         raise APIError(400, "stream: beam search returns whole beams; allowed: false with beam_width > 1",
                        param="stream", code="unsupported")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias: beam search ranks the model's own log-probabilities; send it without beams",
+                       param="logit_bias", code="unsupported")
     if getattr(body, "cache_key", None) is not None:
         raise APIError(400, "cache_key: beam search neither reads nor keeps cached prefixes; send it without beams",
                        param="cache_key", code="unsupported")

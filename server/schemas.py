@@ -1,10 +1,70 @@
-"""Request bodies of the OpenAI-compatible routes (unknown fields are ignored, as OpenAI does)."""
+"""Request bodies of the OpenAI-compatible routes (unknown fields are ignored, as OpenAI does).
+
+Every list is bounded, with a 400 naming the field and the limit: the engine
+walks some of them for every token, on the step that all requests share.
+Fields tierserve does not implement (``best_of`` other than ``n``,
+``response_format`` other than text, tool calling) are refused, never ignored.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from tierserve.core.sampling_params import SamplingParams
+
+MAX_PROMPTS = 2048  # prompts, embedding inputs or warmed conversations per request (OpenAI's embeddings limit)
+MAX_TOKEN_IDS = 1 << 20  # token ids in one prompt: more than any context
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+MAX_TIERS = 16
+MAX_SEED = 2**64 - 1  # what a torch generator takes; negative seeds down to -2**63 are taken as their unsigned twin
+PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of token id lists"
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenKey = Annotated[int, Field(ge=0)]  # JSON object keys are strings: "50256" is token 50256
+Bias = Annotated[float, Field(ge=-SamplingParams.MAX_BIAS, le=SamplingParams.MAX_BIAS)]
+
+
+def invalid(message: str) -> PydanticCustomError:
+    """A validation error whose message is exactly ``message`` (the route adds the field's name)."""
+    return PydanticCustomError("invalid_value", message)
+
+
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_prompts(value: Any, noun: str) -> Any:
+    """``value`` as the prompt forms allow it, bounded: at most ``MAX_PROMPTS`` items of at most ``MAX_TOKEN_IDS`` ids.
+
+    Empty prompts pass: the route refuses them with its own message.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(f"allowed: {PROMPT_FORMS}")
+    if len(value) > MAX_TOKEN_IDS:
+        raise invalid(f"{len(value)} items, allowed: at most {MAX_PROMPTS} {noun} or {MAX_TOKEN_IDS} token ids")
+    if value and all(map(is_token_id, value)):
+        return value
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"{len(value)} {noun}, allowed: at most {MAX_PROMPTS} per request")
+    if all(isinstance(item, str) for item in value):
+        return value
+    if all(isinstance(item, list) and all(map(is_token_id, item)) for item in value):
+        longest = max(map(len, value), default=0)
+        if longest > MAX_TOKEN_IDS:
+            raise invalid(f"a list of {longest} token ids, allowed: at most {MAX_TOKEN_IDS}")
+        return value
+    booleans = any(isinstance(x, bool) for item in value for x in (item if isinstance(item, list) else [item]))
+    raise invalid(f"allowed: {PROMPT_FORMS}" + (" (true and false are not token ids)" if booleans else ""))
 
 
 class Body(BaseModel):
@@ -24,25 +84,71 @@ class SamplingFields(Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
+    best_of: int | None = Field(None, ge=1)  # accepted when it asks for nothing more than n
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # >= 0.01: dividing logits by a near-zero penalty overflows float32 and the draw returns no valid token
     repetition_penalty: float = Field(1.0, ge=0.01, le=10)
+    logit_bias: dict[TokenKey, Bias] | None = Field(None, max_length=SamplingParams.MAX_LOGIT_BIAS)
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # tierserve extensions
     beam_width: int | None = Field(None, ge=1, le=16)  # > 1: beam search (no streaming, no sampling)
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-10, le=10)  # BeamSearchParams.MAX_LENGTH_PENALTY (its module needs torch)
     early_stopping: bool | Literal["never"] = False
     min_tokens: int = Field(0, ge=0)
     cache_salt: str | None = Field(None, max_length=256)
     priority: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=SamplingParams.MAX_STOP_TOKEN_IDS)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def bounded_stop(cls, value: Any) -> Any:
+        strings = value if isinstance(value, list) else [value]
+        if len(strings) > SamplingParams.MAX_STOP:
+            raise invalid(f"{len(strings)} strings, allowed: at most {SamplingParams.MAX_STOP}")
+        longest = max((len(s) for s in strings if isinstance(s, str)), default=0)
+        if longest > SamplingParams.MAX_STOP_CHARS:
+            raise invalid(f"a string of {longest} characters, allowed: at most {SamplingParams.MAX_STOP_CHARS}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def bounded_bias(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        if len(value) > SamplingParams.MAX_LOGIT_BIAS:
+            raise invalid(f"{len(value)} entries, allowed: at most {SamplingParams.MAX_LOGIT_BIAS}")
+        limit = SamplingParams.MAX_BIAS
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()) and not is_token_id(key):
+                raise invalid(f"key {str(key)[:40]!r} is not a token id; allowed: non-negative integers as keys")
+            if not is_number(bias) or not -limit <= bias <= limit:
+                raise invalid(f"{str(bias)[:40]} for token {key}, allowed: -{limit:g} to {limit:g}")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value not in (1, n):
+            raise invalid(
+                f"got {value}, allowed: 1 or n ({n}); generating extra choices to keep the best is not implemented"
+            )
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise invalid('allowed: {"type": "text"}; JSON mode and structured output are not implemented')
+        return value
 
 
 class CompletionRequest(SamplingFields):
@@ -50,18 +156,58 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def bounded_prompt(cls, value: Any) -> Any:
+        return check_prompts(value, "prompts")
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
 
 class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_parts(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if len(value) > MAX_CONTENT_PARTS:
+                raise invalid(f"{len(value)} parts, allowed: at most {MAX_CONTENT_PARTS}")
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid('parts must be {"type": "text", "text": "..."}; this model reads text only')
+        return value
 
 
 class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # tool calling is not implemented: asking for it is a 400, never silently plain text
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise invalid("tool calling is not implemented; send the request without tools")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is not None and value not in ("none", "auto"):
+            raise invalid('allowed: "none" or "auto" (tool calling is not implemented)')
+        return value
 
 
 class CachedFields(Body):

@@ -51,7 +51,8 @@ def model_served_model_name(lab: Lab) -> None:
 
 def server_timeout_seconds(lab: Lab) -> None:
     with lab.http({"server.timeout_seconds": 0.2}) as client:
-        late = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True})
+        room = client.get("/v1/models").json()["data"][0]["max_model_len"] - 64  # the context, less the prompt
+        late = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": room, "ignore_eos": True})
         assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
 
 

@@ -104,7 +104,8 @@ def test_every_response_carries_a_request_id_and_a_duplicate_in_flight_id_is_ref
 def test_a_request_past_timeout_seconds_is_stopped_and_its_blocks_freed(checkpoint, tmp_path):
     loaded = preset_settings("development", checkpoint, tmp_path, {("server", "timeout_seconds"): 0.5})
     engine = make_engine(checkpoint)
-    body = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    room = engine.info.max_model_len - len(engine.encode_prompt("go on"))  # the longest answer the context allows
+    body = {"prompt": "go on", "max_tokens": room, "ignore_eos": True, "temperature": 0}
     with running_server(loaded.settings, engine=engine, plugins=loaded.plugins) as base:
         late = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -14,6 +15,7 @@ from schemathesis import GenerationMode  # noqa: E402
 
 from tests.engine_helpers import build_checkpoint, make_engine  # noqa: E402
 from tests.server_helpers import running_server  # noqa: E402
+import httpx  # noqa: E402
 from tierserve.core.config import load_settings  # noqa: E402
 
 V1_OPERATIONS = [
@@ -125,3 +127,69 @@ def test_operation_never_fails_or_leaks(api, label: str, mode: GenerationMode) -
     CASES_TRIED[f"{label} [{mode.value}]"] = dict(sorted(statuses.items()))
     print(f"{label} [{mode.value}]: {statuses.total()} cases, by status {dict(sorted(statuses.items()))}")
     assert statuses.total() > 0
+
+
+# Values a hostile user sent that once made a 500 (or were silently ignored): each must be a 4xx in OpenAI's shape.
+DEEP = "[" * 100_000 + "]" * 100_000
+CHAT = [{"role": "user", "content": "Hi"}]
+GENERATION_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/cached/completions", "/v1/cached/chat/completions"]
+EDGE_BODIES: list[Any] = [
+    {"seed": 2**64},
+    {"seed": -(2**63) - 1},
+    {"seed": 10**30},
+    {"beam_width": 2, "length_penalty": 1e308},
+    {"beam_width": 2, "length_penalty": -1e308},
+    {"use_beam_search": True, "length_penalty": 1e308},
+    {"stop_token_ids": [0] * 1025},
+    {"stop": ["a"] * 17},
+    {"logit_bias": {str(i): 1 for i in range(1025)}},
+    {"logit_bias": {"1000000": 1}},
+    {"logit_bias": {"1": 1e308}},
+    {"min_tokens": 10**6},
+    {"max_tokens": 10**6},
+    {"best_of": 5},
+    {"response_format": {"type": "json_schema", "json_schema": {"a": [[[[1]]]]}}},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    b'{"prompt": DEEP, "messages": [{"role": "user", "content": DEEP}], "max_tokens": 2}',
+    b'{"prompt": [true, false], "messages": [{"role": "user", "content": [{"type": "text", "text": true}]}]}',
+]
+
+
+class Sent(NamedTuple):
+    """What check_response reports about a request sent by hand."""
+
+    body: Any
+    query: Any = None
+    path_parameters: Any = None
+
+
+CHAT_ONLY = {"tools", "tool_choice"}  # chat fields: the completions routes ignore them, as any unknown field
+EDGE_CASES = [
+    (route, index)
+    for route in GENERATION_ROUTES
+    for index, body in enumerate(EDGE_BODIES)
+    if "chat" in route or isinstance(body, bytes) or not CHAT_ONLY & set(body)
+]
+
+
+@pytest.mark.parametrize(("route", "edge"), EDGE_CASES)
+def test_edge_values_are_refused_in_openai_shape(api, route, edge):
+    base, _ = api
+    body = EDGE_BODIES[edge]
+    if isinstance(body, bytes):
+        content = body.replace(b"DEEP", DEEP.encode())
+    else:
+        content = json.dumps({"prompt": "Hi", "messages": CHAT, "max_tokens": MAX_TOKENS, **body}).encode()
+    response = httpx.post(base + route, content=content, headers={"content-type": "application/json"}, timeout=60)
+    check_response(f"POST {route}", Sent(content[:200]), response)
+    assert 400 <= response.status_code < 500, response.text[:500]
+
+
+@pytest.mark.parametrize("route", [*GENERATION_ROUTES, "/v1/embeddings", "/v1/cache/warm", "/v1/cache/clear"])
+def test_a_body_that_is_not_json_is_refused_in_openai_shape(api, route):
+    base, _ = api
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    response = httpx.post(base + route, content=b"prompt=Hi", headers=form, timeout=60)
+    check_response(f"POST {route}", Sent(b"prompt=Hi"), response)
+    assert response.status_code == 415

@@ -128,6 +128,12 @@ def check_request(
             )
     else:
         check_fits(num_prompt, params.max_tokens, info.max_model_len, info.kv_capacity_tokens)
+    outside = [token for token in params.logit_bias if token >= info.vocab_size]
+    if outside:
+        raise RequestError(
+            f"logit_bias: token id {outside[0]} is outside the vocabulary; allowed: 0 to {info.vocab_size - 1}",
+            param="logit_bias",
+        )
     method = info.speculator if speculate is None else (info.speculator or info.fallback_speculator) if speculate else None
     if speculate and method is None:
         raise RequestError(

@@ -23,11 +23,17 @@ if TYPE_CHECKING:
     from tierserve.core.sequence import Sequence
 
 
-def sampling_row(seq: Sequence) -> SamplingRow:
-    """What the sampler needs of a sequence (its history only when penalties read it)."""
-    if seq.params.has_penalties:
-        return SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
-    return SamplingRow(seq.params, seq.generator, [], [])
+def sampling_row(seq: Sequence, eos_token_ids: frozenset[int] = frozenset(), ahead: int = 0) -> SamplingRow:
+    """What the sampler needs to pick a sequence's token ``ahead`` positions past its next one: its history
+    only when penalties read it, and eos (unless ``ignore_eos``) and stop ids banned before ``min_tokens``."""
+    params = seq.params
+    suppressed: frozenset[int] = frozenset()
+    if seq.num_output_tokens + ahead < params.min_tokens:
+        stops = frozenset(params.stop_token_ids)
+        suppressed = stops if params.ignore_eos else stops | eos_token_ids
+    if params.has_penalties:
+        return SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids, suppressed)
+    return SamplingRow(params, seq.generator, [], [], suppressed)
 
 
 class ModelRunner:
@@ -53,6 +59,7 @@ class ModelRunner:
         clock: PhaseClock | None = None,
     ) -> None:
         self.backend = backend
+        self.eos_token_ids = frozenset(backend.eos_token_ids)
         self.speculators = dict(speculators or {})
         self.sampler = Sampler()
         self.spec_stats = SpeculationStats()
@@ -85,7 +92,7 @@ class ModelRunner:
                 (speculative if chunk.num_draft else plain).append((chunk, row))
             row += rows
         if plain:
-            rows_of = [sampling_row(chunk.seq) for chunk, _ in plain]
+            rows_of = [sampling_row(chunk.seq, self.eos_token_ids) for chunk, _ in plain]
             picked = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
             for (chunk, _), sampled in zip(plain, self.sampler(picked, rows_of)):
                 output.sampled[chunk.seq.seq_id] = [sampled]
@@ -103,7 +110,8 @@ class ModelRunner:
         drafted = seq.spec_proposal
         probs = drafted.probs[:k] if drafted is not None and drafted.probs is not None else None
         proposal = Proposal(seq.spec_token_ids[:k], probs)
-        emitted = verify(logits, proposal, sampling_row(seq), seq.params.greedy)
+        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in range(k + 1)]
+        emitted = verify(logits, proposal, rows, seq.params.greedy)
         accepted = len(emitted) - 1
         stats = self.spec_stats
         stats.verifications += 1
