@@ -150,21 +150,31 @@ class CacheTier(ABC):
     def pin(self, key: bytes) -> None:
         """Keep ``key`` from being evicted or expired until ``unpin``.
 
-        The tiered store pins a block that cached children need where
-        eviction would lose it (leaves first), and every block of a named
-        prefix. The store counts its pins and calls this once per key, so
-        pins here need not nest: pinning twice and unpinning once leaves
-        ``key`` evictable. A key not stored is ignored (the store pins it
-        again when it arrives); ``remove`` and ``clear`` drop the pins of
-        what they delete. A tier whose other entries are all pinned keeps
-        them, even past its bounds: a ``put`` that needs room then gives up
-        the newcomer (returned, or dropped by a tier that cannot return
-        entries), so a pinned entry is never evicted.
+        The tiered store pins every block of a named prefix (a block that
+        cached children need is ``hold``-ed instead). The store counts its
+        pins and calls this once per key, so pins here need not nest:
+        pinning twice and unpinning once leaves ``key`` evictable. A key not
+        stored is ignored (the store pins it again when it arrives);
+        ``remove`` and ``clear`` drop the pins of what they delete. A tier
+        whose other entries are all pinned keeps them: a ``put`` that needs
+        room then gives up the newcomer (returned, or dropped and counted by
+        a tier that cannot return entries), so a pinned entry is never evicted.
         """
 
     @abstractmethod
     def unpin(self, key: bytes) -> None:
-        """Make ``key`` evictable again; a key not stored or not pinned is ignored."""
+        """Make ``key`` evictable again (ending a ``pin`` or a ``hold``); a key not stored or not pinned is ignored."""
+
+    def hold(self, key: bytes) -> None:
+        """Keep ``key`` because a cached block extends it: the store holds parents in its last
+        tier so that leaves go first. Replaces a ``pin`` of ``key``; ``unpin`` ends it.
+
+        Unlike a pin, a hold gives way to the tier's bound: a tier that would
+        otherwise exceed it may evict held entries once nothing else is left,
+        leaves first (an entry whose stored children are gone). The default
+        treats a hold as a pin.
+        """
+        self.pin(key)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued background writes are on their medium."""

@@ -5,7 +5,7 @@ entry, keyed by the block hash in hex, tagged with the parent hash). This
 tier keeps its own index and eviction policy over it, so lookups and
 eviction choices never touch SQLite; diskcache's own culling is off.
 
-    put ──► bounded queue (full: drop) ──► writer thread: encode, write, index, evict
+    put ──► bounded queue (full: drop) ──► writer thread: encode, make room (none: drop), write, index
     get ──► queued? ──► indexed? ──► read file ──► decode (corrupt: delete, miss)
 
 A persistent tier also keeps its entries' access counts across restarts, in
@@ -50,6 +50,11 @@ class DiskTier(CacheTier):
     rewritten (keys are content hashes, the bytes would be the same): it
     counts as a use. Evicted entries are deleted, not returned (there is no
     tier below).
+
+    The files never add up to more than ``max_bytes``: the writer makes room
+    before it writes, evicting what the policy chooses, then held entries
+    (``hold``) leaves first; when only pinned entries are left the write is
+    dropped and counted (``dropped_writes``), and a pinned entry stays.
 
     With ``persistent`` off the directory's entries are deleted at start; with
     it on, the index is rebuilt from what is there. Disk faults (full, read
@@ -117,7 +122,7 @@ class DiskTier(CacheTier):
             self.stats.puts += 1
             key = entry.key
             if key in self._index and key not in self._pending:
-                self.policy.touch(key)
+                self._index.touch(key)
                 self._credit(self._index.get(key), entry.accesses)
             elif self._closed:
                 self.stats.dropped_writes += 1
@@ -136,10 +141,11 @@ class DiskTier(CacheTier):
     def remove(self, key: bytes) -> None:
         with self.lock:
             self._pending.pop(key, None)
-            self._index.pinned.discard(key)
             if key in self._index:
                 self._index.remove(key)
                 self._delete_file(key)
+            else:
+                self._index.unpin(key)
 
     def clear(self) -> int:
         with self.lock:
@@ -186,17 +192,19 @@ class DiskTier(CacheTier):
     def pin(self, key: bytes) -> None:
         """Protect ``key`` from eviction and expiry (a queued key once written); a key not stored is ignored."""
         with self.lock:
-            if key in self._index:
-                self.policy.pin(key)
-                self._index.pinned.add(key)
-            elif key in self._pending:
-                self._index.pinned.add(key)
+            if key in self._index or key in self._pending:
+                self._index.pin(key)
+
+    def hold(self, key: bytes) -> None:
+        """Protect ``key`` from expiry, and from eviction until only held entries are left to evict,
+        leaves first (a queued key once written); a key not stored is ignored."""
+        with self.lock:
+            if key in self._index or key in self._pending:
+                self._index.hold(key)
 
     def unpin(self, key: bytes) -> None:
         with self.lock:
-            self._index.pinned.discard(key)
-            if key in self._index:
-                self.policy.unpin(key)
+            self._index.unpin(key)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued writes are on disk, then save changed access counts (persistent only)."""
@@ -260,7 +268,7 @@ class DiskTier(CacheTier):
             self._index.read_back(stored, entry.nbytes, entry.created)
             if self._expire_if_old(key, stored):
                 return None
-            self.policy.touch(key)
+            self._index.touch(key)
             self._credit(stored, 1)
         return entry
 
@@ -277,7 +285,7 @@ class DiskTier(CacheTier):
         """A queued entry could not be written (the writer calls this under the lock)."""
         self.note_removed(entry.key)
         if entry.key not in self._index and entry.key not in self._pending:
-            self._index.pinned.discard(entry.key)
+            self._index.unpin(entry.key)
 
     def _write(self, entry: CacheEntry) -> bool:
         """Encode and store one queued entry; False if it could not be stored (the writer reports it lost)."""
@@ -296,6 +304,25 @@ class DiskTier(CacheTier):
             with self.lock:
                 self.stats.dropped_writes += 1
             log.warning("kv_disk_entry_too_large", key=key.hex(), size=len(data), max_disk_bytes=self.max_bytes)
+            return False
+        with self.lock:
+            if self._pending.get(key) is not entry:
+                return True
+            accesses = entry.accesses
+            replaced = self._index.get(key)
+            if replaced is not None:  # its file is overwritten below, or deleted if there is no room
+                accesses += replaced.accesses
+                self._index.remove(key, keep_pin=True)
+            # room first, so the files never add up to more than the bound, even while this one is written
+            victims = self._index.make_room(len(data), entry.parent)
+            fits = self._index.has_room(len(data))
+            if not fits:
+                self.stats.dropped_writes += 1
+        self._forget_files(victims)
+        if not fits:
+            if replaced is not None:
+                self._delete_file(key)
+            log.debug("kv_disk_write_dropped", key=key.hex(), reason="no room: only pinned entries left")
             return False
         try:
             self._cache.set(key.hex(), data, tag=entry.parent.hex() if entry.parent else None, retry=True)
@@ -316,21 +343,14 @@ class DiskTier(CacheTier):
                     self._delete_file(key)
                 return True  # else a newer put of the key is queued and will be written
             del self._pending[key]
-            accesses = entry.accesses
-            if key in self._index:
-                accesses += self._index.get(key).accesses
-                self._index.remove(key, keep_pin=True)
             self._index.add(key, StoredEntry(len(data), entry.nbytes, entry.parent, entry.created, accesses))
-            victims = self._index.evict_over_bound()
-            if self._index.over_bound and key in self._index and key not in self._index.pinned:
-                # Everything else is pinned: the newcomer is the one that goes.
-                self._index.remove(key)
-                self.stats.evictions += 1
-                victims.append(key)
+        return True
+
+    def _forget_files(self, victims: list[bytes]) -> None:
+        """Delete the files of entries the index evicted, and tell the store."""
         for victim in victims:
             self._delete_file(victim)
             self.note_removed(victim)
-        return True
 
     # ---- expiry and files (callers hold self.lock, except during __init__) --------
 
@@ -338,7 +358,7 @@ class DiskTier(CacheTier):
         return self.ttl is not None and time.time() - created > self.ttl
 
     def _expire_if_old(self, key: bytes, stored: StoredEntry) -> bool:
-        if not self._expired(stored.created) or key in self._index.pinned:
+        if not self._expired(stored.created) or self._index.kept(key):
             return False
         self._index.remove(key)
         self._delete_file(key)
@@ -347,7 +367,7 @@ class DiskTier(CacheTier):
         return True
 
     def _expire_pending_if_old(self, entry: CacheEntry) -> bool:
-        if not self._expired(entry.created) or entry.key in self._index.pinned:
+        if not self._expired(entry.created) or self._index.kept(entry.key):
             return False
         del self._pending[entry.key]  # the writer skips an entry no longer pending
         self.stats.expirations += 1
@@ -372,7 +392,7 @@ class DiskTier(CacheTier):
                 continue
             self._index.add(key, StoredEntry(size, size, parent, store_time))
         self._index.restore_access_counts(self._counts.load())
-        for victim in self._index.evict_over_bound():
+        for victim in self._index.make_room(0):
             self._delete_file(victim)
         directory, entries, stored = str(self.directory), len(self._index), self._index.stored_bytes
         log.info("kv_disk_index_rebuilt", directory=directory, entries=entries, bytes=stored, skipped=skipped)
