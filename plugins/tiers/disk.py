@@ -20,13 +20,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import diskcache
 import structlog
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.plugins.tiers.disk_counts import CountsRecord
 from tierserve.plugins.tiers.disk_directory import DiskTierSettings, open_directory, previous_entries
+from tierserve.plugins.tiers.disk_recovery import (
+    INDEX_NAME,
+    is_corrupt_index,
+    move_index_aside,
+    reindex_values,
+    value_files,
+)
 from tierserve.plugins.tiers.disk_index import DiskIndex, StoredEntry
 from tierserve.plugins.tiers.disk_writer import DiskWriter
 
@@ -57,7 +66,9 @@ class DiskTier(CacheTier):
     dropped and counted (``dropped_writes``), and a pinned entry stays.
 
     With ``persistent`` off the directory's entries are deleted at start; with
-    it on, the index is rebuilt from what is there. Disk faults (full, read
+    it on, the index is rebuilt from what is there. A corrupt SQLite index is
+    moved aside, logged and counted (``corrupt_indexes``), and the tier starts
+    on a fresh one: with the entries of the value files again (persistent) or empty. Disk faults (full, read
     only, a missing, truncated, damaged or foreign file) are logged and
     counted, never raised: a bad entry is deleted and reads as a miss.
     ``max_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
@@ -87,12 +98,14 @@ class DiskTier(CacheTier):
         )
         self._pending = self._writer.pending  # queued or being written, newest put per key
         self._closed = False
-        self._cache = open_directory(self.directory, tier.name)
-        self._counts = CountsRecord(self._cache, self.directory, enabled=self.persistent)
-        if self.persistent:
-            self._rebuild()
-        else:
-            self._cache.clear()
+        cache = None
+        try:
+            cache = open_directory(self.directory, tier.name)
+            self._load(cache)
+        except Exception as exc:
+            if not is_corrupt_index(exc):
+                raise
+            self._recover(exc, cache, tier.name)
         self._writer.start()
 
     # ---- CacheTier ---------------------------------------------------------
@@ -219,7 +232,9 @@ class DiskTier(CacheTier):
         self.flush()
         with self.lock:
             self._closed = True
-        self._writer.stop()
+        # diskcache keeps a connection per thread and closes only the caller's: one left open would
+        # write into the index when collected, even after the directory is reopened (or its index moved aside)
+        self._writer.stop(last=self._cache.close)
         self._save_counts()
         self._cache.close()
 
@@ -381,6 +396,49 @@ class DiskTier(CacheTier):
             log.warning("kv_disk_delete_failed", key=key.hex(), error=repr(exc), directory=str(self.directory))
 
     # ---- start-up ------------------------------------------------------------
+
+    def _load(self, cache: diskcache.Cache) -> None:
+        """Take what the directory holds (persistent), or clear it."""
+        self._cache = cache
+        self._counts = CountsRecord(cache, self.directory, enabled=self.persistent)
+        if self.persistent:
+            self._rebuild()
+        else:
+            cache.clear()
+
+    def _recover(self, exc: Exception, cache: diskcache.Cache | None, tier_name: str) -> None:
+        """The index is corrupt: keep it aside for inspection, then start on a fresh one holding
+        the value files' entries again (persistent) or nothing. ``cache``: the directory, if it opened."""
+        if cache is not None:
+            try:
+                cache.close()
+            except Exception:
+                pass  # the index is already known to be unreadable
+        try:
+            aside = move_index_aside(self.directory)
+        except OSError as error:
+            raise TierserveError(
+                f"the cache index in {str(self.directory)!r} (path of tier {tier_name!r}) is corrupt ({exc}) and "
+                f"cannot be moved aside: {error}; delete {str(self.directory / INDEX_NAME)!r} or point path elsewhere"
+            ) from error
+        self.stats.corrupt_indexes += 1
+        log.warning(
+            "kv_disk_index_corrupt",
+            directory=str(self.directory),
+            error=str(exc),
+            moved_to=str(aside),
+            action="rebuilding from the value files" if self.persistent else "starting empty",
+        )
+        cache = open_directory(self.directory, tier_name)
+        files = value_files(self.directory)
+        if self.persistent:
+            restored, lost = reindex_values(cache, files, self.codec)
+            self.stats.corrupt += lost
+            log.info("kv_disk_values_reindexed", directory=str(self.directory), entries=restored, deleted=lost)
+        else:
+            for path in files:
+                path.unlink(missing_ok=True)
+        self._load(cache)
 
     def _rebuild(self) -> None:
         """Index what a previous run left, oldest first, with its access counts; then apply TTL and the byte bound."""

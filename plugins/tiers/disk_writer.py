@@ -52,7 +52,7 @@ class DiskWriter(threading.Thread):
         self.nice = nice
         self.pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
         self._write, self._lost, self._task = write, lost, task
-        self._queue: queue.Queue[CacheEntry | object | None] = queue.Queue(maxsize=size)
+        self._queue: queue.Queue[CacheEntry | object | Callable[[], None]] = queue.Queue(maxsize=size)
         self._unwritten = 0  # entries accepted and not yet finished
         self._drained = threading.Condition(lock)
 
@@ -81,16 +81,17 @@ class DiskWriter(threading.Thread):
             log.warning("kv_disk_flush_timeout", unwritten=self._unwritten, timeout=timeout)
             return False
 
-    def stop(self) -> None:
-        """Finish what is queued, then end the thread."""
-        self._queue.put(None)
+    def stop(self, last: Callable[[], None] | None = None) -> None:
+        """Finish what is queued, run ``last`` on this thread (e.g. close what it opened), then end the thread."""
+        self._queue.put(last or (lambda: None))
         self.join()
 
     def run(self) -> None:
         self._lower_priority()
         while True:
             item = self._queue.get()
-            if item is None:
+            if callable(item):
+                item()
                 return
             if item is _TASK:
                 self._task()
