@@ -56,6 +56,22 @@ class CacheEntry:
         return self.kv.numel() * self.kv.element_size()
 
 
+@dataclass(slots=True)
+class WriteTally:
+    """What became of the writes one caller waits for (a prompt warm's write-through), in one tier.
+
+    Attributes:
+        written: entries the tier stored (or already held).
+        dropped: entries it gave up: no room in its write queue by the deadline, too large,
+            a disk error, or no room under its bound that is not pinned.
+        pending: entries accepted and not yet stored or given up (flush the tier, then read).
+    """
+
+    written: int = 0
+    dropped: int = 0
+    pending: int = 0
+
+
 class CacheTier(ABC):
     """A bounded store of ``CacheEntry`` values keyed by block hash. Thread-safe.
 
@@ -105,6 +121,20 @@ class CacheTier(ABC):
         ``entry.accesses`` is added to the key's access count (a replaced
         entry's count is kept); each returned entry's ``accesses`` is the count
         it had here (a newcomer handed back keeps the one it came with)."""
+
+    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
+        """``put`` for a caller that waits for the write: a tier that queues writes waits for room
+        in its queue until ``deadline`` (``time.monotonic()``) instead of dropping the entry, and
+        counts it in ``tally`` once it is stored (``written``) or given up (``dropped``).
+
+        The default puts at once and counts what ``put`` did.
+        """
+        evicted = self.put(entry)
+        if self.contains(entry.key) and all(gone.key != entry.key for gone in evicted):
+            tally.written += 1
+        else:
+            tally.dropped += 1
+        return evicted
 
     @abstractmethod
     def remove(self, key: bytes) -> None:

@@ -24,7 +24,7 @@ import diskcache
 import structlog
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
-from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.cache.tier import CacheEntry, CacheTier, WriteTally
 from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.plugins.tiers.disk_counts import CountsRecord
@@ -54,7 +54,8 @@ class DiskTier(CacheTier):
 
     ``put`` only enqueues: one writer thread encodes and writes, so callers
     never wait on the disk. A put that finds the queue
-    (``write_queue`` entries) full is dropped and counted; queued entries
+    (``write_queue`` entries) full is dropped and counted (``put_waiting``,
+    a warm's write, waits for room until its deadline first); queued entries
     are already visible to ``contains``/``get``. A key already on disk is not
     rewritten (keys are content hashes, the bytes would be the same): it
     counts as a use. Evicted entries are deleted, not returned (there is no
@@ -130,26 +131,43 @@ class DiskTier(CacheTier):
         return entry
 
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
+        self._put(entry)
+        return []
+
+    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
+        """``put``, waiting for room in the write queue until ``deadline`` instead of dropping at once;
+        ``tally`` learns whether the entry was written or dropped once the writer is done with it."""
+        self._put(entry, tally, deadline)
+        return []
+
+    def _put(self, entry: CacheEntry, tally: WriteTally | None = None, deadline: float = 0.0) -> None:
         start = time.perf_counter()
         with self.lock:
             self.stats.puts += 1
             key = entry.key
+            if tally is not None and not self._closed and key not in self._index:
+                self._writer.wait_for_room(deadline)  # releases the lock while it waits
             if key in self._index and key not in self._pending:
                 self._index.touch(key)
                 self._credit(self._index.get(key), entry.accesses)
+                if tally is not None:
+                    tally.written += 1  # already stored
             elif self._closed:
                 self.stats.dropped_writes += 1
                 log.warning("kv_disk_write_after_close", key=key.hex())
+                if tally is not None:
+                    tally.dropped += 1
             else:
                 earlier = self._pending.get(key)
-                if not self._writer.submit(entry):
+                if not self._writer.submit(entry, tally):
                     self.stats.dropped_writes += 1
                     log.debug("kv_disk_write_dropped", key=key.hex(), reason="write queue full")
+                    if tally is not None:
+                        tally.dropped += 1
                 else:  # the uses it came with, and those of a queued put it replaces
                     carried, entry.accesses = entry.accesses + (earlier.accesses if earlier else 0), 0
                     self._credit(entry, carried)
             self.stats.put_seconds += time.perf_counter() - start
-        return []
 
     def remove(self, key: bytes) -> None:
         with self.lock:
