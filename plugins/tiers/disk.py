@@ -69,9 +69,10 @@ class DiskTier(CacheTier):
     With ``persistent`` off the directory's entries are deleted at start; with
     it on, the index is rebuilt from what is there. A corrupt SQLite index is
     moved aside, logged and counted (``corrupt_indexes``), and the tier starts
-    on a fresh one: with the entries of the value files again (persistent) or empty. Disk faults (full, read
-    only, a missing, truncated, damaged or foreign file) are logged and
-    counted, never raised: a bad entry is deleted and reads as a miss.
+    on a fresh one: holding the value files' entries again (persistent) or
+    empty. Disk faults (full, read only, a missing, truncated, damaged or
+    foreign file) are logged and counted, never raised: a bad entry is
+    deleted and reads as a miss.
     ``max_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
     A persistent tier saves its access counts at ``flush`` and ``close`` and in
     the background every ``disk_counts.SAVE_EVERY`` updates; a missing or
@@ -355,7 +356,7 @@ class DiskTier(CacheTier):
         if not fits:
             if replaced is not None:
                 self._delete_file(key)
-            log.debug("kv_disk_write_dropped", key=key.hex(), reason="no room: only pinned entries left")
+            log.debug("kv_disk_write_dropped", key=key.hex(), reason="no room under max_bytes that is not pinned")
             return False
         try:
             self._cache.set(key.hex(), data, tag=entry.parent.hex() if entry.parent else None, retry=True)

@@ -7,8 +7,8 @@ thread-safe on its own: the disk tier calls it with its lock held.
 Room is made in two rounds, so the byte bound holds whatever the store pins:
 
     1. the policy's victims: entries neither pinned nor held
-    2. held entries (a cached child needs them) with no stored child here,
-       oldest first: leaves first, so a parent goes after its stored children
+    2. held entries (a cached child needs them) with no stored child here, least
+       recently used (or made such a leaf) first: a parent goes after its stored children
     pinned entries (named prefixes) never go; when only they are left, the newcomer is refused
 """
 
@@ -52,7 +52,7 @@ class DiskIndex:
         self.raw_bytes = 0
         self._entries: dict[bytes, StoredEntry] = {}
         self._children: dict[bytes, int] = {}  # parent -> indexed entries naming it (the parent may not be indexed)
-        self._bare: dict[bytes, None] = {}  # indexed, held, no indexed child: the second round's order, oldest first
+        self._bare: dict[bytes, None] = {}  # indexed, held, no indexed child: the second round, in order
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
