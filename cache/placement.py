@@ -3,10 +3,10 @@
 Every change of where a block is goes through here, so the pins stay in step:
 
     add(key, parent, position)   the tier at ``position`` holds the block now
-        └► its parent's first cached child: the parent is pinned in the last tier (leaves first)
+        └► its parent's first cached child: the parent is held in the last tier (leaves first)
         └► the block is pinned there if it is pinned (``PinLedger``)
     discard(key, position)       the tier dropped it
-        └► no tier holds it and it was its parent's last cached child: that pin is released
+        └► no tier holds it and it was its parent's last cached child: that hold is released
 
 Position 0 is L1 (the block pool), position ``i`` the ``i``-th tier below.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.hash_index import BlockHashIndex
-from tierserve.cache.pins import PinLedger
+from tierserve.cache.pins import PinLedger, State
 from tierserve.cache.tier import CacheTier
 
 L1 = 0
@@ -87,9 +87,11 @@ class Placement:
             parents = {node.parent for node in self.index.nodes.values() if node.parent is not None}
             assert self.pins.holds_in_last() == dict.fromkeys(parents, 1), "leaves-first pins differ from the index"
 
-    def _set_pinned(self, position: int, key: bytes, pinned: bool) -> None:
+    def _set_pinned(self, position: int, key: bytes, state: State) -> None:
         target = self.pool if position == L1 else self.tiers[position - 1]
-        if pinned:
+        if state == "pin":
             target.pin(key)
+        elif state == "hold":  # only ever the last tier (position >= 1)
+            target.hold(key)
         else:
             target.unpin(key)

@@ -21,6 +21,7 @@ class TierStats:
     evictions: int = 0
     expirations: int = 0
     corrupt: int = 0
+    corrupt_indexes: int = 0  # indexes found corrupt at start, moved aside and rebuilt (disk tiers)
     dropped_writes: int = 0
     write_errors: int = 0
     get_seconds: float = 0.0
@@ -103,6 +104,7 @@ class TierSnapshot:
     get_seconds: float
     put_seconds: float
     compression_ratio: float
+    corrupt_indexes: int = 0
     blocks_total: int | None = None
     blocks_free: int | None = None
     medium: str = "memory"  # where the tier keeps its data: "arena" (L1), "memory", "disk", "remote"
@@ -134,6 +136,7 @@ class TierSnapshot:
             get_seconds=stats.get_seconds,
             put_seconds=stats.put_seconds,
             compression_ratio=stats.compression_ratio,
+            corrupt_indexes=stats.corrupt_indexes,
             blocks_total=blocks_total,
             blocks_free=blocks_free,
             medium=medium,
@@ -150,6 +153,7 @@ class TierSnapshot:
             "evictions": self.evictions,
             "expirations": self.expirations,
             "corrupt": self.corrupt,
+            "corrupt_indexes": self.corrupt_indexes,
             "dropped_writes": self.dropped_writes,
             "write_errors": self.write_errors,
             "get_seconds": round(self.get_seconds, 6),

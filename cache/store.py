@@ -31,6 +31,7 @@ from tierserve.cache.placement import L1, Placement
 from tierserve.cache.stats import CacheSnapshot, PrefixMatch, StoreStats, TierSnapshot, TierStats
 from tierserve.cache.store_tier import KVTransfer, StoreTier
 from tierserve.cache.tier import CacheEntry
+from tierserve.cache.warm_writes import WarmWrites
 from tierserve.cache.warming import WarmReport
 
 if TYPE_CHECKING:
@@ -178,7 +179,8 @@ class TieredStore:
     # ---- publishing computed blocks ----------------------------------------------
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publish the sequence's newly completed blocks (and write them through where asked)."""
+        """Publish the sequence's newly completed blocks (and write them through where asked; a
+        warm's writes wait for room in write queues, ``seq.warm_writes``)."""
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks or not seq.use_prefix_cache:
             return
@@ -204,7 +206,7 @@ class TieredStore:
             data = self.transfer.read_blocks([block_id for block_id, *_ in fresh])
             for (_, key, parent, tokens, targets), kv in zip(fresh, data):
                 for position in targets:
-                    self.put_below(position, CacheEntry(key, parent, tokens, kv))
+                    self.put_below(position, CacheEntry(key, parent, tokens, kv), seq.warm_writes)
                     self.stats.write_through += 1
 
     # ---- demotion -------------------------------------------------------------------
@@ -223,11 +225,12 @@ class TieredStore:
         self.put_below(1, CacheEntry(key, parent, tokens, kv, accesses=accesses))
         self.stats.demotions[self.tier_names[1]] += 1
 
-    def put_below(self, position: int, entry: CacheEntry) -> list[bytes]:
+    def put_below(self, position: int, entry: CacheEntry, warm: WarmWrites | None = None) -> list[bytes]:
         """Store ``entry`` in the tier at ``position`` (1 or more); what it evicts goes to the next
-        tier down, carrying its access count. Returns the keys that tier evicted (or handed back)."""
+        tier down, carrying its access count. Returns the keys that tier evicted (or handed back).
+        ``warm``: the write is a warm's, which waits for room and is counted there."""
         tier = self.tiers[position - 1].tier
-        evicted = tier.put(entry)
+        evicted = tier.put(entry) if warm is None else warm.put(self.tier_names[position], tier, entry)
         if tier.contains(entry.key):
             self.placement.add(entry.key, entry.parent, position)
         below = position + 1
@@ -376,10 +379,17 @@ class TieredStore:
         self.pool.check_integrity()
         self.placement.check_integrity()
 
-    def flush(self) -> None:
-        """Wait until every tier's queued background writes are on their medium."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every tier's queued background writes are on their medium (at most
+        ``timeout`` seconds in all; ``None``: as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for store_tier in self.tiers:
-            store_tier.tier.flush()
+            store_tier.tier.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    @property
+    def write_through_names(self) -> list[str]:
+        """The names of the tiers every newly computed block is written to."""
+        return [self.tier_names[position] for position in self._write_through]
 
     def close(self) -> None:
         """Move every block's access counts down to the slowest tier holding it (a persistent tier

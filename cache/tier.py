@@ -56,6 +56,22 @@ class CacheEntry:
         return self.kv.numel() * self.kv.element_size()
 
 
+@dataclass(slots=True)
+class WriteTally:
+    """What became of the writes one caller waits for (a prompt warm's write-through), in one tier.
+
+    Attributes:
+        written: entries the tier stored (or already held).
+        dropped: entries it gave up: no room in its write queue by the deadline, too large,
+            a disk error, or no room under its bound that is not pinned.
+        pending: entries accepted and not yet stored or given up (flush the tier, then read).
+    """
+
+    written: int = 0
+    dropped: int = 0
+    pending: int = 0
+
+
 class CacheTier(ABC):
     """A bounded store of ``CacheEntry`` values keyed by block hash. Thread-safe.
 
@@ -106,6 +122,20 @@ class CacheTier(ABC):
         entry's count is kept); each returned entry's ``accesses`` is the count
         it had here (a newcomer handed back keeps the one it came with)."""
 
+    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
+        """``put`` for a caller that waits for the write: a tier that queues writes waits for room
+        in its queue until ``deadline`` (``time.monotonic()``) instead of dropping the entry, and
+        counts it in ``tally`` once it is stored (``written``) or given up (``dropped``).
+
+        The default puts at once and counts what ``put`` did.
+        """
+        evicted = self.put(entry)
+        if self.contains(entry.key) and all(gone.key != entry.key for gone in evicted):
+            tally.written += 1
+        else:
+            tally.dropped += 1
+        return evicted
+
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """Delete ``key`` if present."""
@@ -150,21 +180,31 @@ class CacheTier(ABC):
     def pin(self, key: bytes) -> None:
         """Keep ``key`` from being evicted or expired until ``unpin``.
 
-        The tiered store pins a block that cached children need where
-        eviction would lose it (leaves first), and every block of a named
-        prefix. The store counts its pins and calls this once per key, so
-        pins here need not nest: pinning twice and unpinning once leaves
-        ``key`` evictable. A key not stored is ignored (the store pins it
-        again when it arrives); ``remove`` and ``clear`` drop the pins of
-        what they delete. A tier whose other entries are all pinned keeps
-        them, even past its bounds: a ``put`` that needs room then gives up
-        the newcomer (returned, or dropped by a tier that cannot return
-        entries), so a pinned entry is never evicted.
+        The tiered store pins every block of a named prefix (a block that
+        cached children need is ``hold``-ed instead). The store counts its
+        pins and calls this once per key, so pins here need not nest:
+        pinning twice and unpinning once leaves ``key`` evictable. A key not
+        stored is ignored (the store pins it again when it arrives);
+        ``remove`` and ``clear`` drop the pins of what they delete. A tier
+        whose other entries are all pinned keeps them: a ``put`` that needs
+        room then gives up the newcomer (returned, or dropped and counted by
+        a tier that cannot return entries), so a pinned entry is never evicted.
         """
 
     @abstractmethod
     def unpin(self, key: bytes) -> None:
-        """Make ``key`` evictable again; a key not stored or not pinned is ignored."""
+        """Make ``key`` evictable again (ending a ``pin`` or a ``hold``); a key not stored or not pinned is ignored."""
+
+    def hold(self, key: bytes) -> None:
+        """Keep ``key`` because a cached block extends it: the store holds parents in its last
+        tier so that leaves go first. Replaces a ``pin`` of ``key``; ``unpin`` ends it.
+
+        Unlike a pin, a hold gives way to the tier's bound: a tier that would
+        otherwise exceed it may evict held entries once nothing else is left,
+        leaves first (an entry whose stored children are gone). The default
+        treats a hold as a pin.
+        """
+        self.pin(key)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued background writes are on their medium."""

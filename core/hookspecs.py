@@ -192,8 +192,10 @@ def register_cache_tiers(register: Register) -> None:
     ``factory(tier, policy_factory, fingerprint)`` returns a
     ``tierserve.cache.tier.CacheTier``: a bounded, thread-safe map from block
     hash to ``CacheEntry`` that evicts with ``policy_factory(capacity)``,
-    never returns a corrupt or foreign entry, honours pins, and counts the
-    uses of each entry (``access_count``, ``add_accesses``).
+    never returns a corrupt or foreign entry, honours pins (a ``hold``, by
+    default a pin, may give way to the tier's bound), and counts the uses of
+    each entry (``access_count``, ``add_accesses``). A tier that queues writes
+    overrides ``put_waiting`` so a warm's writes wait for room.
 
     Args:
         tier: the entry, a ``tierserve.core.tier_settings.TierSettings``:

@@ -17,6 +17,7 @@ TIER_COUNTERS = {
     "evictions": "Entries evicted to make room",
     "expirations": "Entries dropped by ttl_seconds",
     "corrupt": "Entries found corrupt, truncated or foreign, and deleted",
+    "corrupt_indexes": "Indexes found corrupt at start, moved aside and rebuilt from the value files",
     "dropped_writes": "Writes dropped because the write queue was full",
     "write_errors": "Writes that failed (disk full, read-only, ...)",
     "get_seconds": "Time spent reading entries",

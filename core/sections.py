@@ -141,6 +141,13 @@ class KVCacheSettings(Section):
     warm_frequent_blocks: int = Field(
         256, gt=0, description="blocks POST /v1/cache/warm with no prompts promotes at most (most used prefixes first)"
     )
+    warm_write_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="a prompt warm waits this long at most, in all, for room in full tier write queues and for "
+        "its writes to be stored (other requests' decoding pauses while it waits); writes still queued then are "
+        "reported pending",
+    )
     cache_keys_max: int = Field(1024, gt=0, description="named prefixes (request cache_key) kept; the least recently used goes first")
     cache_key_ttl_seconds: float | None = Field(
         3600, ge=0, description="a cache_key unused this long is unpinned and forgotten; 0 or unset: never"

@@ -12,6 +12,7 @@ from tierserve.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tierserve.cache.warm_writes import WarmWrites
     from tierserve.core.outputs import RequestCacheInfo
     from tierserve.core.speculation import Proposal
 
@@ -72,6 +73,7 @@ class Sequence:
     kv_drop_end: int = 0
     released_blocks: tuple[int, int] = (0, 0)  # block-table entries [first, end) released (placeholders)
     streaming: bool = False  # opt-in long-sequence mode: sink tokens + the last window_size tokens
+    warm_writes: WarmWrites | None = None  # a prompt warm's: its write-through waits for room and is counted
     windows_slid: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache

@@ -20,6 +20,7 @@ from litestar import Request, delete, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 from pydantic import BaseModel, ConfigDict, Field
 
+from tierserve.cache.warm_writes import WarmedPrompts
 from tierserve.server.errors import APIError
 from tierserve.server.openai_responses import usage_table
 from tierserve.server.schemas import MAX_MESSAGES, MAX_PROMPTS, MAX_TIERS
@@ -222,18 +223,20 @@ async def cache_warm(request: Request, data: JSONBody[WarmRequest | None] = None
     scope = cache_scope(caller_of(request.scope).tenant, data.cache_salt)
     named = {"cache_key": data.cache_key, "cache_namespace": scope or ""} if data.cache_key else {}
 
-    def warm() -> int:
+    def warm() -> WarmedPrompts:
         # chat templates and tokenisation happen here, off the event loop
         items = [engine.encode_prompt(p) for p in prompts]
         items += [engine.encode_prompt(None, conversation) for conversation in conversations]
-        return sum(
-            engine.warm(items[i : i + batch], cache_salt=scope, **named) for i in range(0, len(items), batch)
-        )
+        done = WarmedPrompts(0)
+        for i in range(0, len(items), batch):
+            done = done.plus(engine.warm(items[i : i + batch], cache_salt=scope, **named))
+        return done
 
-    tokens = await asyncio.to_thread(warm)
+    done = await asyncio.to_thread(warm)
     count = len(prompts) + len(conversations)
-    log.info("cache_warmed", prompts=count, tokens=tokens)
-    return {"source": "prompts", "warmed": count, "tokens": tokens, "blocks": tokens // engine.info.block_size}
+    log.info("cache_warmed", prompts=count, tokens=done.tokens, writes=done.writes)
+    blocks = done.tokens // engine.info.block_size
+    return {"source": "prompts", "warmed": count, "tokens": done.tokens, "blocks": blocks, "writes": done.writes}
 
 
 async def warm_frequent(engine: EngineClient, data: WarmRequest) -> dict[str, Any]:

@@ -149,6 +149,16 @@ def kv_cache_warm_frequent_blocks(lab: Lab) -> None:
         assert engine.warm_frequent(100).blocks["l1"] > 1  # the rest was left below
 
 
+def kv_cache_warm_write_timeout_seconds(lab: Lab) -> None:
+    tier = {"name": "l3", "plugin": "disk", "path": str(lab.tmp), "write_through": True}
+    values = {"kv_cache.block_size": 4, "kv_cache.tiers": [tier | {"write_queue": 1, "compression_level": 22}]}
+    with lab.engine(values | {"kv_cache.warm_write_timeout_seconds": 1e-6}) as engine:
+        assert engine.warm([LONG]).writes["l3"]["dropped"] > 0  # no time to wait: blocks faster than the writer
+    with lab.engine(values) as engine:  # 60 s: each write waits for room
+        writes = engine.warm([LONG]).writes["l3"]
+        assert writes == {"written": engine.stats().cache.write_through, "dropped": 0, "pending": 0}
+
+
 def names(engine) -> list[str]:
     return [entry.name for entry in engine.list_cache_keys()]
 
@@ -349,6 +359,7 @@ PROBES = {
     "kv_cache.warm_prompts": kv_cache_warm_prompts,
     "kv_cache.warm_prompts_file": kv_cache_warm_prompts_file,
     "kv_cache.warm_frequent_blocks": kv_cache_warm_frequent_blocks,
+    "kv_cache.warm_write_timeout_seconds": kv_cache_warm_write_timeout_seconds,
     "kv_cache.cache_keys_max": kv_cache_cache_keys_max,
     "kv_cache.cache_key_ttl_seconds": kv_cache_cache_key_ttl_seconds,
     "kv_cache.cache_keys_max_pinned_bytes": kv_cache_cache_keys_max_pinned_bytes,

@@ -7,11 +7,13 @@ what a cold run computed, byte for byte).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tests.test_tiered_store import BLOCK, FINGERPRINT, LRU, PROMPT_BLOCKS, Arena, build_tier, kv_for, prompt
 from tierserve.cache.block_pool import BlockPool
-from tierserve.cache.codec import KVCodec
+from tierserve.cache.codec import MAGIC, KVCodec
 from tierserve.cache.hashing import extend_hashes
 from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.cache.stats import PrefixMatch
@@ -20,7 +22,17 @@ from tierserve.cache.tier import CacheEntry
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.sequence import Sequence
 
-__all__ = ["BLOCK", "PROMPT_BLOCKS", "Requests", "StoreTier", "build_tier", "disk_entry_bytes", "kv_for", "prompt"]
+__all__ = [
+    "BLOCK",
+    "PROMPT_BLOCKS",
+    "Requests",
+    "StoreTier",
+    "block_file_bytes",
+    "build_tier",
+    "disk_entry_bytes",
+    "kv_for",
+    "prompt",
+]
 
 
 class Requests:
@@ -75,3 +87,17 @@ def disk_entry_bytes() -> int:
     """Bytes one block of this test's KV takes on disk."""
     tokens = prompt(0)[:BLOCK]
     return len(KVCodec(FINGERPRINT).encode(CacheEntry(b"k" * 16, None, tuple(tokens), kv_for(tokens))))
+
+
+def block_file_bytes(directory: Path) -> int:
+    """Bytes of the KV block files under a disk tier's directory, measured on the filesystem (each
+    starts with the codec's magic; the SQLite index and the access-counts record are not blocks)."""
+    total = 0
+    for path in Path(directory).rglob("*.val"):
+        try:
+            with path.open("rb") as handle:
+                if handle.read(len(MAGIC)) == MAGIC:
+                    total += path.stat().st_size
+        except FileNotFoundError:
+            continue  # deleted while the directory was walked
+    return total

@@ -196,7 +196,8 @@ def test_warm_then_clear_each_tier(tmp_path):
     path = build_checkpoint(tmp_path, "w", "llama")
     engine = make_engine(path, **cache_settings(tmp_path))
     cached = engine.warm([SYSTEM])
-    assert cached >= len(engine.encode_prompt(SYSTEM)) - 4
+    assert cached.tokens >= len(engine.encode_prompt(SYSTEM)) - 4
+    assert cached.writes == {"l3": {"written": cached.tokens // 4, "dropped": 0, "pending": 0}}
     [hit] = engine.generate([QUESTIONS[0]], GREEDY)
     assert hit.cached_tokens > 0
     removed = engine.clear_cache("l1")

@@ -262,7 +262,9 @@ def test_cache_stats_shape_and_hits_after_warming(server, engine):
     warmed = httpx.post(f"{server}/v1/cache/warm", json={"prompts": [prompt]}, timeout=60)
     assert warmed.status_code == 200, warmed.text
     tokens = len(ids) // BLOCK * BLOCK
-    assert warmed.json() == {"source": "prompts", "warmed": 1, "tokens": tokens, "blocks": tokens // BLOCK}
+    writes = {"l3": {"written": tokens // BLOCK, "dropped": 0, "pending": 0}}  # persistence: written through, stored
+    blocks = tokens // BLOCK
+    assert warmed.json() == {"source": "prompts", "warmed": 1, "tokens": tokens, "blocks": blocks, "writes": writes}
 
     [result] = engine.generate([prompt + " And then"])
     assert result.cached_tokens >= tokens - BLOCK

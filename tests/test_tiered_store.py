@@ -194,8 +194,8 @@ def test_l1_only_store_needs_no_transfer_and_reports_l1():
     stats = runner.store.snapshot().as_dict()
     assert set(stats["tiers"]) == {"l1"} and stats["promotions"] == {} and stats["demotions"] == {}
     assert set(stats["tiers"]["l1"]) == {
-        "hits", "misses", "hit_rate", "entries", "bytes", "evictions", "expirations", "corrupt", "dropped_writes",
-        "write_errors", "get_seconds", "put_seconds", "compression_ratio", "blocks_total", "blocks_free",
+        "hits", "misses", "hit_rate", "entries", "bytes", "evictions", "expirations", "corrupt", "corrupt_indexes",
+        "dropped_writes", "write_errors", "get_seconds", "put_seconds", "compression_ratio", "blocks_total", "blocks_free",
     }
     assert stats["index"] == {"cached_blocks": PROMPT_BLOCKS, "active_prefixes": 1, "avg_prefix_tokens": 16.0}
 

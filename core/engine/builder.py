@@ -185,5 +185,6 @@ def connect(settings: Settings, plugins: PluginManager | None, *, process: bool)
         client.driver = InProcessDriver(core, client.receive)
     prompts = warm_prompts(settings)
     if prompts:
-        client.warm(prompts)
+        warmed = client.warm(prompts)
+        log.info("warm_prompts_cached", prompts=len(prompts), tokens=warmed.tokens, writes=warmed.writes)
     return client

@@ -13,6 +13,7 @@ core runs (``[server] engine_process``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -20,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
+from tierserve.cache.warm_writes import WarmedPrompts
 from tierserve.core.chat_prompt import encode_chat
 from tierserve.core.detokenizer import IncrementalDetokenizer
 from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
@@ -123,6 +125,7 @@ class EngineClient:
         sliding_window: bool | None = None,
         cache_key: str | None = None,
         cache_namespace: str = "",
+        warm: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
@@ -133,6 +136,8 @@ class EngineClient:
         tells which method a request would get. ``cache_key`` names the prompt's
         cached prefix within ``cache_namespace`` (the tenant): when the request ends
         normally its full prompt blocks are pinned under that key (``check_cache_key``).
+        ``warm``: the prompt warm (``EngineClient.warm``) the request is part of; its
+        write-through waits for room in write queues and is counted for that warm.
 
         An asyncio consumer (``loop``) that leaves more than ``[server] max_stream_backlog``
         deltas unread has its request aborted (its stream ends with ``finish_reason="abort"``).
@@ -158,7 +163,7 @@ class EngineClient:
             stream = RequestStream(loop, self.settings.server.max_stream_backlog)
             request = EngineRequest(
                 request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming,
-                cache_key=cache_key, cache_namespace=cache_namespace,
+                cache_key=cache_key, cache_namespace=cache_namespace, warm=warm,
             )  # fmt: skip
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer,
@@ -324,10 +329,14 @@ class EngineClient:
         *,
         cache_key: str | None = None,
         cache_namespace: str = "",
-    ) -> int:
-        """Prefill ``prompts`` and keep their KV in the cache tiers; returns the tokens now cached.
+    ) -> WarmedPrompts:
+        """Prefill ``prompts`` and keep their KV in the cache tiers; returns the tokens now cached
+        and what became of the blocks written through, per write-through tier.
 
-        ``cache_key`` (with exactly one prompt) names and pins the warmed prefix, as a request's key does.
+        Unlike a request's, these writes wait for room in a full write queue, and the warm waits
+        until they are stored: ``[kv_cache] warm_write_timeout_seconds`` bounds both together;
+        what is still queued then is reported ``pending``. ``cache_key`` (with exactly one prompt)
+        names and pins the warmed prefix, as a request's key does.
         """
         if not self.info.tier_names:
             raise RequestError(
@@ -338,13 +347,19 @@ class EngineClient:
         if cache_key is not None and len(ids) != 1:
             raise RequestError("cache_key: names one prefix; warm exactly one prompt with it", param="cache_key")
         named = {"cache_key": cache_key, "cache_namespace": cache_namespace} if cache_key is not None else {}
-        streams = [self.submit(i, params, cache_salt=cache_salt, **named)[1] for i in ids]
-        for stream in streams:
-            while not self.next_output(stream).finished:
-                pass
-        self.driver.call("flush_cache")
+        warm = f"warm-{next(self._counter)}-{self._rng.getrandbits(32):08x}"
+        try:
+            streams = [self.submit(i, params, cache_salt=cache_salt, warm=warm, **named)[1] for i in ids]
+            for stream in streams:
+                while not self.next_output(stream).finished:
+                    pass
+        except BaseException:
+            with contextlib.suppress(Exception):  # the core forgets the warm; the first error is the one to see
+                self.driver.call("finish_warm", warm)
+            raise
+        writes = self.driver.call("finish_warm", warm)
         bs = self.info.block_size
-        return sum((len(i) // bs) * bs for i in ids)
+        return WarmedPrompts(sum((len(i) // bs) * bs for i in ids), writes)
 
     def warm_frequent(self, limit_blocks: int | None = None) -> WarmReport:
         """Promote the most used cached prefixes from the lower tiers into the faster ones (no prompts

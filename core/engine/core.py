@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from tierserve.cache.warm_writes import WarmWrites
 from tierserve.core.engine.profiling import PhaseClock, core_timings
 from tierserve.core.engine.requests import EngineRequest, RequestError
 from tierserve.core.engine.runner import ModelRunner
@@ -70,6 +71,7 @@ class EngineCore:
         self.clock = clock
         self.keys = keys
         self._keyed: dict[str, Key] = {}  # request id -> the cache key it registers when it ends normally
+        self._warms: dict[str, WarmWrites] = {}  # prompt warms in progress, until finish_warm
         self._keys_expired_at = 0.0
         self.kv = scheduler.kv
         self.counters = EngineCounters()
@@ -104,6 +106,9 @@ class EngineCore:
             spec_k=self.runner.max_draft_tokens,
             streaming=request.streaming,
         )
+        if request.warm is not None and self.store is not None:
+            timeout = self.settings.kv_cache.warm_write_timeout_seconds
+            seq.warm_writes = self._warms.setdefault(request.warm, WarmWrites(timeout))
         try:
             self.scheduler.add(seq)
         except QueueFullError:
@@ -245,6 +250,17 @@ class EngineCore:
         """Wait until queued tier writes are stored."""
         if self.store is not None:
             self.store.flush()
+
+    def finish_warm(self, warm: str) -> dict[str, dict[str, int]]:
+        """After a prompt warm's requests ended: wait, for what is left of its time, until queued
+        tier writes are stored; then what became of its writes, per write-through tier."""
+        writes = self._warms.pop(warm, None)
+        if self.store is None:
+            return {}
+        if writes is None:  # none of its requests computed anything here
+            writes = WarmWrites(self.settings.kv_cache.warm_write_timeout_seconds)
+        self.store.flush(timeout=max(0.0, writes.wait_seconds))
+        return writes.report(self.store.write_through_names)
 
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
         """Embeddings of token id lists (each attends to itself only; no KV is read or kept)."""

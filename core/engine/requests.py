@@ -45,6 +45,7 @@ class EngineRequest:
     streaming: bool = False  # sliding-window streaming mode
     cache_key: str | None = None  # names the prompt's cached prefix: pinned once the request ends normally
     cache_namespace: str = ""  # the tenant the key belongs to (a key is (namespace, name))
+    warm: str | None = None  # the prompt warm it is part of: its writes wait for room (EngineCore.finish_warm)
     arrival_time: float = field(default_factory=time.monotonic)
 
 

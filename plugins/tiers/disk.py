@@ -5,7 +5,7 @@ entry, keyed by the block hash in hex, tagged with the parent hash). This
 tier keeps its own index and eviction policy over it, so lookups and
 eviction choices never touch SQLite; diskcache's own culling is off.
 
-    put ──► bounded queue (full: drop) ──► writer thread: encode, write, index, evict
+    put ──► bounded queue (full: drop) ──► writer thread: encode, make room (none: drop), write, index
     get ──► queued? ──► indexed? ──► read file ──► decode (corrupt: delete, miss)
 
 A persistent tier also keeps its entries' access counts across restarts, in
@@ -20,13 +20,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import diskcache
 import structlog
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
-from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.cache.tier import CacheEntry, CacheTier, WriteTally
+from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.plugins.tiers.disk_counts import CountsRecord
 from tierserve.plugins.tiers.disk_directory import DiskTierSettings, open_directory, previous_entries
+from tierserve.plugins.tiers.disk_recovery import (
+    INDEX_NAME,
+    is_corrupt_index,
+    move_index_aside,
+    reindex_values,
+    value_files,
+)
 from tierserve.plugins.tiers.disk_index import DiskIndex, StoredEntry
 from tierserve.plugins.tiers.disk_writer import DiskWriter
 
@@ -45,16 +54,25 @@ class DiskTier(CacheTier):
 
     ``put`` only enqueues: one writer thread encodes and writes, so callers
     never wait on the disk. A put that finds the queue
-    (``write_queue`` entries) full is dropped and counted; queued entries
+    (``write_queue`` entries) full is dropped and counted (``put_waiting``,
+    a warm's write, waits for room until its deadline first); queued entries
     are already visible to ``contains``/``get``. A key already on disk is not
     rewritten (keys are content hashes, the bytes would be the same): it
     counts as a use. Evicted entries are deleted, not returned (there is no
     tier below).
 
+    The files never add up to more than ``max_bytes``: the writer makes room
+    before it writes, evicting what the policy chooses, then held entries
+    (``hold``) leaves first; when only pinned entries are left the write is
+    dropped and counted (``dropped_writes``), and a pinned entry stays.
+
     With ``persistent`` off the directory's entries are deleted at start; with
-    it on, the index is rebuilt from what is there. Disk faults (full, read
-    only, a missing, truncated, damaged or foreign file) are logged and
-    counted, never raised: a bad entry is deleted and reads as a miss.
+    it on, the index is rebuilt from what is there. A corrupt SQLite index is
+    moved aside, logged and counted (``corrupt_indexes``), and the tier starts
+    on a fresh one: holding the value files' entries again (persistent) or
+    empty. Disk faults (full, read only, a missing, truncated, damaged or
+    foreign file) are logged and counted, never raised: a bad entry is
+    deleted and reads as a miss.
     ``max_bytes`` 0 means no byte bound; ``ttl_seconds`` None or 0, no expiry.
     A persistent tier saves its access counts at ``flush`` and ``close`` and in
     the background every ``disk_counts.SAVE_EVERY`` updates; a missing or
@@ -82,12 +100,14 @@ class DiskTier(CacheTier):
         )
         self._pending = self._writer.pending  # queued or being written, newest put per key
         self._closed = False
-        self._cache = open_directory(self.directory, tier.name)
-        self._counts = CountsRecord(self._cache, self.directory, enabled=self.persistent)
-        if self.persistent:
-            self._rebuild()
-        else:
-            self._cache.clear()
+        cache = None
+        try:
+            cache = open_directory(self.directory, tier.name)
+            self._load(cache)
+        except Exception as exc:
+            if not is_corrupt_index(exc):
+                raise
+            self._recover(exc, cache, tier.name)
         self._writer.start()
 
     # ---- CacheTier ---------------------------------------------------------
@@ -112,34 +132,52 @@ class DiskTier(CacheTier):
         return entry
 
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
+        self._put(entry)
+        return []
+
+    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
+        """``put``, waiting for room in the write queue until ``deadline`` instead of dropping at once;
+        ``tally`` learns whether the entry was written or dropped once the writer is done with it."""
+        self._put(entry, tally, deadline)
+        return []
+
+    def _put(self, entry: CacheEntry, tally: WriteTally | None = None, deadline: float = 0.0) -> None:
         start = time.perf_counter()
         with self.lock:
             self.stats.puts += 1
             key = entry.key
+            if tally is not None and not self._closed and key not in self._index:
+                self._writer.wait_for_room(deadline)  # releases the lock while it waits
             if key in self._index and key not in self._pending:
-                self.policy.touch(key)
+                self._index.touch(key)
                 self._credit(self._index.get(key), entry.accesses)
+                if tally is not None:
+                    tally.written += 1  # already stored
             elif self._closed:
                 self.stats.dropped_writes += 1
                 log.warning("kv_disk_write_after_close", key=key.hex())
+                if tally is not None:
+                    tally.dropped += 1
             else:
                 earlier = self._pending.get(key)
-                if not self._writer.submit(entry):
+                if not self._writer.submit(entry, tally):
                     self.stats.dropped_writes += 1
                     log.debug("kv_disk_write_dropped", key=key.hex(), reason="write queue full")
+                    if tally is not None:
+                        tally.dropped += 1
                 else:  # the uses it came with, and those of a queued put it replaces
                     carried, entry.accesses = entry.accesses + (earlier.accesses if earlier else 0), 0
                     self._credit(entry, carried)
             self.stats.put_seconds += time.perf_counter() - start
-        return []
 
     def remove(self, key: bytes) -> None:
         with self.lock:
             self._pending.pop(key, None)
-            self._index.pinned.discard(key)
             if key in self._index:
                 self._index.remove(key)
                 self._delete_file(key)
+            else:
+                self._index.unpin(key)
 
     def clear(self) -> int:
         with self.lock:
@@ -186,17 +224,19 @@ class DiskTier(CacheTier):
     def pin(self, key: bytes) -> None:
         """Protect ``key`` from eviction and expiry (a queued key once written); a key not stored is ignored."""
         with self.lock:
-            if key in self._index:
-                self.policy.pin(key)
-                self._index.pinned.add(key)
-            elif key in self._pending:
-                self._index.pinned.add(key)
+            if key in self._index or key in self._pending:
+                self._index.pin(key)
+
+    def hold(self, key: bytes) -> None:
+        """Protect ``key`` from expiry, and from eviction until only held entries are left to evict,
+        leaves first (a queued key once written); a key not stored is ignored."""
+        with self.lock:
+            if key in self._index or key in self._pending:
+                self._index.hold(key)
 
     def unpin(self, key: bytes) -> None:
         with self.lock:
-            self._index.pinned.discard(key)
-            if key in self._index:
-                self.policy.unpin(key)
+            self._index.unpin(key)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued writes are on disk, then save changed access counts (persistent only)."""
@@ -211,7 +251,9 @@ class DiskTier(CacheTier):
         self.flush()
         with self.lock:
             self._closed = True
-        self._writer.stop()
+        # diskcache keeps a connection per thread and closes only the caller's: one left open would
+        # write into the index when collected, even after the directory is reopened (or its index moved aside)
+        self._writer.stop(last=self._cache.close)
         self._save_counts()
         self._cache.close()
 
@@ -260,7 +302,7 @@ class DiskTier(CacheTier):
             self._index.read_back(stored, entry.nbytes, entry.created)
             if self._expire_if_old(key, stored):
                 return None
-            self.policy.touch(key)
+            self._index.touch(key)
             self._credit(stored, 1)
         return entry
 
@@ -277,7 +319,7 @@ class DiskTier(CacheTier):
         """A queued entry could not be written (the writer calls this under the lock)."""
         self.note_removed(entry.key)
         if entry.key not in self._index and entry.key not in self._pending:
-            self._index.pinned.discard(entry.key)
+            self._index.unpin(entry.key)
 
     def _write(self, entry: CacheEntry) -> bool:
         """Encode and store one queued entry; False if it could not be stored (the writer reports it lost)."""
@@ -296,6 +338,25 @@ class DiskTier(CacheTier):
             with self.lock:
                 self.stats.dropped_writes += 1
             log.warning("kv_disk_entry_too_large", key=key.hex(), size=len(data), max_disk_bytes=self.max_bytes)
+            return False
+        with self.lock:
+            if self._pending.get(key) is not entry:
+                return True
+            accesses = entry.accesses
+            replaced = self._index.get(key)
+            if replaced is not None:  # its file is overwritten below, or deleted if there is no room
+                accesses += replaced.accesses
+                self._index.remove(key, keep_pin=True)
+            # room first, so the files never add up to more than the bound, even while this one is written
+            victims = self._index.make_room(len(data), entry.parent)
+            fits = self._index.has_room(len(data))
+            if not fits:
+                self.stats.dropped_writes += 1
+        self._forget_files(victims)
+        if not fits:
+            if replaced is not None:
+                self._delete_file(key)
+            log.debug("kv_disk_write_dropped", key=key.hex(), reason="no room under max_bytes that is not pinned")
             return False
         try:
             self._cache.set(key.hex(), data, tag=entry.parent.hex() if entry.parent else None, retry=True)
@@ -316,21 +377,14 @@ class DiskTier(CacheTier):
                     self._delete_file(key)
                 return True  # else a newer put of the key is queued and will be written
             del self._pending[key]
-            accesses = entry.accesses
-            if key in self._index:
-                accesses += self._index.get(key).accesses
-                self._index.remove(key, keep_pin=True)
             self._index.add(key, StoredEntry(len(data), entry.nbytes, entry.parent, entry.created, accesses))
-            victims = self._index.evict_over_bound()
-            if self._index.over_bound and key in self._index and key not in self._index.pinned:
-                # Everything else is pinned: the newcomer is the one that goes.
-                self._index.remove(key)
-                self.stats.evictions += 1
-                victims.append(key)
+        return True
+
+    def _forget_files(self, victims: list[bytes]) -> None:
+        """Delete the files of entries the index evicted, and tell the store."""
         for victim in victims:
             self._delete_file(victim)
             self.note_removed(victim)
-        return True
 
     # ---- expiry and files (callers hold self.lock, except during __init__) --------
 
@@ -338,7 +392,7 @@ class DiskTier(CacheTier):
         return self.ttl is not None and time.time() - created > self.ttl
 
     def _expire_if_old(self, key: bytes, stored: StoredEntry) -> bool:
-        if not self._expired(stored.created) or key in self._index.pinned:
+        if not self._expired(stored.created) or self._index.kept(key):
             return False
         self._index.remove(key)
         self._delete_file(key)
@@ -347,7 +401,7 @@ class DiskTier(CacheTier):
         return True
 
     def _expire_pending_if_old(self, entry: CacheEntry) -> bool:
-        if not self._expired(entry.created) or entry.key in self._index.pinned:
+        if not self._expired(entry.created) or self._index.kept(entry.key):
             return False
         del self._pending[entry.key]  # the writer skips an entry no longer pending
         self.stats.expirations += 1
@@ -362,6 +416,49 @@ class DiskTier(CacheTier):
 
     # ---- start-up ------------------------------------------------------------
 
+    def _load(self, cache: diskcache.Cache) -> None:
+        """Take what the directory holds (persistent), or clear it."""
+        self._cache = cache
+        self._counts = CountsRecord(cache, self.directory, enabled=self.persistent)
+        if self.persistent:
+            self._rebuild()
+        else:
+            cache.clear()
+
+    def _recover(self, exc: Exception, cache: diskcache.Cache | None, tier_name: str) -> None:
+        """The index is corrupt: keep it aside for inspection, then start on a fresh one holding
+        the value files' entries again (persistent) or nothing. ``cache``: the directory, if it opened."""
+        if cache is not None:
+            try:
+                cache.close()
+            except Exception:
+                pass  # the index is already known to be unreadable
+        try:
+            aside = move_index_aside(self.directory)
+        except OSError as error:
+            raise TierserveError(
+                f"the cache index in {str(self.directory)!r} (path of tier {tier_name!r}) is corrupt ({exc}) and "
+                f"cannot be moved aside: {error}; delete {str(self.directory / INDEX_NAME)!r} or point path elsewhere"
+            ) from error
+        self.stats.corrupt_indexes += 1
+        log.warning(
+            "kv_disk_index_corrupt",
+            directory=str(self.directory),
+            error=str(exc),
+            moved_to=str(aside),
+            action="rebuilding from the value files" if self.persistent else "starting empty",
+        )
+        cache = open_directory(self.directory, tier_name)
+        files = value_files(self.directory)
+        if self.persistent:
+            restored, lost = reindex_values(cache, files, self.codec)
+            self.stats.corrupt += lost
+            log.info("kv_disk_values_reindexed", directory=str(self.directory), entries=restored, deleted=lost)
+        else:
+            for path in files:
+                path.unlink(missing_ok=True)
+        self._load(cache)
+
     def _rebuild(self) -> None:
         """Index what a previous run left, oldest first, with its access counts; then apply TTL and the byte bound."""
         rows, skipped = previous_entries(self._cache, self._count_unreadable)
@@ -372,7 +469,7 @@ class DiskTier(CacheTier):
                 continue
             self._index.add(key, StoredEntry(size, size, parent, store_time))
         self._index.restore_access_counts(self._counts.load())
-        for victim in self._index.evict_over_bound():
+        for victim in self._index.make_room(0):
             self._delete_file(victim)
         directory, entries, stored = str(self.directory), len(self._index), self._index.stored_bytes
         log.info("kv_disk_index_rebuilt", directory=directory, entries=entries, bytes=stored, skipped=skipped)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierserve.cache.codec import CorruptEntryError
 from tierserve.core.errors import TierserveError
 from tierserve.plugins.tiers.disk_counts import ACCESS_COUNTS_KEY
+from tierserve.plugins.tiers.disk_recovery import check_index, is_corrupt_index
 
 log = structlog.get_logger(__name__)
 
@@ -54,8 +55,12 @@ class BytesOnlyDisk(diskcache.Disk):
 
 
 def open_directory(directory: Path, tier_name: str) -> diskcache.Cache:
-    """The tier's ``diskcache.Cache`` in ``directory``, bytes only, never culling by itself."""
+    """The tier's ``diskcache.Cache`` in ``directory``, bytes only, never culling by itself.
+
+    A corrupt index raises an error ``disk_recovery.is_corrupt_index`` recognises (checked on a
+    connection of its own first); any other failure, ``TierserveError`` naming the directory."""
     try:
+        check_index(directory)
         return diskcache.Cache(
             str(directory),
             disk=BytesOnlyDisk,
@@ -64,6 +69,8 @@ def open_directory(directory: Path, tier_name: str) -> diskcache.Cache:
             size_limit=_DISKCACHE_SIZE_LIMIT,
         )
     except Exception as exc:
+        if is_corrupt_index(exc):
+            raise  # not a permission problem: the disk tier moves the index aside and starts again
         raise TierserveError(
             f"cannot open the cache directory {str(directory)!r} (path of tier {tier_name!r}): {exc}; "
             "point path at a writable directory"
@@ -98,6 +105,8 @@ def stored_rows(cache: diskcache.Cache, on_unreadable: Callable[[], None]) -> li
     try:
         return _rows_from_sql(cache)
     except Exception as exc:
+        if is_corrupt_index(exc):
+            raise  # the disk tier moves the index aside (disk_recovery); a walk would fail the same way
         log.warning("kv_disk_index_sql_failed", error=repr(exc), fallback="diskcache iteration")
         return _rows_from_api(cache, on_unreadable)
 

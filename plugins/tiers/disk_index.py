@@ -1,8 +1,15 @@
 """The disk tier's index: what is on disk, by key, without reading it, and which entry goes first.
 
-Sizes, parents, ages and access counts of the stored entries, the pinned
-keys, the byte counts and the eviction policy, kept in step. Not thread-safe on its own:
-the disk tier calls it with its lock held.
+Sizes, parents, ages and access counts of the stored entries, the pinned and
+held keys, the byte counts and the eviction policy, kept in step. Not
+thread-safe on its own: the disk tier calls it with its lock held.
+
+Room is made in two rounds, so the byte bound holds whatever the store pins:
+
+    1. the policy's victims: entries neither pinned nor held
+    2. held entries (a cached child needs them) with no stored child here, least
+       recently used (or made such a leaf) first: a parent goes after its stored children
+    pinned entries (named prefixes) never go; when only they are left, the newcomer is refused
 """
 
 from __future__ import annotations
@@ -28,19 +35,24 @@ class StoredEntry:
 class DiskIndex:
     """Stored entries by key, bounded by ``max_bytes`` (0: no bound), ordered by ``policy``.
 
-    ``pinned`` may also hold keys still queued for writing: they are pinned
-    in the policy as soon as they are indexed. Byte counts are mirrored into
-    ``stats`` (``stored_bytes``, ``raw_bytes``) and evictions counted there.
+    ``pinned`` and ``held`` may also name keys still queued for writing: they
+    are pinned in the policy as soon as they are indexed (the policy never
+    chooses either kind; held entries go in ``make_room``'s second round).
+    Byte counts are mirrored into ``stats`` (``stored_bytes``, ``raw_bytes``)
+    and evictions counted there.
     """
 
     def __init__(self, policy: EvictionPolicy, max_bytes: int, stats: TierStats) -> None:
         self.policy = policy
         self.max_bytes = max_bytes
         self.stats = stats
-        self.pinned: set[bytes] = set()
+        self.pinned: set[bytes] = set()  # never evicted (named prefixes)
+        self.held: set[bytes] = set()  # a cached child needs it: evicted only in the second round
         self.stored_bytes = 0
         self.raw_bytes = 0
         self._entries: dict[bytes, StoredEntry] = {}
+        self._children: dict[bytes, int] = {}  # parent -> indexed entries naming it (the parent may not be indexed)
+        self._bare: dict[bytes, None] = {}  # indexed, held, no indexed child: the second round, in order
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -55,20 +67,53 @@ class DiskIndex:
         return self._entries.get(key)
 
     def add(self, key: bytes, stored: StoredEntry) -> None:
-        """Index a stored entry (a pinned key stays pinned)."""
+        """Index a stored entry (a pinned or held key stays so)."""
         self._entries[key] = stored
         self.policy.insert(key, stored.size)
-        if key in self.pinned:
+        if key in self.pinned or key in self.held:
             self.policy.pin(key)
+        if stored.parent is not None:
+            self._children[stored.parent] = self._children.get(stored.parent, 0) + 1
+            self._bare.pop(stored.parent, None)
+        self._refresh(key)
         self._count(stored.size, stored.raw)
 
     def remove(self, key: bytes, keep_pin: bool = False) -> None:
         """Forget an indexed key (its file is the caller's to delete)."""
-        stored = self._entries.pop(key)
         self.policy.remove(key)
+        self._forget(key)
         if not keep_pin:
-            self.pinned.discard(key)
-        self._count(-stored.size, -stored.raw)
+            self.unpin(key)
+
+    def touch(self, key: bytes) -> None:
+        """A use of an indexed key: the policy hears of it, and a held leaf goes to the back of the second round."""
+        self.policy.touch(key)
+        if key in self._bare:
+            self._bare[key] = self._bare.pop(key)
+
+    def pin(self, key: bytes) -> None:
+        """Never evict ``key`` (indexed, or queued: pinned once indexed); replaces a hold."""
+        self.held.discard(key)
+        self._bare.pop(key, None)
+        self.pinned.add(key)
+        if key in self._entries:
+            self.policy.pin(key)
+
+    def hold(self, key: bytes) -> None:
+        """Evict ``key`` only in the second round (indexed, or queued: held once indexed); replaces a pin."""
+        self.pinned.discard(key)
+        self.held.add(key)
+        if key in self._entries:
+            self.policy.pin(key)
+            self._refresh(key)
+
+    def unpin(self, key: bytes) -> None:
+        """End a pin or a hold of ``key``."""
+        self.pinned.discard(key)
+        self.held.discard(key)
+        self._bare.pop(key, None)
+        if key in self._entries:
+            self.policy.unpin(key)
 
     def access_counts(self) -> dict[bytes, int]:
         """The non-zero access counts of the stored entries, by key."""
@@ -85,25 +130,35 @@ class DiskIndex:
         for key in list(self._entries):
             self.remove(key)
         self.pinned.clear()
+        self.held.clear()
 
     def read_back(self, stored: StoredEntry, raw: int, created: float) -> None:
         """An entry was read whole: its true tensor size and creation time replace the start-up estimates."""
         self._count(0, raw - stored.raw)
         stored.raw, stored.created = raw, created
 
-    @property
-    def over_bound(self) -> bool:
-        return bool(self.max_bytes) and self.stored_bytes > self.max_bytes
+    def kept(self, key: bytes) -> bool:
+        """Whether ``key`` is pinned or held (neither expires)."""
+        return key in self.pinned or key in self.held
 
-    def evict_over_bound(self) -> list[bytes]:
-        """Drop victims from the index until the bound holds; the caller deletes their files."""
+    def has_room(self, size: int) -> bool:
+        """Whether an entry of ``size`` bytes fits beside what is indexed."""
+        return not self.max_bytes or self.stored_bytes + size <= self.max_bytes
+
+    def make_room(self, size: int, parent: bytes | None = None) -> list[bytes]:
+        """Drop victims from the index until an entry of ``size`` bytes fits (``has_room``), or
+        nothing more may go; the caller deletes their files. ``parent``, the newcomer's, is
+        spared: dropping it for its own child would leave that child unreachable."""
         victims = []
-        while self.over_bound:
+        while not self.has_room(size):
             victim = self.policy.evict()
             if victim is None:
-                break
-            stored = self._entries.pop(victim)
-            self._count(-stored.size, -stored.raw)
+                victim = next((key for key in self._bare if key != parent), None)
+                if victim is None:
+                    break
+                self.held.discard(victim)
+                self.policy.remove(victim)
+            self._forget(victim)
             self.stats.evictions += 1
             victims.append(victim)
         return victims
@@ -120,11 +175,44 @@ class DiskIndex:
             problems.append("raw byte count is not the sum of raw sizes")
         if (self.stats.stored_bytes, self.stats.raw_bytes) != (self.stored_bytes, self.raw_bytes):
             problems.append("stats bytes differ from bytes held")
-        if not self.pinned <= self._entries.keys() | pending:
-            problems.append("a pinned key is not stored")
+        if not (self.pinned | self.held) <= self._entries.keys() | pending:
+            problems.append("a pinned or held key is not stored")
+        if self.pinned & self.held:
+            problems.append("a key both pinned and held")
+        kept = (self.pinned | self.held) & self._entries.keys()
+        if {key for key in self._entries if self.policy.is_pinned(key)} != kept:
+            problems.append("the policy's pins differ from the pinned and held keys")
+        children: dict[bytes, int] = {}
+        for stored in self._entries.values():
+            if stored.parent is not None:
+                children[stored.parent] = children.get(stored.parent, 0) + 1
+        if children != self._children:
+            problems.append("child counts disagree with the parents of indexed entries")
+        bare = {key for key in self.held & self._entries.keys() if key not in children}
+        if set(self._bare) != bare:
+            problems.append("held leaves differ from the held entries with no indexed child")
         if any(stored.accesses < 0 for stored in self._entries.values()):
             problems.append("a negative access count")
         return problems
+
+    def _forget(self, key: bytes) -> None:
+        """Drop an indexed key the policy no longer tracks, with its bytes and its parent's child count."""
+        stored = self._entries.pop(key)
+        self._bare.pop(key, None)
+        parent = stored.parent
+        if parent is not None:
+            remaining = self._children[parent] - 1
+            if remaining:
+                self._children[parent] = remaining
+            else:
+                del self._children[parent]
+                self._refresh(parent)
+        self._count(-stored.size, -stored.raw)
+
+    def _refresh(self, key: bytes) -> None:
+        """Put ``key`` in the second round's order if it is an indexed, held leaf (at the back)."""
+        if key in self._entries and key in self.held and key not in self._children:
+            self._bare.setdefault(key)
 
     def _count(self, stored: int, raw: int) -> None:
         self.stored_bytes += stored

@@ -2,6 +2,7 @@
 
     submit(entry) ──► queue (full: refused) ──► writer thread (lower CPU priority): write(entry)
                       pending[key] = entry       └► done: leaves pending; lost: lost(entry) is told
+    wait_for_room(deadline) before a submit that should wait rather than be refused (a warm's write)
     request_task() ──► the same queue ──► task()   (e.g. save the access counts)
 
 Every change to ``pending`` and the unwritten count happens under the tier's
@@ -13,11 +14,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
 
-from tierserve.cache.tier import CacheEntry
+from tierserve.cache.tier import CacheEntry, WriteTally
 
 log = structlog.get_logger(__name__)
 
@@ -52,18 +54,35 @@ class DiskWriter(threading.Thread):
         self.nice = nice
         self.pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
         self._write, self._lost, self._task = write, lost, task
-        self._queue: queue.Queue[CacheEntry | object | None] = queue.Queue(maxsize=size)
+        self._queue: queue.Queue[CacheEntry | object | Callable[[], None]] = queue.Queue(maxsize=size)
         self._unwritten = 0  # entries accepted and not yet finished
-        self._drained = threading.Condition(lock)
+        self._drained = threading.Condition(lock)  # notified as each entry finishes
+        self._tallies: dict[int, WriteTally] = {}  # id(entry) -> the tally told how it ends
 
-    def submit(self, entry: CacheEntry) -> bool:
-        """Queue ``entry`` (the caller holds the lock); False, and nothing queued, when the queue is full."""
+    def submit(self, entry: CacheEntry, tally: WriteTally | None = None) -> bool:
+        """Queue ``entry`` (the caller holds the lock); False, and nothing queued, when the queue is full.
+
+        ``tally`` counts the entry as pending until it is written (``written``) or lost (``dropped``).
+        """
         try:
             self._queue.put_nowait(entry)
         except queue.Full:
             return False
         self.pending[entry.key] = entry
         self._unwritten += 1
+        if tally is not None:
+            tally.pending += 1
+            self._tallies[id(entry)] = tally
+        return True
+
+    def wait_for_room(self, deadline: float) -> bool:
+        """Wait until the queue has room or ``deadline`` (``time.monotonic()``) passes; False then.
+        The caller holds the lock, which is released while waiting."""
+        while self._queue.full():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._drained.wait(min(left, 0.05))  # a slot frees when the writer takes an entry, before it is done
         return True
 
     def request_task(self) -> None:
@@ -81,16 +100,17 @@ class DiskWriter(threading.Thread):
             log.warning("kv_disk_flush_timeout", unwritten=self._unwritten, timeout=timeout)
             return False
 
-    def stop(self) -> None:
-        """Finish what is queued, then end the thread."""
-        self._queue.put(None)
+    def stop(self, last: Callable[[], None] | None = None) -> None:
+        """Finish what is queued, run ``last`` on this thread (e.g. close what it opened), then end the thread."""
+        self._queue.put(last or (lambda: None))
         self.join()
 
     def run(self) -> None:
         self._lower_priority()
         while True:
             item = self._queue.get()
-            if item is None:
+            if callable(item):
+                item()
                 return
             if item is _TASK:
                 self._task()
@@ -111,6 +131,13 @@ class DiskWriter(threading.Thread):
                 else:
                     lost = False  # put again while queued: the newer write decides
                 self._unwritten -= 1
+                tally = self._tallies.pop(id(entry), None)
+                if tally is not None:
+                    tally.pending -= 1
+                    if lost:
+                        tally.dropped += 1
+                    else:
+                        tally.written += 1
                 # told only once it is no longer pending, so the owner's index can never
                 # see "removed" while contains() still says yes
                 if lost:
