@@ -57,7 +57,7 @@ def test_two_hundred_streams_with_disconnects(checkpoint):
     max_tokens = [rng.randrange(4, 24) for _ in range(CLIENTS)]
     leavers = set(rng.sample(range(CLIENTS), CLIENTS // 10))
     for i in leavers:  # long enough that a leaver cannot have been answered in full before it leaves
-        max_tokens[i] = 400
+        max_tokens[i] = min(400, engine.info.max_model_len - len(engine.encode_prompt(prompts[i])))  # within context
     reference = {
         i: engine.generate([prompts[i]], SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True))[0].text
         for i in range(0, CLIENTS, 7) if i not in leavers
