@@ -1,4 +1,4 @@
-"""Shared test helpers: temporary installed plugin distributions."""
+"""Shared test helpers: temporary installed plugin distributions, and the root logger put back after a test."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import logging
+
 import pytest
+import structlog
 from hypothesis import settings
 
 # CI runs the property tests with a fixed seed so a green run stays green;
@@ -17,6 +20,16 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def restore_logging():
+    """Undo a test's ``configure_logging``: the root logger's handlers and level, structlog's defaults."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers, root.level = handlers, level
+    structlog.reset_defaults()
 
 
 @pytest.fixture

@@ -14,12 +14,8 @@ from tierserve.core.logs import configure_logging, request_context
 
 
 @pytest.fixture(autouse=True)
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+def restore_root_logger(restore_logging):
     yield
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
 
 
 def test_production_logs_are_json_with_request_id():

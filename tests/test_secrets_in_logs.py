@@ -8,13 +8,11 @@ the request's Authorization header, in both console and JSON logs.
 from __future__ import annotations
 
 import io
-import logging
 import subprocess
 import sys
 
 import httpx
 import pytest
-import structlog
 from litestar import Request, get
 
 from tests.engine_helpers import build_checkpoint, make_engine
@@ -48,15 +46,6 @@ class FailingRoute:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", "llama")
-
-
-@pytest.fixture
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
 
 
 @pytest.mark.parametrize("log_format", ["json", "console"])
