@@ -4,7 +4,9 @@ Scenarios (each writes ``<results>/<scenario>.json``; ``report`` turns them
 into ``report.md`` and PNG plots):
 
     throughput   N concurrent clients, P prompt + O output tokens, vs transformers serve and generate()
+                 (and llama.cpp's llama-server at F32/BF16/Q8_0 with --systems llama-server,...)
     prefix       multi-turn chats on a shared long system prompt: cold / L1 / L2 / L3-after-restart
+    cold-prefill TTFT of 512- and 2048-token prompts no cache holds, vs llama-server
     roofline     batch-1 decode tokens/s against the memory-bandwidth limit
     cache-store  put/get speed of the memory and disk tiers, zstd levels
     report       markdown table and plots from the JSON results
@@ -46,7 +48,7 @@ def _names(allowed: tuple[str, ...]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import prefix, throughput
+    from bench import cold_prefill, prefix, throughput
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:bench", help="checkpoint directory or builtin:NAME (default: builtin:bench)")
@@ -70,8 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--output-len", type=int, default=32)
     px.add_argument("--repeats", type=int, default=1)
     systems = ("tierserve", *prefix.PEERS)
-    px.add_argument("--systems", type=_names(systems), default=list(systems),
-                    help=f"comma-separated (default: {','.join(systems)})")  # fmt: skip
+    defaults = ("tierserve", *prefix.DEFAULT_PEERS)
+    px.add_argument("--systems", type=_names(systems), default=list(defaults),
+                    help=f"comma-separated, of {','.join(systems)} (default: {','.join(defaults)})")  # fmt: skip
+
+    cp = commands.add_parser("cold-prefill", help="TTFT of long uncached prompts, one at a time (vs llama-server)")
+    cp.add_argument("--prompt-lens", type=_ints, default=[512, 2048], help="prompt tokens (default: 512,2048)")
+    cp.add_argument("--requests", type=int, default=3, help="requests per length and repeat (default: 3)")
+    cp.add_argument("--repeats", type=int, default=3)
+    cp.add_argument("--systems", type=_names(cold_prefill.SYSTEMS), default=list(cold_prefill.DEFAULT_SYSTEMS),
+                    help=f"comma-separated, of {','.join(cold_prefill.SYSTEMS)} "
+                         f"(default: {','.join(cold_prefill.DEFAULT_SYSTEMS)})")  # fmt: skip
 
     rf = commands.add_parser("roofline", help="batch-1 decode vs the memory-bandwidth limit")
     rf.add_argument("--prompt-len", type=int, default=32)
@@ -89,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_scenario(name: str, args: argparse.Namespace) -> None:
-    from bench import cache_store, prefix, report, roofline, throughput
+    from bench import cache_store, cold_prefill, prefix, report, roofline, throughput
     from bench.harness import BenchContext
 
     if name == "report":
@@ -103,6 +114,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         payload = prefix.run(
             ctx, args.conversations, args.turns, args.prefix_len, args.turn_len, args.output_len, args.repeats, args.systems
         )
+    elif name == "cold-prefill":
+        payload = cold_prefill.run(ctx, args.prompt_lens, args.requests, args.repeats, args.systems)
     elif name == "roofline":
         payload = roofline.run(ctx, args.prompt_len, args.decode_tokens, args.repeats)
     elif name == "cache-store":

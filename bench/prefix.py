@@ -22,7 +22,9 @@ Within a run, later turns also reuse the conversation's own earlier turns.
 The peers run the same requests once, on a freshly started server.
 ``transformers serve`` without continuous batching keeps no KV between
 requests; with it, identical prompt blocks are shared in memory while the
-server runs (comparable to ``fresh``), and nothing survives a restart. Reported per run: TTFT p50/p99 over all requests, the median TTFT of
+server runs (comparable to ``fresh``), and nothing survives a restart.
+``llama-server`` keeps each slot's last prompt (``cache_prompt``) and reuses
+its longest common prefix with the slot's next request. Reported per run: TTFT p50/p99 over all requests, the median TTFT of
 the first turns (the requests that read the system prompt from the tier under
 test), output tokens/s, and the prompt tokens served from cache.
 """
@@ -41,7 +43,8 @@ from bench.servers import Server, start
 from bench.stats import median
 from bench.workloads import shared_prefix_conversations
 
-PEERS = ("transformers-serve-cb", "transformers-serve")
+PEERS = ("transformers-serve-cb", "transformers-serve", "llama-server")
+DEFAULT_PEERS = PEERS[:2]  # llama-server (built from source on first use) on request
 CACHE_STATES = ("cold", "fresh", "L1", "L2", "L3")
 
 
@@ -111,11 +114,14 @@ def run(
                         server.stop()
             for peer in peers:
                 bar.set_postfix_str(f"{peer} (repeat {repeat + 1}/{repeats})")
-                server = start(peer, ctx.checkpoint, ctx.results_dir / "logs", Path(tempfile.gettempdir()))
+                context = prefix_len + turns * (2 * turn_len + output_len) + 256  # the last turn, with room to spare
+                server = start(peer, ctx.checkpoint, ctx.results_dir / "logs", Path(tempfile.gettempdir()),
+                               slots=conversations, context_per_slot=context)  # fmt: skip
                 try:
                     warm_up(server, ctx.tokenizer)
                     result = drive(server, sessions(server, None), on_done=done)
-                    runs.append({"system": peer, "cache": "none", "repeat": repeat, **_summarise(result)})
+                    cache = "slot prompt cache" if peer == "llama-server" else "none"
+                    runs.append({"system": peer, "cache": cache, "repeat": repeat, **_summarise(result)})
                 finally:
                     server.stop()
     config = {

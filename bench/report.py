@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.stats import median, ratio
 
-SCENARIOS = ("throughput", "prefix", "roofline", "cache-store")
+SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store")
 
 
 def _ms(seconds: float | None) -> str:
@@ -85,7 +85,8 @@ def throughput_section(payload: dict) -> str:
     def speedup(n: int, peer: str) -> float | None:
         return ratio(table.get(("tierserve", n), {}).get("output_tok_s"), table.get((peer, n), {}).get("output_tok_s"))
 
-    for n, peer, target in ((32, "transformers-serve-cb", 3.0), (32, "hf-generate", 0.9), (1, "hf-generate", 0.9)):
+    llama = [(n, p, t) for p in ("llama-server", "llama-server-bf16", "llama-server-q8_0") for n, t in ((32, 1.2), (1, 0.8))]
+    for n, peer, target in ((32, "transformers-serve-cb", 3.0), (32, "hf-generate", 0.9), (1, "hf-generate", 0.9), *llama):
         if ("tierserve", n) in table and (peer, n) in table:
             value = speedup(n, peer)
             lines.append(f"- {n} clients, tierserve / {peer} >= {target}: {_x(value)}, {_verdict(value, target)}")
@@ -154,6 +155,11 @@ def prefix_section(payload: dict) -> str:
         for state in ("L1", "L3"):
             value = ratio(theirs, table.get(("tierserve", state), {}).get("ttft_p50_s"))
             lines.append(f"- {peer} TTFT p50 / tierserve {state} TTFT p50 >= 5: {_x(value)}, {_verdict(value, 5.0)}")
+    llama = table.get(("llama-server", "slot prompt cache"), {}).get("ttft_p50_s")
+    if llama is not None:
+        for state in ("fresh", "L1", "L3"):
+            value = ratio(llama, table.get(("tierserve", state), {}).get("ttft_p50_s"))
+            lines.append(f"- llama-server TTFT p50 / tierserve {state} TTFT p50 >= 3: {_x(value)}, {_verdict(value, 3.0)}")
     return "\n".join(lines)
 
 
@@ -204,8 +210,43 @@ def cache_store_section(payload: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- cold prefill --------------------------------------------------------------------------
+
+
+def cold_prefill_section(payload: dict) -> str:
+    config = payload["config"]
+    grouped: dict[tuple[str, int], list[float]] = defaultdict(list)
+    errors: dict[tuple[str, int], int] = defaultdict(int)
+    for run in payload["runs"]:
+        key = (run["system"], run["prompt_len"])
+        errors[key] += run.get("errors", 0)
+        if run.get("ttft_s") is not None:
+            grouped[key].append(run["ttft_s"])
+    lines = [
+        f"One request at a time, a fresh prompt each (no cache can serve it), max_tokens 1; median TTFT over "
+        f"{config['requests']} requests x {config['repeats']} repeats.",
+        "",
+        "| prompt tokens | system | TTFT p50 (ms) | prompt tok/s | system / tierserve TTFT |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for n in config["prompt_lens"]:
+        ours = median(grouped.get(("tierserve", n), []))
+        for system in config["systems"]:
+            ttft = median(grouped.get((system, n), []))
+            note = f" ({errors[(system, n)]} errors)" if errors[(system, n)] else ""
+            speed = n / ttft if ttft else None
+            lines.append(f"| {n} | {system}{note} | {_ms(ttft)} | {_num(speed)} | {_x(ratio(ttft, ours))} |")
+    lines += ["", "Target: cold prefill of 2048 tokens, llama-server TTFT / tierserve TTFT >= 1.0:"]
+    for system in config["systems"]:
+        if system.startswith("llama-server") and (system, 2048) in grouped and ("tierserve", 2048) in grouped:
+            value = ratio(median(grouped[(system, 2048)]), median(grouped[("tierserve", 2048)]))
+            lines.append(f"- {system}: {_x(value)}, {_verdict(value, 1.0)}")
+    return "\n".join(lines)
+
+
 SECTIONS = {
     "throughput": ("Throughput vs concurrency", throughput_section),
+    "cold-prefill": ("Cold prefill (TTFT of a long uncached prompt)", cold_prefill_section),
     "prefix": ("Shared-prefix chats by cache state", prefix_section),
     "roofline": ("Batch-1 decode vs the memory-bandwidth limit", roofline_section),
     "cache-store": ("Cache tiers and compression", cache_store_section),

@@ -7,6 +7,11 @@
   child process (``server.engine_process``), whatever the preset's default.
 - ``transformers-serve`` / ``transformers-serve-cb``: ``transformers serve``
   on the same directory, on CPU, without and with ``--continuous-batching``.
+- ``llama-server`` / ``llama-server-bf16`` / ``llama-server-q8_0``: llama.cpp's
+  server (``bench.llama_cpp``) on the same checkpoint converted to GGUF at F32,
+  BF16 or Q8_0, with as many slots as the run has clients. It is sent the token
+  ids tierserve's tokenizer makes of each prompt, so both systems read the same
+  ids.
 
 Each server's output goes to a log file in the results folder.
 """
@@ -20,15 +25,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from bench.llama_cpp import PRECISIONS, gguf_file, llama_server_binary, server_command
 from tests.server_helpers import free_port  # the tests' own helper; bench runs from a checkout
 
 TIERSERVE_MODES = {"tierserve": None, "tierserve-inproc": False, "tierserve-process": True}
-SERVERS = (*TIERSERVE_MODES, "transformers-serve-cb", "transformers-serve")
+SERVERS = (*TIERSERVE_MODES, "transformers-serve-cb", "transformers-serve", *PRECISIONS)
 
 
 @dataclass
@@ -40,6 +47,7 @@ class Server:
     model: str
     process: subprocess.Popen
     log_path: Path
+    encode: Callable[[str], list[int]] | None = None  # llama-server: prompts go as tierserve's token ids
 
     def completion_body(self, prompt: str, max_tokens: int, **extra) -> dict:
         """A streaming, greedy ``/v1/completions`` body producing exactly ``max_tokens`` tokens (eos ignored)."""
@@ -52,6 +60,9 @@ class Server:
             "stream_options": {"include_usage": True},
         }
         if self.name in TIERSERVE_MODES:
+            body["ignore_eos"] = True
+        elif self.name in PRECISIONS:
+            body["prompt"] = self.encode(prompt) if self.encode is not None else prompt
             body["ignore_eos"] = True
         else:
             # transformers serve has no ignore_eos; min_new_tokens = max_new_tokens does the same
@@ -143,9 +154,33 @@ def start_transformers_serve(
     return Server(name, base, str(checkpoint), process, log_path)
 
 
-def start(name: str, checkpoint: Path, log_dir: Path, l3_dir: Path) -> Server:
+def start_llama_server(
+    name: str, checkpoint: Path, log_dir: Path, slots: int, context_per_slot: int, timeout: float = 600.0
+) -> Server:
+    """llama.cpp's ``llama-server`` on ``checkpoint`` converted to GGUF (built and converted on first use)."""
+    from transformers import AutoTokenizer
+
+    model = gguf_file(checkpoint, PRECISIONS[name])
+    port = free_port()
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    command = server_command(llama_server_binary(), model, port, slots, context_per_slot, threads)
+    log_path = log_dir / f"{name}.log"
+    process = _launch(command, log_path, dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    _ready_or_killed(f"{base}/health", process, log_path, timeout)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return Server(name, base, name, process, log_path, encode=lambda text: tokenizer(text)["input_ids"])
+
+
+def start(
+    name: str, checkpoint: Path, log_dir: Path, l3_dir: Path, slots: int = 64, context_per_slot: int = 1024
+) -> Server:
+    """Start server ``name``; ``slots`` and ``context_per_slot`` size llama-server (the most clients a run has,
+    and the longest prompt + output it asks for)."""
     if name in TIERSERVE_MODES:
         return start_tierserve(checkpoint, log_dir, l3_dir, name=name)
+    if name in PRECISIONS:
+        return start_llama_server(name, checkpoint, log_dir, slots, context_per_slot)
     if name in ("transformers-serve", "transformers-serve-cb"):
         return start_transformers_serve(checkpoint, log_dir, continuous_batching=name.endswith("-cb"))
     raise ValueError(f"server: got {name!r}, allowed: {', '.join(SERVERS)}")

@@ -20,8 +20,9 @@ from bench.hf_reference import HFGenerate
 from bench.servers import start
 from bench.workloads import throughput_requests
 
-SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate", "tierserve-inproc", "tierserve-process")
-DEFAULT_SYSTEMS = SYSTEMS[:4]  # the two engine-core placements are compared on request (--systems)
+SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate", "tierserve-inproc", "tierserve-process",
+           "llama-server", "llama-server-bf16", "llama-server-q8_0")  # fmt: skip
+DEFAULT_SYSTEMS = SYSTEMS[:4]  # engine-core placements and llama.cpp are compared on request (--systems)
 
 
 def run(
@@ -55,7 +56,8 @@ def run(
                         bar.update(n)
                     continue
                 l3 = tempfile.TemporaryDirectory(prefix="tierserve-l3-")
-                server = start(system, ctx.checkpoint, ctx.results_dir / "logs", Path(l3.name))
+                server = start(system, ctx.checkpoint, ctx.results_dir / "logs", Path(l3.name),
+                               slots=max(concurrency), context_per_slot=prompt_len + output_len + 64)  # fmt: skip
                 try:
                     warm_up(server, ctx.tokenizer)
                     for n in concurrency:
