@@ -342,10 +342,10 @@ class DiskTier(CacheTier):
         with self.lock:
             if self._pending.get(key) is not entry:
                 return True
-            accesses = entry.accesses
             replaced = self._index.get(key)
+            carried = 0  # the uses of the entry this one replaces
             if replaced is not None:  # its file is overwritten below, or deleted if there is no room
-                accesses += replaced.accesses
+                carried = replaced.accesses
                 self._index.remove(key, keep_pin=True)
             # room first, so the files never add up to more than the bound, even while this one is written
             victims = self._index.make_room(len(data), entry.parent)
@@ -377,6 +377,8 @@ class DiskTier(CacheTier):
                     self._delete_file(key)
                 return True  # else a newer put of the key is queued and will be written
             del self._pending[key]
+            # entry.accesses read now, not before the file was written: uses credited meanwhile count too
+            accesses = entry.accesses + carried
             self._index.add(key, StoredEntry(len(data), entry.nbytes, entry.parent, entry.created, accesses))
         return True
 
