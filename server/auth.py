@@ -27,7 +27,8 @@ def auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     """Route ``opt``: ``public`` (health/metrics when settings allow), ``admin`` (cache clear/warm)."""
     state: ServerState = connection.app.state.tierserve
     settings = state.settings
-    caller = tenant_map(state).resolve(bearer_token(connection.headers.get("authorization")))
+    token = bearer_token(connection.headers.get("authorization"))
+    caller = tenant_map(state).resolve(token)
     if caller is not None:
         connection.scope.setdefault("state", {})[CALLER] = caller
     opt = handler.opt or {}
@@ -40,6 +41,5 @@ def auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
             raise APIError(status, "this endpoint needs an admin API key (Authorization: Bearer ...)", code="admin_key_required")
         return
     if caller is None:
-        token = bearer_token(connection.headers.get("authorization"))
         message = "missing API key (Authorization: Bearer ...)" if token is None else "invalid API key"
         raise APIError(401, message, code="invalid_api_key")

@@ -54,13 +54,12 @@ class TenantMap:
     """The configured keys, each with its tenant; matching is constant-time per key."""
 
     def __init__(self, auth: AuthSettings) -> None:
-        self.entries: list[tuple[bytes, str, bool]] = []  # (key, tenant, admin)
+        self.entries: list[tuple[bytes, Caller]] = []  # each key, and who a request with it is
         named = {key: SHARED_TENANT for key in auth.shared_cache_keys}
         named.update({key: tenant for tenant, keys in auth.tenants.items() for key in keys})
         for key in dict.fromkeys([*auth.api_keys, *auth.admin_api_keys, *named]):
-            tenant = named.get(key, key_id(key))
-            self.entries.append((key.encode("utf-8"), tenant, key in auth.admin_api_keys))
-        self.public_stats = auth.public_stats
+            caller = Caller(named.get(key, key_id(key)), key in auth.admin_api_keys, key_id(key))
+            self.entries.append((key.encode("utf-8"), caller))
 
     @property
     def open(self) -> bool:
@@ -79,9 +78,9 @@ class TenantMap:
         # a header is decoded as latin-1: encoding back gives its bytes, whatever they are
         given = token.encode("latin-1", errors="replace")
         found = None
-        for key, tenant, admin in self.entries:  # every key is compared: the time says nothing of which matched
+        for key, caller in self.entries:  # every key is compared: the time says nothing of which matched
             if hmac.compare_digest(given, key) and found is None:
-                found = Caller(tenant, admin, key_id(key.decode("utf-8")))
+                found = caller
         return found
 
 
