@@ -7,7 +7,8 @@ into ``report.md`` and PNG plots):
                  (and llama.cpp's llama-server at F32/BF16/Q8_0 with --systems llama-server,...)
     prefix       multi-turn chats on a shared long system prompt: cold / L1 / L2 / L3-after-restart
     cold-prefill TTFT of 512- and 2048-token prompts no cache holds, vs llama-server
-    roofline     batch-1 decode tokens/s against the memory-bandwidth limit
+    roofline     batch-1 decode tokens/s against the memory-bandwidth limit, per weight precision
+    quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL
     cache-store  put/get speed of the memory and disk tiers, zstd levels
     report       markdown table and plots from the JSON results
     all          every scenario, then the report
@@ -48,7 +49,7 @@ def _names(allowed: tuple[str, ...]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cold_prefill, prefix, throughput
+    from bench import cold_prefill, prefix, roofline, throughput
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:bench", help="checkpoint directory or builtin:NAME (default: builtin:bench)")
@@ -88,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--prompt-len", type=int, default=32)
     rf.add_argument("--decode-tokens", type=int, default=128)
     rf.add_argument("--repeats", type=int, default=3)
+    rf.add_argument("--systems", type=_names(tuple(roofline.PRECISIONS)), default=list(roofline.PRECISIONS),
+                    help=f"comma-separated, of {','.join(roofline.PRECISIONS)} (default: all)")  # fmt: skip
+
+    ql = commands.add_parser("quality", help="int8 and bfloat16 weights against float32 (greedy agreement, KL)")
+    ql.add_argument("--architectures", type=_names(("llama", "qwen2", "qwen3", "mistral")),
+                    default=["llama", "qwen2", "qwen3", "mistral"],
+                    help="tiny seeded checkpoints to measure besides --model (default: llama,qwen2,qwen3,mistral)")  # fmt: skip
 
     cs = commands.add_parser("cache-store", help="memory and disk tier speed, compression per zstd level")
     cs.add_argument("--block-sizes", type=_ints, default=[16, 64], help="tokens per entry (default: 16,64)")
@@ -100,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_scenario(name: str, args: argparse.Namespace) -> None:
-    from bench import cache_store, cold_prefill, prefix, report, roofline, throughput
+    from bench import cache_store, cold_prefill, prefix, quality, report, roofline, throughput
     from bench.harness import BenchContext
 
     if name == "report":
@@ -117,7 +125,9 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
     elif name == "cold-prefill":
         payload = cold_prefill.run(ctx, args.prompt_lens, args.requests, args.repeats, args.systems)
     elif name == "roofline":
-        payload = roofline.run(ctx, args.prompt_len, args.decode_tokens, args.repeats)
+        payload = roofline.run(ctx, args.prompt_len, args.decode_tokens, args.repeats, args.systems)
+    elif name == "quality":
+        payload = quality.run(ctx, args.architectures)
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:

@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.client import drive
 from bench.harness import BenchContext, warm_up
 from bench.llama_cpp import PRECISIONS
-from bench.servers import TIERSERVE_MODES, start
+from bench.servers import TIERSERVES, start
 from bench.workloads import text_with_tokens
 
 SYSTEMS = ("tierserve", "llama-server", "llama-server-bf16", "llama-server-q8_0")
@@ -43,7 +43,7 @@ def run(ctx: BenchContext, prompt_lens: list[int], requests: int, repeats: int, 
                         warm_up(server, ctx.tokenizer)
                         for n in prompt_lens:
                             for i in range(requests):
-                                extra = {"cache_salt": f"cold-{uuid.uuid4().hex}"} if system in TIERSERVE_MODES else {}
+                                extra = {"cache_salt": f"cold-{uuid.uuid4().hex}"} if system in TIERSERVES else {}
                                 if system in PRECISIONS:
                                     extra = {"cache_prompt": False}
                                 body = server.completion_body(prompts[(n, repeat, i)], 1, **extra)

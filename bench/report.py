@@ -45,7 +45,7 @@ def throughput_medians(payload: dict) -> dict[tuple[str, int], dict]:
     grouped: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for run in payload["runs"]:
         grouped[(run["system"], run["concurrency"])].append(run)
-    metrics = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+    metrics = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "rss_load_bytes", "rss_peak_bytes")
     out = {}
     for key, runs in grouped.items():
         out[key] = {m: median([r.get(m) for r in runs]) for m in metrics}
@@ -53,6 +53,14 @@ def throughput_medians(payload: dict) -> dict[tuple[str, int], dict]:
         out[key]["errors"] = sum(r.get("errors", 0) for r in runs)
         out[key]["short_outputs"] = sum(r.get("short_outputs", 0) for r in runs)
     return out
+
+
+# each precision against llama.cpp's own at that precision (int8 weights against Q8_0)
+PRECISION_PAIRS = {"llama-server": "tierserve", "llama-server-bf16": "tierserve-bf16", "llama-server-q8_0": "tierserve-int8"}
+
+
+def _mb(size: float | None) -> str:
+    return "-" if not size else f"{size / 1e6:.0f}"
 
 
 def throughput_section(payload: dict) -> str:
@@ -64,12 +72,15 @@ def throughput_section(payload: dict) -> str:
         f"medians of {config['repeats']} repeats. `hf-generate` is one static `generate()` batch of N in the "
         "bench process (N = 1: one request at a time); its TTFT is a 1-token `generate()` of the same batch.",
         "",
-        "| clients | system | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | tierserve / system |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| clients | system | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
+        "| RSS loaded / peak (MB) | tierserve / system |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in config["concurrency"]:
-        ours = table.get(("tierserve", n), {}).get("output_tok_s")
         for system in systems:
+            # llama-server at BF16 / Q8_0 is compared with tierserve at the same precision when it ran
+            paired = PRECISION_PAIRS.get(system, "tierserve")
+            ours = table.get((paired if (paired, n) in table else "tierserve", n), {}).get("output_tok_s")
             row = table.get((system, n))
             if row is None:
                 continue
@@ -78,18 +89,21 @@ def throughput_section(payload: dict) -> str:
                 note = f" ({row['errors']} errors, {row['short_outputs']} short)"
             lines.append(
                 f"| {n} | {system}{note} | {_num(row['output_tok_s'])} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} "
-                f"| {_ms(row['tpot_p50_s'])} | {_ms(row['tpot_p99_s'])} | {_x(ratio(ours, row['output_tok_s']))} |"
+                f"| {_ms(row['tpot_p50_s'])} | {_ms(row['tpot_p99_s'])} | {_mb(row['rss_load_bytes'])} / "
+                f"{_mb(row['rss_peak_bytes'])} | {_x(ratio(ours, row['output_tok_s']))} |"
             )
     lines += ["", "Targets:", ""]
 
-    def speedup(n: int, peer: str) -> float | None:
-        return ratio(table.get(("tierserve", n), {}).get("output_tok_s"), table.get((peer, n), {}).get("output_tok_s"))
+    def speedup(n: int, ours: str, peer: str) -> float | None:
+        return ratio(table.get((ours, n), {}).get("output_tok_s"), table.get((peer, n), {}).get("output_tok_s"))
 
-    llama = [(n, p, t) for p in ("llama-server", "llama-server-bf16", "llama-server-q8_0") for n, t in ((32, 1.2), (1, 0.8))]
-    for n, peer, target in ((32, "transformers-serve-cb", 3.0), (32, "hf-generate", 0.9), (1, "hf-generate", 0.9), *llama):
-        if ("tierserve", n) in table and (peer, n) in table:
-            value = speedup(n, peer)
-            lines.append(f"- {n} clients, tierserve / {peer} >= {target}: {_x(value)}, {_verdict(value, target)}")
+    llama = [(n, PRECISION_PAIRS[p], p, t) for p in PRECISION_PAIRS for n, t in ((32, 1.2), (1, 0.8))]
+    peers = [(32, "tierserve", "transformers-serve-cb", 3.0), (32, "tierserve", "hf-generate", 0.9),
+             (1, "tierserve", "hf-generate", 0.9), *llama]  # fmt: skip
+    for n, ours, peer, target in peers:
+        if (ours, n) in table and (peer, n) in table:
+            value = speedup(n, ours, peer)
+            lines.append(f"- {n} clients, {ours} / {peer} >= {target}: {_x(value)}, {_verdict(value, target)}")
     placements = [
         (n, ratio(table[("tierserve-process", n)]["output_tok_s"], table[("tierserve-inproc", n)]["output_tok_s"]))
         for n in config["concurrency"]
@@ -172,13 +186,36 @@ def roofline_section(payload: dict) -> str:
         f"{payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights read per decode step; "
         f"limit {payload['limit_tok_s']:.1f} tokens/s at batch 1.",
         "",
-        "| system | batch-1 decode tok/s | fraction of the limit |",
-        "|---|---:|---:|",
+        "| system | weight MB read per token | limit tok/s | batch-1 decode tok/s | fraction of the limit |",
+        "|---|---:|---:|---:|---:|",
     ]
+    sizes = payload.get("weight_bytes_by_system", {})
+    limits = payload.get("limit_tok_s_by_system", {})
     for name, rate in payload["decode_tok_s"].items():
-        lines.append(f"| {name} | {rate:.1f} | {payload['fraction_of_limit'][name]:.2f} |")
-    value = payload["fraction_of_limit"].get("tierserve")
-    lines += ["", f"Target: tierserve >= 0.50 of the limit: {_num(value, 2)}, {_verdict(value, 0.5)}"]
+        size = sizes.get(name, payload["weight_bytes_per_token"])
+        limit = limits.get(name, payload["limit_tok_s"])
+        lines.append(f"| {name} | {size / 1e6:.1f} | {limit:.1f} | {rate:.1f} | {payload['fraction_of_limit'][name]:.2f} |")
+    lines += ["", "Targets:", ""]
+    for name in ("tierserve", "tierserve-bf16", "tierserve-int8"):
+        value = payload["fraction_of_limit"].get(name)
+        if value is not None:
+            lines.append(f"- {name} >= 0.70 of its limit: {_num(value, 2)}, {_verdict(value, 0.7)}")
+    return "\n".join(lines)
+
+
+def quality_section(payload: dict) -> str:
+    lines = [
+        f"Teacher-forced logits at every position of {payload['config']['texts']} texts, each variant against "
+        "float32 on the same checkpoint.",
+        "",
+        "| checkpoint | variant | greedy agreement | mean KL (nats) | positions |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for checkpoint, variants in payload["results"].items():
+        for name, row in variants.items():
+            lines.append(
+                f"| {checkpoint} | {name} | {row['greedy_agreement']:.3f} | {row['mean_kl']:.5f} | {row['positions']} |"
+            )
     return "\n".join(lines)
 
 
@@ -250,6 +287,7 @@ SECTIONS = {
     "prefix": ("Shared-prefix chats by cache state", prefix_section),
     "roofline": ("Batch-1 decode vs the memory-bandwidth limit", roofline_section),
     "cache-store": ("Cache tiers and compression", cache_store_section),
+    "quality": ("Reduced precisions against float32", quality_section),
 }
 
 

@@ -10,6 +10,10 @@ A decode step of one sequence reads every weight once, so its speed is bounded b
   counted as bytes read + bytes written, best of several trials (as STREAM
   reports), with this process's torch threads.
 
+Each weight precision has its own limit: ``tierserve`` reads float32 weights,
+``tierserve-bf16`` two bytes per weight, ``tierserve-int8`` one (plus a float32
+scale per output row).
+
 Decode tokens/s is measured in-process for the tierserve engine (the same
 engine the server runs) and for Hugging Face ``generate()``: the time of a
 1 + D token generation minus that of a 1 token generation on the same
@@ -78,38 +82,49 @@ def _decode_rate(generate, prompt: list[int], decode_tokens: int, repeats: int) 
     return statistics.median(rates)
 
 
-def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int) -> dict:
+PRECISIONS = {
+    "tierserve": ({}, None),
+    "tierserve-bf16": ({("model", "dtype"): "bfloat16"}, 2),
+    "tierserve-int8": ({("model", "quantization"): "int8"}, 1),
+}
+
+
+def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int, systems: list[str] | None = None) -> dict:
     from tierserve.core.config import load_settings
     from tierserve.core.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
+    systems = systems or list(PRECISIONS)
     bandwidth = copy_bandwidth()
     step_bytes, total_bytes = weight_bytes_per_token(ctx)
-    limit = bandwidth / step_bytes
+    parameters = step_bytes // 4  # the bench checkpoints are float32 on disk
+    bytes_by_system = {"hf-generate": step_bytes}
+    for name in systems:
+        width = PRECISIONS[name][1]
+        bytes_by_system[name] = step_bytes if width is None else parameters * width
     prompt = list(ctx.tokenizer("the " * prompt_len)["input_ids"])[:prompt_len]
     results: dict[str, float] = {}
-    with ctx.progress(2, "roofline") as bar:
-        loaded = load_settings(
-            "production",
-            environ={},
-            overrides={
+    with ctx.progress(len(systems) + 1, "roofline") as bar:
+        for name in systems:
+            overrides = {
                 ("model", "path"): str(ctx.checkpoint),
                 # every call prefills its prompt anew: nothing may come from a cache
                 ("kv_cache", "enable_prefix_caching"): False,
                 ("kv_cache", "l1_capacity"): 512,
                 ("logging", "level"): "warning",
-            },
-        )
-        engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
-        try:
-            def ours(ids: list[int], n: int) -> None:
-                engine.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                **PRECISIONS[name][0],
+            }
+            loaded = load_settings("production", environ={}, overrides=overrides)
+            engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
+            try:
+                def ours(ids: list[int], n: int) -> None:
+                    engine.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
-            ours(prompt, 4)
-            results["tierserve"] = _decode_rate(ours, prompt, decode_tokens, repeats)
-        finally:
-            engine.close()
-        bar.update(1)
+                ours(prompt, 4)
+                results[name] = _decode_rate(ours, prompt, decode_tokens, repeats)
+            finally:
+                engine.close()
+            bar.update(1)
         reference = HFGenerate(ctx.checkpoint)
         reference.warm_up()
         results["hf-generate"] = _decode_rate(
@@ -121,7 +136,9 @@ def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int) ->
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_token": step_bytes,
         "parameter_bytes": total_bytes,
-        "limit_tok_s": limit,
+        "limit_tok_s": bandwidth / step_bytes,
+        "weight_bytes_by_system": bytes_by_system,
+        "limit_tok_s_by_system": {name: bandwidth / size for name, size in bytes_by_system.items()},
         "decode_tok_s": results,
-        "fraction_of_limit": {name: rate / limit for name, rate in results.items()},
+        "fraction_of_limit": {name: rate * bytes_by_system[name] / bandwidth for name, rate in results.items()},
     }

@@ -5,6 +5,8 @@
   earlier run's does); ``tierserve-inproc`` and ``tierserve-process`` are the
   same with the engine core pinned on a thread of the server process, or in a
   child process (``server.engine_process``), whatever the preset's default.
+- ``tierserve-bf16`` / ``tierserve-int8``: the same with ``model.dtype = "bfloat16"``
+  or ``model.quantization = "int8"`` (the peers of llama-server's BF16 and Q8_0).
 - ``transformers-serve`` / ``transformers-serve-cb``: ``transformers serve``
   on the same directory, on CPU, without and with ``--continuous-batching``.
 - ``llama-server`` / ``llama-server-bf16`` / ``llama-server-q8_0``: llama.cpp's
@@ -35,7 +37,9 @@ from bench.llama_cpp import PRECISIONS, gguf_file, llama_server_binary, server_c
 from tests.server_helpers import free_port  # the tests' own helper; bench runs from a checkout
 
 TIERSERVE_MODES = {"tierserve": None, "tierserve-inproc": False, "tierserve-process": True}
-SERVERS = (*TIERSERVE_MODES, "transformers-serve-cb", "transformers-serve", *PRECISIONS)
+TIERSERVE_PRECISIONS = {"tierserve-bf16": ["model.dtype=bfloat16"], "tierserve-int8": ["model.quantization=int8"]}
+TIERSERVES = (*TIERSERVE_MODES, *TIERSERVE_PRECISIONS)
+SERVERS = (*TIERSERVES, "transformers-serve-cb", "transformers-serve", *PRECISIONS)
 
 
 @dataclass
@@ -59,7 +63,7 @@ class Server:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.name in TIERSERVE_MODES:
+        if self.name in TIERSERVES:
             body["ignore_eos"] = True
         elif self.name in PRECISIONS:
             body["prompt"] = self.encode(prompt) if self.encode is not None else prompt
@@ -70,6 +74,10 @@ class Server:
             body["generation_config"] = json.dumps(config)
         return {**body, **extra}
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and every process under it (tierserve's engine core runs in a child)."""
+        return tree_rss_bytes(self.process.pid)
+
     def stop(self, timeout: float = 60.0) -> None:
         """SIGINT (a graceful shutdown: tierserve flushes its L3 writes), then SIGKILL if it hangs."""
         if self.process.poll() is None:
@@ -79,6 +87,31 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def tree_rss_bytes(root: int) -> int:
+    """VmRSS of ``root`` plus all its descendants, from ``/proc`` (0 where unreadable)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    total, pending = 0, [root]
+    while pending:
+        pid = pending.pop()
+        pending.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
 
 
 def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: float) -> None:
@@ -124,9 +157,11 @@ def start_tierserve(
         "serve", "--preset", "production", "--model", str(checkpoint), "--port", str(port),
         "--set", f"kv_cache.disk_path={l3_dir}",
     ]  # fmt: skip
-    process_mode = TIERSERVE_MODES[name]
+    process_mode = TIERSERVE_MODES.get(name)
     if process_mode is not None:
         command += ["--set", f"server.engine_process={str(process_mode).lower()}"]
+    for setting in TIERSERVE_PRECISIONS.get(name, []):
+        command += ["--set", setting]
     log_path = log_dir / f"{name}.log"
     process = _launch(command, log_path, dict(os.environ))
     base = f"http://127.0.0.1:{port}"
@@ -177,7 +212,7 @@ def start(
 ) -> Server:
     """Start server ``name``; ``slots`` and ``context_per_slot`` size llama-server (the most clients a run has,
     and the longest prompt + output it asks for)."""
-    if name in TIERSERVE_MODES:
+    if name in TIERSERVES:
         return start_tierserve(checkpoint, log_dir, l3_dir, name=name)
     if name in PRECISIONS:
         return start_llama_server(name, checkpoint, log_dir, slots, context_per_slot)

@@ -39,6 +39,9 @@ class ModelBackend(ABC):
             (key positions a sliding window freed), so streaming mode can run.
         attention_kernel: which attention kernels run, in words (``ModelInfo``,
             ``/health``); built-in backends follow ``[sliding_window] use_flash_attention``.
+        quantization: how the weights are stored (``model.quantization``: ``"none"``, ``"int8"``).
+        linear_kernel: what runs the dense matmuls, in words (``"onednn"``, ``"int8-fbgemm"``, ...).
+        kv_dtype: how the KV arena holds keys and values (``kv_cache.dtype``; the model's dtype by default).
     """
 
     tokenizer: object
@@ -51,6 +54,9 @@ class ModelBackend(ABC):
     paged: bool = True
     supports_released_kv: bool = False
     attention_kernel: str = "unreported"
+    quantization: str = "none"
+    linear_kernel: str = "unreported"
+    kv_dtype: torch.dtype | None = None
 
     def kv_spec(self, block_size: int) -> KVSpec:
         """The KV layout the engine's KV manager needs: bytes per block, and a trained sliding

@@ -324,6 +324,26 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
             "initializer_range": 0.02,
         },
     },
+    # The shape of Qwen2.5-0.5B (random weights): vocab 151,936 tied to the
+    # embedding, 24 layers, hidden 896, MLP 4864, GQA 14/2 heads of 64, qkv
+    # biases. 494,032,768 parameters, ~2 GB in float32; at this size the vocab
+    # projection and memory bandwidth dominate a step, not Python.
+    "bench-qwen": {
+        "architecture": "qwen2",
+        "seed": 0,
+        "config": {
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": True,
+            "initializer_range": 0.02,
+        },
+    },
 }
 
 

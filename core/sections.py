@@ -78,6 +78,11 @@ class ModelSettings(Section):
     )
     backend: str = "native"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: every weight matrix stored as int8 with one scale per output row, computed at load "
+        "(about 1 byte per weight; the native backend's fastest int8 kernel here runs it)",
+    )
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)
     seed: int = Field(
@@ -130,6 +135,11 @@ class KVCacheSettings(Section):
     """
 
     block_size: int = Field(16, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="how L1 holds keys and values (and so what L2/L3 store): auto = the model's dtype; "
+        "bfloat16 with float32 weights halves the KV bytes",
+    )
     l1_capacity: int = Field(5000, gt=0, description="blocks in the L1 pool")
     l1_max_bytes: int | None = Field(None, gt=0, description="size L1 by bytes instead (overrides l1_capacity)")
     eviction_policy: str = Field("adaptive", description="L1's policy, and every tier's unless the tier sets one")

@@ -50,6 +50,9 @@ def components(state: ServerState) -> dict[str, Any]:
     return {
         "engine": status,
         "attention_kernel": engine.info.attention_kernel if engine is not None else None,
+        "linear_kernel": engine.info.linear_kernel if engine is not None else None,
+        "quantization": settings.model.quantization,
+        "kv_dtype": engine.info.kv_dtype if engine is not None else None,
         "backend": settings.model.backend,
         "scheduler": settings.scheduler.name,
         "cache_tiers": tiers,

@@ -79,6 +79,17 @@ def kv_cache_block_size(lab: Lab) -> None:
     assert run(lab.shared, LONG).cached_tokens == (prompt_tokens - 1) // 16 * 16
 
 
+def kv_cache_dtype(lab: Lab) -> None:
+    prompt_tokens = len(lab.shared.encode_prompt(LONG))
+    with lab.engine({"kv_cache.dtype": "bfloat16"}) as engine:
+        assert (engine.info.dtype, engine.info.kv_dtype) == ("float32", "bfloat16")
+        assert engine.info.kv_block_bytes * 2 == lab.shared.info.kv_block_bytes
+        assert engine.info.fingerprint != lab.shared.info.fingerprint
+        first = run(engine, LONG, greedy(8))
+        again = run(engine, LONG, greedy(8))
+        assert again.cached_tokens == (prompt_tokens - 1) // 16 * 16 and again.token_ids == first.token_ids
+
+
 def kv_cache_l1_capacity(lab: Lab) -> None:
     with lab.engine({"kv_cache.l1_capacity": 32}) as engine:
         assert engine.info.kv_blocks == 32 and engine.stats().kv_blocks_total == 32
@@ -350,6 +361,7 @@ def memory_max_bytes(lab: Lab) -> None:
 
 PROBES = {
     "kv_cache.block_size": kv_cache_block_size,
+    "kv_cache.dtype": kv_cache_dtype,
     "kv_cache.l1_capacity": kv_cache_l1_capacity,
     "kv_cache.l1_max_bytes": kv_cache_l1_max_bytes,
     "kv_cache.eviction_policy": kv_cache_eviction_policy,

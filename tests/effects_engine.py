@@ -41,6 +41,16 @@ def model_dtype(lab: Lab) -> None:
         assert engine.info.kv_block_bytes * 2 == lab.shared.info.kv_block_bytes
 
 
+def model_quantization(lab: Lab) -> None:
+    with lab.engine({"model.quantization": "int8"}) as engine:
+        assert (engine.info.quantization, engine.info.linear_kernel[:5]) == ("int8", "int8-")
+        assert engine.info.fingerprint != lab.shared.info.fingerprint  # int8 KV is never served to float32
+        assert len(run(engine, LONG, greedy(8)).token_ids) == 8
+    with pytest.raises(ConfigError, match=r"model.quantization = 'int8' is supported by the native backend only"):
+        with lab.engine({"model.quantization": "int8", "model.backend": "transformers"}):
+            pass
+
+
 def model_device(lab: Lab) -> None:
     import torch
 
@@ -292,6 +302,7 @@ PROBES = {
     "model.path": model_path,
     "model.backend": model_backend,
     "model.dtype": model_dtype,
+    "model.quantization": model_quantization,
     "model.device": model_device,
     "model.max_model_len": model_max_model_len,
     "model.seed": model_seed,

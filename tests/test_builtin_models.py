@@ -285,9 +285,9 @@ def test_a_changed_spec_gets_a_new_directory(cache_root, monkeypatch):
 
 
 def test_unknown_builtin_lists_the_available_ones(cache_root):
-    with pytest.raises(ValueError, match="unknown builtin model 'huge'; available: bench, tiny"):
+    with pytest.raises(ValueError, match="unknown builtin model 'huge'; available: bench, bench-qwen, tiny"):
         ensure_builtin_checkpoint("huge")
-    with pytest.raises(ConfigError, match="available: bench, tiny"):
+    with pytest.raises(ConfigError, match="available: bench, bench-qwen, tiny"):
         resolve_model_path("builtin:huge")
 
 

@@ -136,6 +136,9 @@ def test_health_probes_when_ready(server, engine):
     assert body["components"] == {
         "engine": "ready",
         "attention_kernel": engine.info.attention_kernel,  # [sliding_window] use_flash_attention
+        "linear_kernel": engine.info.linear_kernel,  # [plugins.native] linear_kernel, model.quantization
+        "quantization": "none",
+        "kv_dtype": "float32",
         "backend": "native",
         "scheduler": "fcfs",
         "cache_tiers": ["l1", "l2", "l3"],

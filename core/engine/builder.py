@@ -76,6 +76,9 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         prefix_cache=store is not None,
         tiers=store.tier_names if store is not None else [],
         attention=backend.attention_kernel,
+        quantization=backend.quantization,
+        linear_kernel=backend.linear_kernel,
+        kv_dtype=str(backend.kv_dtype or backend.dtype).removeprefix("torch."),
         profiling=clock is not None,
     )
     return core
@@ -156,6 +159,9 @@ def model_info(core: EngineCore) -> ModelInfo:
         fallback_speculator=FALLBACK_SPECULATOR if FALLBACK_SPECULATOR in core.runner.speculators else None,
         supports_streaming_window=backend.paged and backend.supports_released_kv,
         attention_kernel=backend.attention_kernel,
+        quantization=backend.quantization,
+        linear_kernel=backend.linear_kernel,
+        kv_dtype=str(backend.kv_dtype or backend.dtype).removeprefix("torch."),
         key_max_pinned_bytes=core.keys.max_pinned_bytes if core.keys is not None else 0,
     )
 

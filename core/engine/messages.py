@@ -39,6 +39,9 @@ class ModelInfo:
     fallback_speculator: str | None  # what a request asking for speculation gets when none is configured
     supports_streaming_window: bool
     attention_kernel: str  # e.g. "flash/math (torch picks)", or "math" ([sliding_window] use_flash_attention = false)
+    quantization: str = "none"  # model.quantization
+    linear_kernel: str = "unreported"  # e.g. "onednn", "int8-fbgemm"
+    kv_dtype: str = ""  # how the KV arena holds keys and values (kv_cache.dtype resolved)
     key_max_pinned_bytes: int = 0  # the most KV one cache_key may pin; 0: cache keys unavailable (no prefix cache)
 
     @property

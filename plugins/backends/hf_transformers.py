@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
 from tierserve.core.batch import ScheduledChunk
 from tierserve.core.config import Settings
+from tierserve.core.errors import ConfigError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.core.sequence import Sequence
 
@@ -35,6 +36,13 @@ class TransformersBackend(ModelBackend):
         from tierserve.core.devices import resolve_device, resolve_dtype
 
         model = settings.model
+        for key, value in (("model.quantization", model.quantization), ("kv_cache.dtype", settings.kv_cache.dtype)):
+            if value not in ("none", "auto"):
+                # this backend keeps transformers' own weights and per-sequence caches
+                raise ConfigError(
+                    f"{key} = {value!r} is supported by the native backend only; "
+                    f"set model.backend = \"native\" or leave {key} at its default"
+                )
         self.path = resolve_model_path(model.path)
         self.device = resolve_device(model.device)
         self.dtype = resolve_dtype(model.dtype, self.device)

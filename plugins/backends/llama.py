@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tierserve.plugins.backends.linear import Linear, LinearFactory
+from tierserve.plugins.backends.linear import Int8Linear, Linear, LinearFactory, quantize_rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -33,13 +33,13 @@ Attend = Callable[[int, "LayerWeights", torch.Tensor, torch.Tensor, torch.Tensor
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | Int8Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: Linear
+    o_proj: Linear | Int8Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Int8Linear
+    down: Linear | Int8Linear
     sliding_window: int | None
 
 
@@ -65,15 +65,32 @@ class PagedBatch:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: normalise in float32, scale in the input dtype."""
     dtype = x.dtype
+    if dtype == torch.float32:  # one fused op instead of five; the same float32 arithmetic
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class Embedding:
+    """The token embedding table, float or int8 rows with one scale each (``model.quantization``)."""
+
+    __slots__ = ("weight", "scale", "dtype")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, quantized: bool) -> None:
+        self.dtype = dtype
+        if quantized:
+            q, scale = quantize_rows(weight)
+            self.weight, self.scale = q.to(weight.device), scale.to(weight.device, dtype)
+        else:
+            self.weight, self.scale = weight, None
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return self.weight[token_ids]
+        return self.weight[token_ids].to(self.dtype) * self.scale[token_ids, None]
 
 
 class PagedLlama:
@@ -86,6 +103,8 @@ class PagedLlama:
         device: torch.device,
         dtype: torch.dtype,
         linear_kernel: str = "auto",
+        quantization: str = "none",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -95,13 +114,14 @@ class PagedLlama:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.act = ACT2FN[config.hidden_act]
         self.scaling = self.head_dim**-0.5
-        linear = LinearFactory(linear_kernel, device, dtype)
+        linear = LinearFactory(linear_kernel, device, dtype, quantization)
         self.linear_kernel = linear.kernel
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -112,11 +132,13 @@ class PagedLlama:
                 return None
             return tensor.to(device=device, dtype=dtype)
 
-        self.embed = take("model.embed_tokens.weight")
+        embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=False)
         tied = lm_head is None or getattr(config, "tie_word_embeddings", False)
-        self.lm_head = linear(self.embed if tied else lm_head)
+        self.lm_head = linear(embed if tied else lm_head)
+        self.embed = Embedding(embed, dtype, quantized=quantization == "int8")
+        del embed, lm_head
 
         layer_types = getattr(config, "layer_types", None)
         self.layers: list[LayerWeights] = []
@@ -175,7 +197,10 @@ class PagedLlama:
         freqs = positions[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * self._rope_scaling).to(self.device, self.dtype)
-        self.sin = (emb.sin() * self._rope_scaling).to(self.device, self.dtype)
+        sin = (emb.sin() * self._rope_scaling).to(self.device, self.dtype)
+        # rotate_half(x) * sin == x.roll(half) * [-sin_1, sin_2], exactly, in two ops instead of five
+        half = sin.shape[-1] // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def ensure_positions(self, length: int) -> None:
         """Grow the RoPE tables past the trained context (sliding-window generation runs beyond it)."""
@@ -183,21 +208,21 @@ class PagedLlama:
             self._rope_table(max(length, 2 * self.cos.shape[0]))
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(self.layers) * block_size * self.num_kv_heads * self.head_dim * element
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
         self.block_size = block_size
-        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in self.layers]
 
     def read_blocks(self, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
         """CPU copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` of whole blocks."""
         shape = (-1, block_size, self.num_kv_heads, self.head_dim)
         out = torch.empty(
             (len(block_ids), len(self.layers), 2, block_size, self.num_kv_heads, self.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device="cpu",
             pin_memory=self.device.type == "cuda",
         )
@@ -211,7 +236,7 @@ class PagedLlama:
     def write_blocks(self, block_ids: torch.Tensor, block_size: int, data: torch.Tensor) -> None:
         """Copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` into whole blocks."""
         shape = (-1, block_size, self.num_kv_heads, self.head_dim)
-        data = data.to(device=self.device, dtype=self.dtype)
+        data = data.to(device=self.device, dtype=self.kv_dtype)
         for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
             k.view(shape).index_copy_(0, block_ids, data[:, layer, 0])
             v.view(shape).index_copy_(0, block_ids, data[:, layer, 1])
@@ -219,22 +244,26 @@ class PagedLlama:
     def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The decoder stack over a flat token batch; ``attend(layer_index, layer, q, k, v)`` supplies attention."""
         cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        hidden = self.embed[input_ids]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        sin = self.sin_signed[positions].unsqueeze(1)
+        half = self.head_dim // 2
+        hidden = self.embed(input_ids)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q_size = heads * self.head_dim
+        kv_size = kv_heads * self.head_dim
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
-            q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, self.eps)
-                k = rms_norm(k, layer.k_norm, self.eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, self.head_dim)
+            if layer.q_norm is None:  # q and k rotate as one tensor of heads + kv_heads
+                qk = qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, self.head_dim)
+                qk = qk * cos + qk.roll(half, -1) * sin
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = rms_norm(qkv[:, :q_size].view(tokens, heads, self.head_dim), layer.q_norm, self.eps)
+                k = rms_norm(qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, self.head_dim), layer.k_norm, self.eps)
+                q = q * cos + q.roll(half, -1) * sin
+                k = k * cos + k.roll(half, -1) * sin
             attn = attend(index, layer, q, k, v)
             hidden = hidden + layer.o_proj(attn.reshape(tokens, q_size))
             x = rms_norm(hidden, layer.post_norm, self.eps)
@@ -247,8 +276,8 @@ class PagedLlama:
 
         def paged_attention(index, layer, q, k, v):
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache.index_copy_(0, batch.slot_mapping, k)
-            v_cache.index_copy_(0, batch.slot_mapping, v)
+            k_cache.index_copy_(0, batch.slot_mapping, k.to(self.kv_dtype))
+            v_cache.index_copy_(0, batch.slot_mapping, v.to(self.kv_dtype))
             return self._attend(q, k_cache, v_cache, batch.groups, layer.sliding_window)
 
         hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention)
@@ -300,7 +329,10 @@ class PagedLlama:
         return list(rms_norm(hidden, self.norm, self.eps).split(lengths))
 
     def _attend(self, q, k_cache, v_cache, groups: list[AttentionGroup], window: int | None) -> torch.Tensor:
-        out = torch.empty_like(q)
+        only = groups[0] if len(groups) == 1 else None
+        # one group over all rows in order (a decode step, a lone prefill): its result is the output as it is
+        direct = only is not None and isinstance(only.rows, slice) and only.rows == slice(0, q.shape[0])
+        out = None if direct else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         by_block = (-1, self.block_size, self.num_kv_heads, self.head_dim)
         for group in groups:
             padded = isinstance(group.rows, torch.Tensor)
@@ -313,6 +345,8 @@ class PagedLlama:
             # [batch, kv_heads, ctx, head_dim]
             keys = k_cache.view(by_block).index_select(0, ids).view(shape)[:, : group.ctx].transpose(1, 2)
             values = v_cache.view(by_block).index_select(0, ids).view(shape)[:, : group.ctx].transpose(1, 2)
+            if keys.dtype != queries.dtype:  # kv_cache.dtype narrower than the model's
+                keys, values = keys.to(queries.dtype), values.to(queries.dtype)
             mask = group.masks[window]
             result = F.scaled_dot_product_attention(
                 queries,
@@ -324,6 +358,8 @@ class PagedLlama:
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )
             result = result.transpose(1, 2)
+            if direct:
+                return result.reshape(-1, self.num_heads, self.head_dim)
             if padded:
                 valid = group.rows >= 0
                 out[group.rows[valid]] = result[valid]

@@ -76,6 +76,7 @@ class NativeBackend(ModelBackend):
         self.path = resolve_model_path(model.path)
         self.device = resolve_device(model.device)
         self.dtype = resolve_dtype(model.dtype, self.device)
+        kv_dtype = self.dtype if settings.kv_cache.dtype == "auto" else resolve_dtype(settings.kv_cache.dtype, self.device)
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         self.attention_kernel = self.attention.name
         self.config = AutoConfig.from_pretrained(self.path)
@@ -86,7 +87,12 @@ class NativeBackend(ModelBackend):
             self.device,
             self.dtype,
             linear_kernel=settings.plugin_options("native", NativeSettings).linear_kernel,
+            quantization=model.quantization,
+            kv_dtype=kv_dtype,
         )
+        self.quantization = model.quantization
+        self.linear_kernel = self.model.linear_kernel
+        self.kv_dtype = kv_dtype
         self.vocab_size = self.config.vocab_size
         self.max_model_len = context_length(model.max_model_len, self.config.max_position_embeddings, self.path)
         eos = load_generation_eos_ids(self.path)
@@ -96,6 +102,8 @@ class NativeBackend(ModelBackend):
         # kernels change summation order, so KV is not bit-identical across kernels
         # (a forced attention kernel is named; torch's own choice keeps the fingerprint it always had)
         kernels = f"native/{self.model.linear_kernel}" + "".join(f"/{k.name}" for k in self.attention.forced)
+        if kv_dtype != self.dtype:  # the KV itself is rounded differently (int8 is in the kernel's name)
+            kernels += f"/kv-{str(kv_dtype).removeprefix('torch.')}"
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
 
