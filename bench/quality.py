@@ -68,7 +68,7 @@ def variants() -> dict[str, dict]:
 
     found = {"bfloat16": {"dtype": torch.bfloat16}}
     kernels = _int8_kernels(torch.device("cpu"))
-    found["int8"] = {"dtype": torch.float32, "quantization": "int8"}  # the fastest kernel here
+    found[f"int8-{kernels[0]}"] = {"dtype": torch.float32, "quantization": "int8"}  # the fastest kernel here
     if "fbgemm" in kernels and len(kernels) > 2:  # the portable one as well
         found[f"int8-{kernels[1]}"] = {"dtype": torch.float32, "quantization": "int8", "linear_kernel": "torch"}
     return found
