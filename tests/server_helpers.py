@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -48,3 +48,29 @@ def running_server(settings, engine=None, plugins=None, ready_timeout: float = 1
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def server_starter(checkpoint) -> Iterator[Callable[..., object]]:
+    """Yields ``start(**values)``: a ``running_server`` on ``checkpoint`` with a fresh in-process engine and
+    these ``section__key`` settings (``auth__api_keys=[...]``). Every engine started is closed on exit."""
+    from tests.engine_helpers import make_engine
+    from tierserve.core.config import load_settings
+
+    engines = []
+
+    def start(**values):
+        values = {"model__device": "cpu", **values}
+        overrides = {tuple(dotted.split("__")): value for dotted, value in values.items()}
+        overrides[("model", "path")] = str(checkpoint)
+        overrides[("logging", "level")] = "warning"
+        loaded = load_settings(None, environ={}, overrides=overrides)
+        engine = make_engine(checkpoint, **{k: v for k, v in values.items() if not k.startswith("model__")})
+        engines.append(engine)
+        return running_server(loaded.settings, engine=engine, plugins=loaded.plugins)
+
+    try:
+        yield start
+    finally:
+        for engine in engines:
+            engine.close()

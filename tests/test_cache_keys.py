@@ -11,9 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.engine_helpers import build_checkpoint, make_engine
-from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tests.engine_helpers import build_checkpoint
+from tests.server_helpers import server_starter
 
 PROMPT = "The espresso machine manual says: descale every month and purge the steam wand after use."
 OTHER = "A field guide to birds: the heron stands still in shallow water waiting for small fish."
@@ -27,21 +26,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture
 def serve(checkpoint):
     """Start a server on an in-process engine with these ``[section] key`` values; yields its URL."""
-    engines = []
-
-    def start(**values):
-        values = {"model__device": "cpu", **values}
-        overrides = {tuple(dotted.split("__")): value for dotted, value in values.items()}
-        overrides[("model", "path")] = str(checkpoint)
-        overrides[("logging", "level")] = "warning"
-        loaded = load_settings(None, environ={}, overrides=overrides)
-        engine = make_engine(checkpoint, **{k: v for k, v in values.items() if not k.startswith("model__")})
-        engines.append(engine)
-        return running_server(loaded.settings, engine=engine, plugins=loaded.plugins)
-
-    yield start
-    for engine in engines:
-        engine.close()
+    with server_starter(checkpoint) as start:
+        yield start
 
 
 def complete(base: str, prompt: str, **fields) -> httpx.Response:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.engine_helpers import build_checkpoint, make_engine
-from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tests.engine_helpers import build_checkpoint
+from tests.server_helpers import server_starter
 from tierserve.server.tenants import key_id
 
 SECRET = "Confidential: the merger with Initech closes on the fifth of March, tell no one outside the board."
@@ -30,20 +29,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def serve(checkpoint):
-    """A server on an in-process engine with these ``[auth]`` (and other) settings; yields its URL."""
-    engines = []
-
-    def start(**auth):
-        overrides = {("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("logging", "level"): "warning"}
-        overrides.update({("auth", key): value for key, value in auth.items()})
-        loaded = load_settings(None, environ={}, overrides=overrides)
-        engine = make_engine(checkpoint)
-        engines.append(engine)
-        return running_server(loaded.settings, engine=engine, plugins=loaded.plugins)
-
-    yield start
-    for engine in engines:
-        engine.close()
+    """A server on an in-process engine with these ``[auth]`` settings; yields its URL."""
+    with server_starter(checkpoint) as start:
+        yield lambda **auth: start(**{f"auth__{key}": value for key, value in auth.items()})
 
 
 def cached(base: str, key: str, prompt: str = SECRET, **fields) -> httpx.Response:
