@@ -64,10 +64,10 @@ def closeness(reference: list[torch.Tensor], variant: list[torch.Tensor]) -> Clo
 
 def variants() -> dict[str, dict]:
     """Name -> ``load_model`` keywords for every reduced precision that runs here."""
-    from tierserve.plugins.backends.linear import _int8_kernels
+    from tierserve.plugins.backends.linear import int8_kernels
 
     found = {"bfloat16": {"dtype": torch.bfloat16}}
-    kernels = _int8_kernels(torch.device("cpu"))
+    kernels = int8_kernels(torch.device("cpu"))
     found[f"int8-{kernels[0]}"] = {"dtype": torch.float32, "quantization": "int8"}  # the fastest kernel here
     if "fbgemm" in kernels and len(kernels) > 2:  # the portable one as well
         found[f"int8-{kernels[1]}"] = {"dtype": torch.float32, "quantization": "int8", "linear_kernel": "torch"}

@@ -20,7 +20,7 @@ from bench.quality import closeness, load_model, teacher_forced_logits
 from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.plugins.backends.linear import Int8Linear, _int8_kernels, quantize_rows
+from tierserve.plugins.backends.linear import Int8Linear, int8_kernels, quantize_rows
 
 MIN_AGREEMENT = {"int8-fbgemm": 0.75, "int8-weight_only": 0.85, "int8-dequantize": 0.85, "bfloat16": 0.9}
 MAX_KL = {"int8-fbgemm": 0.025, "int8-weight_only": 0.006, "int8-dequantize": 0.006, "bfloat16": 0.002}
@@ -31,7 +31,7 @@ ARCHITECTURES = {
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
 }
-INT8_KERNELS = _int8_kernels(torch.device("cpu"))
+INT8_KERNELS = int8_kernels(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))

@@ -91,7 +91,7 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> object:
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
-def _int8_kernels(device: torch.device) -> list[str]:
+def int8_kernels(device: torch.device) -> list[str]:
     """The int8 kernels that work here, fastest first (a tiny call is the probe)."""
     q, scale = quantize_rows(torch.arange(32, dtype=torch.float32).view(4, 8) - 16)
     x = torch.ones(2, 8)
@@ -178,7 +178,7 @@ class LinearFactory:
                     "plugins.native.linear_kernel: 'onednn' runs float weights; with model.quantization = 'int8' "
                     "use 'auto' (the fastest int8 kernel here) or 'torch'"
                 )
-            kernels = _int8_kernels(device)
+            kernels = int8_kernels(device)
             if kernel == "torch":
                 kernels = [k for k in kernels if k != "fbgemm"]
             self.packed = False
