@@ -9,7 +9,12 @@ fused into one matmul each. Attention reads K/V through block tables:
 Decode tokens of all sequences attend in one batched call; each prefill chunk
 attends on its own (a chunk starting mid-prompt sees the cached prefix). Keys
 are gathered a whole block at a time (one ``index_select`` of block-sized rows,
-several times faster than gathering single slots).
+several times faster than gathering single slots). In a decode batch the query
+heads of one KV head attend as that head's rows (K and V are never repeated
+for grouped-query attention), and leading blocks all sequences share (a system
+prompt, the prompt of parallel samples) are read once for the whole batch,
+their result merged with each sequence's own part by log-sum-exp (cascade
+attention, as in FlashInfer and vLLM).
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ class LayerWeights:
 
 
 @dataclass(slots=True)
+class SharedPrefix:
+    """Leading key positions every row of a decode group sees: attended once for the whole group."""
+
+    keys: slice | torch.Tensor  # arena rows (consecutive blocks) or the block ids holding them
+    tokens: int  # key positions 0..tokens-1, whole blocks
+    own_masks: dict[int | None, torch.Tensor | None]  # sliding window -> additive mask [batch, 1, 1, ctx - tokens]
+
+
+@dataclass(slots=True)
 class AttentionGroup:
     """Rows of the flattened batch that attend together, and what they read."""
 
@@ -53,6 +67,43 @@ class AttentionGroup:
     masks: dict[int | None, torch.Tensor | None]  # sliding window -> bool mask [batch, 1, q, ctx]
     batch: int
     q_len: int
+    shared: SharedPrefix | None = None  # decode groups only
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output ``[n, heads, q, d]`` and its float32 log-sum-exp ``[n, heads, q, 1]``; ``mask`` is additive.
+
+    Two such partial results over disjoint key sets merge exactly into the
+    attention over their union (``merge_attention``).
+    """
+    if q.device.type == "cpu":  # torch's CPU flash kernel hands back the log-sum-exp it computes anyway
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        return out, lse.unsqueeze(-1).float()
+    return attention_with_lse_math(q, k, v, mask, scale)
+
+
+def attention_with_lse_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` in plain float32 tensor math, for devices without a kernel that returns it."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v.float()).to(q.dtype), lse
+
+
+def merge_attention(
+    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """The attention over two disjoint key sets from each set's output and log-sum-exp."""
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    return ((a.float() * weight_a + b.float() * weight_b) / (weight_a + weight_b)).to(a.dtype)
 
 
 @dataclass(slots=True)
@@ -335,6 +386,12 @@ class PagedLlama:
         out = None if direct else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         by_block = (-1, self.block_size, self.num_kv_heads, self.head_dim)
         for group in groups:
+            if group.q_len == 1:  # decodes: rows is a slice
+                result = self._attend_decode(q[group.rows], k_cache, v_cache, group, window)
+                if direct:
+                    return result
+                out[group.rows] = result
+                continue
             padded = isinstance(group.rows, torch.Tensor)
             if padded:
                 queries = q[group.rows.clamp(min=0)].transpose(1, 2)  # [batch, heads, q_len, head_dim]
@@ -366,3 +423,45 @@ class PagedLlama:
             else:
                 out[group.rows] = result.reshape(-1, self.num_heads, self.head_dim)
         return out
+
+    def _attend_decode(self, q, k_cache, v_cache, group: AttentionGroup, window: int | None) -> torch.Tensor:
+        """One query token per sequence, ``q: [batch, heads, head_dim]``.
+
+        The query heads that share a KV head become that head's query rows, so
+        K and V are read once per KV head, never repeated. A prefix all rows
+        share is attended once for the whole batch (every row's queries against
+        one copy of its keys) and merged by log-sum-exp with each row's own part.
+        """
+        batch, kv_heads, head_dim = group.batch, self.num_kv_heads, self.head_dim
+        queries = q.view(batch, kv_heads, -1, head_dim)  # [batch, kv_heads, heads per kv head, head_dim]
+        shared = group.shared
+        skip = 0 if shared is None else shared.tokens // self.block_size
+        ids = group.blocks[:, skip:].reshape(-1)
+        by_block = (-1, self.block_size, kv_heads, head_dim)
+        shape = (batch, -1, kv_heads, head_dim)
+        ctx = group.ctx - (0 if shared is None else shared.tokens)
+        keys = k_cache.view(by_block).index_select(0, ids).view(shape)[:, :ctx].transpose(1, 2)
+        values = v_cache.view(by_block).index_select(0, ids).view(shape)[:, :ctx].transpose(1, 2)
+        if keys.dtype != queries.dtype:  # kv_cache.dtype narrower than the model's
+            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        if shared is None:
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=group.masks[window], scale=self.scaling
+            )
+            return out.reshape(batch, self.num_heads, head_dim)
+        own, own_lse = attention_with_lse(queries, keys, values, shared.own_masks[window], self.scaling)
+        if isinstance(shared.keys, slice):
+            prefix_k, prefix_v = k_cache[shared.keys], v_cache[shared.keys]  # [tokens, kv_heads, head_dim] views
+        else:
+            prefix_k = k_cache.view(by_block).index_select(0, shared.keys).view(-1, kv_heads, head_dim)
+            prefix_v = v_cache.view(by_block).index_select(0, shared.keys).view(-1, kv_heads, head_dim)
+        if prefix_k.dtype != queries.dtype:
+            prefix_k, prefix_v = prefix_k.to(queries.dtype), prefix_v.to(queries.dtype)
+        # the whole batch's queries as the rows of one sequence: [1, kv_heads, batch * heads per kv head, head_dim]
+        rows = queries.transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+        common, common_lse = attention_with_lse(
+            rows, prefix_k.transpose(0, 1)[None], prefix_v.transpose(0, 1)[None], None, self.scaling
+        )
+        common = common.view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+        common_lse = common_lse.view(kv_heads, batch, -1, 1).transpose(0, 1)
+        return merge_attention(own, own_lse, common, common_lse).reshape(batch, self.num_heads, head_dim)

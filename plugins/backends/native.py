@@ -20,7 +20,7 @@ from tierserve.core.hookspecs import hookimpl
 if TYPE_CHECKING:
     import torch
 
-    from tierserve.plugins.backends.llama import PagedBatch
+    from tierserve.plugins.backends.llama import PagedBatch, SharedPrefix
 
 
 def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -46,6 +46,50 @@ def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 SHORT_CHUNK_TOKENS = 16  # chunks this short share one padded attention call
+# a decode batch reads a prefix its sequences share once, when it is at least this long
+SHARED_PREFIX_MIN_TOKENS = 64
+
+
+def shared_prefix(
+    table: torch.Tensor,
+    min_ctx: int,
+    keeps: dict[int | None, torch.Tensor],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> SharedPrefix | None:
+    """The leading blocks every row of a decode batch reads, where attending to them once pays.
+
+    ``table`` holds the rows' block ids ``[batch, width]``, ``keeps`` the
+    visibility of each key position per sliding window ``[batch, 1, ctx]``.
+    The shared part must be whole blocks every row sees in full (no window or
+    released range cuts into it) and leave each row at least its own token.
+    """
+    import torch
+
+    from tierserve.plugins.backends.llama import SharedPrefix
+
+    if table.shape[0] < 2:
+        return None
+    same = (table == table[0]).all(0).to(torch.int32)
+    blocks = min(int(same.cumprod(0).sum()), (min_ctx - 1) // block_size)
+    tokens = blocks * block_size
+    if tokens < SHARED_PREFIX_MIN_TOKENS or not all(bool(keep[:, :, :tokens].all()) for keep in keeps.values()):
+        return None
+    ids = table[0, :blocks]
+    first = int(ids[0])
+    if bool((ids == torch.arange(first, first + blocks)).all()):  # consecutive blocks: the arena rows as they lie
+        keys: slice | torch.Tensor = slice(first * block_size, (first + blocks) * block_size)
+    else:
+        keys = ids.to(device)
+    own_masks: dict[int | None, torch.Tensor | None] = {}
+    for window, keep in keeps.items():
+        own = keep[:, :, tokens:]
+        # additive: the kernel that also returns log-sum-exp takes no boolean mask
+        own_masks[window] = None if bool(own.all()) else torch.zeros(own.shape, dtype=dtype).masked_fill_(
+            ~own, float("-inf")
+        )[:, None].to(device)
+    return SharedPrefix(keys, tokens, own_masks)
 
 
 class NativeSettings(BaseModel):
@@ -187,9 +231,12 @@ class NativeBackend(ModelBackend):
             released = torch.tensor([c.released for c in short])
             drop_start, drop_end = released[:, 0, None, None], released[:, 1, None, None]
             causal &= (pos[None, None, :] < drop_start) | (pos[None, None, :] >= drop_end)  # released by a window
+            keeps = {
+                window: causal if window is None else causal & (pos[None, None, :] > q_pos[:, :, None] - window)
+                for window in windows
+            }
             masks: dict[int | None, torch.Tensor | None] = {}
-            for window in windows:
-                keep = causal if window is None else causal & (pos[None, None, :] > q_pos[:, :, None] - window)
+            for window, keep in keeps.items():
                 if q_len == 1 and bool(keep.all()):
                     masks[window] = None  # equal-length decodes: nothing to mask
                     continue
@@ -201,7 +248,10 @@ class NativeBackend(ModelBackend):
             )
             rows_index = slice(0, len(short)) if q_len == 1 else rows.to(device)
             blocks = table[:, : -(-int(ctx.max()) // bs)]
-            groups.append(AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(short), q_len))
+            group = AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(short), q_len)
+            if q_len == 1:
+                group.shared = shared_prefix(table, int(ctx.min()), keeps, bs, self.dtype, device)
+            groups.append(group)
 
         for chunk in long:
             start, n = chunk.start, chunk.num_tokens
