@@ -8,8 +8,15 @@ from transformers import AutoConfig
 
 from tests.engine_helpers import assert_pool_released, build_checkpoint, hf_greedy, make_engine
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.plugins.backends.llama import AttentionGroup, PagedLlama, attention_with_lse, attention_with_lse_math
-from tierserve.plugins.backends.native import SHARED_PREFIX_MIN_TOKENS, load_safetensors, shared_prefix
+from tierserve.plugins.backends.llama import PagedLlama
+from tierserve.plugins.backends.native import load_safetensors
+from tierserve.plugins.backends.paged_attention import (
+    SHARED_PREFIX_MIN_TOKENS,
+    AttentionGroup,
+    attention_with_lse,
+    attention_with_lse_math,
+    shared_prefix,
+)
 
 SYSTEM = (
     "You are a careful assistant. Answer in one short sentence, cite nothing, and never repeat the question. "
@@ -39,7 +46,7 @@ def test_requests_sharing_a_long_prefix_decode_together_as_they_would_alone(tmp_
 
 def _decode_group(model: PagedLlama, tables: torch.Tensor, lengths: list[int], window: int | None):
     """A decode group as the native backend builds it, and the boolean visibility it derives from."""
-    block = model.block_size
+    block = model.arena.block_size
     ctx = torch.tensor(lengths)
     pos = torch.arange(int(ctx.max()))
     q_pos = (ctx - 1)[:, None]
@@ -64,11 +71,11 @@ def test_shared_prefix_attention_equals_reading_every_row_whole(tmp_path, kv_dty
     block, shared_blocks, own_blocks, batch = 16, 6, 3, 5
     model.allocate_kv_cache(shared_blocks + batch * own_blocks + 4, block)
     generator = torch.Generator().manual_seed(0)
-    for cache in (*model.k_cache, *model.v_cache):
+    for cache in (*model.arena.k, *model.arena.v):
         cache.copy_(torch.randn(cache.shape, generator=generator))
     prefix = torch.arange(shared_blocks) if consecutive else torch.randperm(shared_blocks, generator=generator) * 3 + 1
     used = set(prefix.tolist())
-    spare = [b for b in range(len(model.k_cache[0]) // block) if b not in used]
+    spare = [b for b in range(len(model.arena.k[0]) // block) if b not in used]
     tables = torch.stack(
         [torch.cat([prefix, torch.tensor(spare[i * own_blocks : (i + 1) * own_blocks])]) for i in range(batch)]
     )
@@ -79,9 +86,9 @@ def test_shared_prefix_attention_equals_reading_every_row_whole(tmp_path, kv_dty
     assert isinstance(group.shared.keys, slice) == consecutive
     q = torch.randn(batch, model.num_heads, model.head_dim, generator=generator)
     with torch.inference_mode():
-        cascaded = model._attend(q, model.k_cache[0], model.v_cache[0], [group], window)
+        cascaded = model.arena.attend(0, q, [group], window, model.scaling)
         group.shared = None
-        whole = model._attend(q, model.k_cache[0], model.v_cache[0], [group], window)
+        whole = model.arena.attend(0, q, [group], window, model.scaling)
     torch.testing.assert_close(cascaded, whole, rtol=1e-5, atol=1e-5)
 
 
