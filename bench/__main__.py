@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ("tierserve", *prefix.DEFAULT_PEERS)
     px.add_argument("--systems", type=_names(systems), default=list(defaults),
                     help=f"comma-separated, of {','.join(systems)} (default: {','.join(defaults)})")  # fmt: skip
+    px.add_argument("--states", type=_names(prefix.CACHE_STATES), default=list(prefix.CACHE_STATES),
+                    help=f"tierserve's cache states to run, of {','.join(prefix.CACHE_STATES)} (default: all)")  # fmt: skip
 
     cp = commands.add_parser("cold-prefill", help="TTFT of long uncached prompts, one at a time (vs llama-server)")
     cp.add_argument("--prompt-lens", type=_ints, default=[512, 2048], help="prompt tokens (default: 512,2048)")
@@ -120,7 +122,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         payload = throughput.run(ctx, args.concurrency, args.prompt_len, args.output_len, args.repeats, args.systems)
     elif name == "prefix":
         payload = prefix.run(
-            ctx, args.conversations, args.turns, args.prefix_len, args.turn_len, args.output_len, args.repeats, args.systems
+            ctx, args.conversations, args.turns, args.prefix_len, args.turn_len, args.output_len, args.repeats, args.systems,
+            args.states,
         )
     elif name == "cold-prefill":
         payload = cold_prefill.run(ctx, args.prompt_lens, args.requests, args.repeats, args.systems)

@@ -69,12 +69,14 @@ def run(
     output_len: int,
     repeats: int,
     systems: list[str],
+    states: tuple[str, ...] | list[str] = CACHE_STATES,
 ) -> dict:
     system_prompt, chats = shared_prefix_conversations(ctx.tokenizer, conversations, turns, prefix_len, turn_len)
     requests = conversations * turns
     ours = "tierserve" in systems
     peers = [s for s in systems if s != "tierserve"]
-    total = repeats * requests * ((len(CACHE_STATES) if ours else 0) + len(peers))
+    states = [state for state in CACHE_STATES if state in states]
+    total = repeats * requests * ((len(states) if ours else 0) + len(peers))
     runs: list[dict] = []
 
     def sessions(server: Server, salt: str | None) -> list[list[dict]]:
@@ -96,7 +98,7 @@ def run(
                     server = start("tierserve", ctx.checkpoint, logs, Path(l3))
                     try:
                         warm_up(server, ctx.tokenizer)
-                        for state in CACHE_STATES:
+                        for state in states:
                             bar.set_postfix_str(f"tierserve {state} (repeat {repeat + 1}/{repeats})")
                             _admin(server, "/v1/cache/clear")
                             salt = None if state == "cold" else f"{state}-{repeat}"
@@ -134,5 +136,6 @@ def run(
         "output_len": output_len,
         "repeats": repeats,
         "systems": systems,
+        "states": states,
     }
     return {"config": config, "runs": runs}

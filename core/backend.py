@@ -42,6 +42,8 @@ class ModelBackend(ABC):
         quantization: how the weights are stored (``model.quantization``: ``"none"``, ``"int8"``).
         linear_kernel: what runs the dense matmuls, in words (``"onednn"``, ``"int8-fbgemm"``, ...).
         kv_dtype: how the KV arena holds keys and values (``kv_cache.dtype``; the model's dtype by default).
+        backend_name: the name the backend was registered under; the engine builder sets it
+            (with ``model.backend = "auto"`` it is the backend auto chose).
     """
 
     tokenizer: object
@@ -57,6 +59,7 @@ class ModelBackend(ABC):
     quantization: str = "none"
     linear_kernel: str = "unreported"
     kv_dtype: torch.dtype | None = None
+    backend_name: str = "unnamed"  # the registered name it was built under (set by the engine builder)
 
     def kv_spec(self, block_size: int) -> KVSpec:
         """The KV layout the engine's KV manager needs: bytes per block, and a trained sliding

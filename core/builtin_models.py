@@ -89,6 +89,34 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "initializer_range": 0.2,
         },
     ),
+    # the architectures below run on the paged ``transformers`` backend (bloom: on the unpaged one)
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            **_LLAMA_FAMILY_DEFAULTS,
+            "num_hidden_layers": 4,  # sliding and global layers alternate
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 16,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "phi3": ("Phi3ForCausalLM", dict(_LLAMA_FAMILY_DEFAULTS)),  # fused qkv and gate/up projections
+    "gpt_neox": (
+        "GPTNeoXForCausalLM",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "rotary_pct": 0.25,  # rotary on a quarter of each head
+            "max_position_embeddings": 512,
+            "initializer_range": 0.2,
+        },
+    ),
+    "bloom": ("BloomForCausalLM", {"hidden_size": 64, "n_layer": 2, "n_head": 4, "initializer_range": 0.2}),  # ALiBi
 }
 
 
@@ -172,7 +200,7 @@ def write_checkpoint(
 
     Args:
         directory: the checkpoint directory to create; it must not exist or be empty.
-        architecture: one of ``ARCHITECTURES`` (llama, mistral, qwen2, qwen3, gpt2).
+        architecture: one of ``ARCHITECTURES`` (llama, mistral, qwen2, qwen3, gpt2, gemma2, phi3, gpt_neox, bloom).
         seed: the torch seed for weight initialisation.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"200KB"``).
         **config_overrides: config keys that win over the defaults, e.g.
@@ -224,7 +252,8 @@ def _write_files(
         save_kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
     model.save_pretrained(directory, **save_kwargs)
     tokenizer = build_tokenizer(nfc=architecture == "qwen2")
-    tokenizer.model_max_length = config.max_position_embeddings
+    # ALiBi models (bloom) have no position table, so no length limit of their own
+    tokenizer.model_max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
     tokenizer.save_pretrained(directory)
     # Tokenizer classes that rebuild from vocab + merges (Qwen2's, which
     # AutoTokenizer picks for model_type qwen2) otherwise add their default

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierserve.core import __version__
@@ -73,6 +73,13 @@ def _print_table(header: str, values: dict[str, dict[str, Any]]) -> None:
 def cmd_config_show(args: argparse.Namespace) -> int:
     loaded = _settings_from(args)
     explained = loaded.explain()
+    backend = explained["model"]["backend"]
+    if str(backend["value"]).lower() == "auto":  # say which backend auto picks for this checkpoint
+        from tierserve.core.backend_choice import backend_candidates
+
+        candidates = backend_candidates(loaded.settings, loaded.plugins.registry("backends"))
+        backend["chosen"] = candidates[0]
+        backend["source"] += f"; runs {candidates[0]} for this checkpoint"
     if args.json:
         print(json.dumps(explained, indent=2))
         return 0
@@ -100,24 +107,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierserve.core.secrets import auth_secrets
 
     configure_logging(loaded.settings.logging, secrets=auth_secrets(loaded.settings.auth))
-    server = uvicorn.Server(server_config(loaded))
+    failures: list[str] = []
+
+    def stop(reason: str) -> None:  # a server whose model cannot load would only ever answer 503
+        failures.append(reason)
+        server.should_exit = True
+
+    server = uvicorn.Server(server_config(loaded, on_load_failure=stop))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again for the caller
         pass
+    if failures:
+        print(f"tierserve serve: the model failed to load: {failures[0]}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 
-def server_config(loaded: LoadedSettings) -> uvicorn.Config:
+def server_config(loaded: LoadedSettings, on_load_failure: Callable[[str], None] | None = None) -> uvicorn.Config:
     """What ``tierserve serve`` runs: the app on ``[server] host`` and ``port``; at shutdown, requests
-    in flight get ``shutdown_grace_seconds`` to finish before they are cancelled."""
+    in flight get ``shutdown_grace_seconds`` to finish before they are cancelled. ``on_load_failure``:
+    see ``create_app``."""
     import uvicorn
 
     from tierserve.server.app import create_app
 
     server = loaded.settings.server
     return uvicorn.Config(
-        create_app(loaded),
+        create_app(loaded, on_load_failure=on_load_failure),
         host=server.host,
         port=server.port,
         log_config=None,  # uvicorn's loggers go through tierserve's structlog handler

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from tierserve.core.backend_choice import AUTO
 from tierserve.core.errors import ConfigError, UnknownComponentError
 from tierserve.core.merge import Merged
 from tierserve.core.plugins import PluginManager
@@ -50,7 +51,7 @@ def check_components(settings: Settings, plugins: PluginManager, sources: Mappin
     """Fail on a component name no plugin registered; store names in canonical (lower) case."""
     for (section, key), kind in COMPONENT_KEYS.items():
         value = getattr(getattr(settings, section), key)
-        if value is None:
+        if value is None or ((section, key) == ("model", "backend") and value.lower() == AUTO):
             continue
         where = sources.get((section, key), DEFAULT_SOURCE)
         component = _component(plugins, kind, value, f"{section}.{key}", where)

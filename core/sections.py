@@ -76,7 +76,12 @@ class ModelSettings(Section):
         description="the names clients may send as 'model' (one or a list, as vLLM's --served-model-name); "
         "the first is the one responses carry by default; unset: model.path",
     )
-    backend: str = "native"
+    backend: str = Field(
+        "auto",
+        description="auto: native for Llama/Mistral/Qwen2/Qwen3 (fastest), else transformers (any architecture "
+        "whose attention goes through transformers' AttentionInterface, on the paged arena), else "
+        "transformers-unpaged (no prefix cache); or name one",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "int8"] = Field(
         "none",

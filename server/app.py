@@ -10,6 +10,7 @@ and ``/health/ready`` turns 200 when the model is loaded and warmed.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Litestar
@@ -49,13 +50,21 @@ def create_app(
     engine: Any | None = None,
     plugins: PluginManager | None = None,
     load_in_background: bool = True,
+    on_load_failure: Callable[[str], None] | None = None,
 ) -> Litestar:
-    """Build the app. ``engine`` may be given (tests share one); otherwise it is built from ``settings``."""
+    """Build the app. ``engine`` may be given (tests share one); otherwise it is built from ``settings``.
+
+    ``on_load_failure`` is called with the one-line reason when the model fails to load
+    (``tierserve serve`` then stops the server and exits non-zero); without it the app stays
+    up and reports the failure on ``/health/ready`` and with 503s.
+    """
     if isinstance(settings, LoadedSettings):
         plugins = plugins or settings.plugins
         settings = settings.settings
     plugins = plugins or load_plugins()
-    state = ServerState(settings=settings, plugins=plugins, engine=engine, owns_engine=engine is None)
+    state = ServerState(
+        settings=settings, plugins=plugins, engine=engine, owns_engine=engine is None, on_load_failure=on_load_failure
+    )
     modules = [importlib.import_module(name) for name in ROUTE_MODULES]
     handlers: list[Any] = []
     for module in modules:

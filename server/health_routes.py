@@ -53,7 +53,7 @@ def components(state: ServerState) -> dict[str, Any]:
         "linear_kernel": engine.info.linear_kernel if engine is not None else None,
         "quantization": settings.model.quantization,
         "kv_dtype": engine.info.kv_dtype if engine is not None else None,
-        "backend": settings.model.backend,
+        "backend": engine.info.backend if engine is not None else settings.model.backend,
         "scheduler": settings.scheduler.name,
         "cache_tiers": tiers,
         "load_error": error,

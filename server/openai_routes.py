@@ -154,13 +154,16 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
 
 def model_entry(state: ServerState, name: str) -> dict[str, Any]:
     engine = state.engine
+    # the backend that runs ("auto" becomes its choice once the engine is built)
+    backend = engine.info.backend if state.ready and engine else state.settings.model.backend
     return {
         "id": name,
         "object": "model",
         "created": int(state.started_at),
         "owned_by": "tierserve",
         "name": name,
-        "description": f"{state.settings.model.path} on the {state.settings.model.backend} backend",
+        "description": f"{state.settings.model.path} on the {backend} backend",
+        "backend": backend,
         "status": "ready" if state.ready else ("failed" if state.load_error else "loading"),
         "max_model_len": engine.info.max_model_len if state.ready and engine else None,
     }

@@ -5,11 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
 
 from tierserve.core.config import Settings
+from tierserve.core.engine.process import EngineProcessError
+from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import PluginManager
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ class ServerState:
     active_requests: int = 0
     extras: dict[str, object] = field(default_factory=dict)  # per-concern state (metrics, monitor, ...)
     owns_engine: bool = True  # False when the caller passed an engine in (it outlives the app)
+    on_load_failure: Callable[[str], None] | None = None  # told the one-line reason when the model fails to load
 
     @property
     def model_names(self) -> list[str]:
@@ -70,7 +74,12 @@ class ServerState:
             log.info("server_ready", model=self.model_name)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("engine_load_failed")
+            if isinstance(exc, (TierserveError, EngineProcessError)):  # the reason is the message; no traceback
+                log.error("engine_load_failed", error=self.load_error)
+            else:
+                log.exception("engine_load_failed")
+            if self.on_load_failure is not None:
+                self.on_load_failure(self.load_error.splitlines()[0])
 
     def start_loading(self) -> threading.Thread:
         thread = threading.Thread(target=self.load, name="tierserve-load", daemon=True)

@@ -30,9 +30,14 @@ def model_path(lab: Lab) -> None:
 
 
 def model_backend(lab: Lab) -> None:
+    assert lab.shared.info.backend == "native"  # auto, for a Llama checkpoint
     with lab.engine({"model.backend": "transformers"}) as engine:
-        assert (engine.info.backend, engine.info.paged, engine.info.tier_names) == ("transformers", False, ())
+        assert (engine.info.backend, engine.info.paged) == ("transformers", True)
+        assert engine.info.tier_names == lab.shared.info.tier_names
         assert run(engine, LONG).token_ids == run(lab.shared, LONG).token_ids  # the same model, run another way
+    with lab.engine({"model.backend": "transformers-unpaged"}) as engine:
+        assert (engine.info.backend, engine.info.paged, engine.info.tier_names) == ("transformers-unpaged", False, ())
+        assert run(engine, LONG).token_ids == run(lab.shared, LONG).token_ids
 
 
 def model_dtype(lab: Lab) -> None:

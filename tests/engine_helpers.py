@@ -29,7 +29,7 @@ def build_checkpoint(root: Path, name: str, architecture: str, **overrides) -> P
     return write_checkpoint(root / name, architecture, seed=1, **overrides)
 
 
-def make_engine(path: Path, backend: str = "native", **settings) -> EngineClient:
+def make_engine(path: Path, backend: str = "auto", **settings) -> EngineClient:
     """An engine on ``path`` whose core runs in this process, stepped by hand until ``start()``."""
     overrides = {("model", "path"): str(path), ("model", "backend"): backend, ("model", "device"): "cpu"}
     for dotted, value in settings.items():

@@ -218,6 +218,6 @@ def test_requests_the_engine_cannot_serve(llama):
     assert len(engine.beam_search(PROMPTS[0], params).hypotheses[0].token_ids) == 20
     assert_pool_released(engine)
 
-    unpaged = make_engine(llama, backend="transformers")
-    with pytest.raises(RequestError, match=r'^beam_width: .* needs a paged KV arena.*model.backend = "native"'):
+    unpaged = make_engine(llama, backend="transformers-unpaged")
+    with pytest.raises(RequestError, match=r'^beam_width: .* needs a paged KV arena.*model.backend = "auto"'):
         unpaged.beam_search(PROMPTS[0], params)

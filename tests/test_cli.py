@@ -116,3 +116,28 @@ def test_serve_runs_the_embedded_model_and_stops_cleanly(tmp_path):
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
     assert "Traceback" not in output
+
+
+def test_serve_ends_with_one_line_when_the_model_cannot_load(tmp_path):
+    from tests.engine_helpers import build_checkpoint
+    from tests.server_helpers import free_port
+
+    bloom = build_checkpoint(tmp_path, "bloom", "bloom")  # ALiBi: the paged transformers backend refuses it
+    result = run("serve", "--model", str(bloom), "--port", str(free_port()), "--set", 'model.backend="transformers"')
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tierserve serve: the model failed to load: ")
+    assert "AttentionInterface" in last and 'model.backend = "transformers-unpaged"' in last
+    assert "Traceback" not in result.stderr
+
+
+def test_config_show_says_which_backend_auto_runs(tmp_path):
+    from tests.engine_helpers import build_checkpoint
+
+    chosen = {}
+    for architecture in ("llama", "gemma2", "bloom"):
+        path = build_checkpoint(tmp_path, architecture, architecture)
+        result = run("config", "show", "--json", "--set", f"model.path={json.dumps(str(path))}")
+        assert result.returncode == 0, result.stderr
+        chosen[architecture] = json.loads(result.stdout)["model"]["backend"]["chosen"]
+    assert chosen == {"llama": "native", "gemma2": "transformers", "bloom": "transformers-unpaged"}

@@ -17,7 +17,13 @@ CHECKPOINTS = {
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
     "mistral-sliding-window": ("mistral", {"sliding_window": 16}),
+    # on the paged transformers backend (model.backend = "auto" picks it): the model's own modeling code
+    "gpt2": ("gpt2", {}),
+    "gemma2-softcap-alternating-window": ("gemma2", {}),
+    "phi3-fused-projections": ("phi3", {}),
+    "gpt-neox-partial-rotary": ("gpt_neox", {}),
 }
+NATIVE = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -27,12 +33,20 @@ def checkpoint(request, tmp_path_factory):
     return path, hf_greedy(path, PROMPTS, NEW_TOKENS)
 
 
-def test_one_at_a_time(checkpoint):
+def test_one_at_a_time_and_again_from_the_prefix_cache(checkpoint):
     path, expected = checkpoint
     engine = make_engine(path)
+    architecture = path.name.split("-")[0]
+    assert engine.info.backend == ("native" if architecture in NATIVE else "transformers")
+    assert engine.info.paged and engine.info.tier_names
+    block = engine.info.block_size
     for prompt, reference in zip(PROMPTS, expected):
         [result] = engine.generate([prompt], GREEDY)
         assert result.token_ids == reference, prompt
+        [again] = engine.generate([prompt], GREEDY)
+        assert again.token_ids == reference, prompt
+        full_blocks = (len(result.prompt_token_ids) - 1) // block * block  # the last prompt token is always recomputed
+        assert again.cached_tokens == full_blocks, prompt
     assert_pool_released(engine)
 
 
@@ -40,7 +54,9 @@ def test_one_at_a_time(checkpoint):
 ATTENTION = pytest.mark.parametrize("use_flash_attention", [True, False], ids=["torch-picks", "math"])
 
 
-def kernel_of(use_flash_attention: bool) -> str:
+def kernel_of(use_flash_attention: bool, path=None) -> str:
+    if path is not None and path.name.startswith("gemma2"):
+        return "math (logit soft-capping)"  # torch's fused kernels cannot soft-cap
     return "flash/math (torch picks)" if use_flash_attention else "math"
 
 
@@ -48,7 +64,7 @@ def kernel_of(use_flash_attention: bool) -> str:
 def test_all_submitted_together(checkpoint, use_flash_attention):
     path, expected = checkpoint
     engine = make_engine(path, sliding_window__use_flash_attention=use_flash_attention)
-    assert engine.info.attention_kernel == kernel_of(use_flash_attention)
+    assert engine.info.attention_kernel == kernel_of(use_flash_attention, path)
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert_pool_released(engine)
@@ -70,14 +86,15 @@ def test_chunked_prefill_and_preemption(checkpoint, use_flash_attention):
 
 
 @ATTENTION
-def test_transformers_backend_on_gpt2(tmp_path, use_flash_attention):
+def test_unpaged_transformers_backend_on_gpt2(tmp_path, use_flash_attention):
     path = build_checkpoint(tmp_path, "gpt2", "gpt2")
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    engine = make_engine(path, backend="transformers", sliding_window__use_flash_attention=use_flash_attention)
+    engine = make_engine(path, backend="transformers-unpaged", sliding_window__use_flash_attention=use_flash_attention)
     assert engine.info.attention_kernel == kernel_of(use_flash_attention)
+    assert not engine.info.paged
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
     small = make_engine(
-        path, backend="transformers", kv_cache__block_size=4, kv_cache__l1_capacity=24,
+        path, backend="transformers-unpaged", kv_cache__block_size=4, kv_cache__l1_capacity=24,
         scheduler__max_num_batched_tokens=16,
     )
     assert [r.token_ids for r in small.generate(PROMPTS, GREEDY)] == expected

@@ -138,7 +138,7 @@ def test_onednn_is_refused_for_int8_weights(tmp_path):
         make_engine(path, model__quantization="int8", model__linear_kernel="onednn")
 
 
-def test_the_transformers_backend_refuses_a_kv_dtype(tmp_path):
+def test_the_unpaged_backend_refuses_a_kv_dtype(tmp_path):
     path = build_checkpoint(tmp_path, "llama", "llama")
-    with pytest.raises(ConfigError, match="kv_cache.dtype = 'bfloat16' is supported by the native backend only"):
-        make_engine(path, backend="transformers", kv_cache__dtype="bfloat16")
+    with pytest.raises(ConfigError, match="kv_cache.dtype = 'bfloat16' is supported by the paged backends only"):
+        make_engine(path, backend="transformers-unpaged", kv_cache__dtype="bfloat16")

@@ -40,7 +40,7 @@ def cache_settings(tmp_path, **extra):
     return settings
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2"])
 def checkpoint(request, tmp_path_factory):
     path = build_checkpoint(tmp_path_factory.mktemp("ckpt"), request.param, request.param)
     return path, hf_greedy(path, QUESTIONS + [OTHER], NEW_TOKENS)

@@ -53,6 +53,7 @@ def test_models_list(client, server):
     assert model.id == server[2]
     raw = httpx.get(f"{server[0]}/v1/models").json()["data"][0]
     assert raw["status"] == "ready" and raw["name"] == server[2] and raw["description"]
+    assert raw["backend"] == server[1].info.backend == "native"  # model.backend = "auto", for a Llama checkpoint
 
 
 def test_completion_matches_transformers_greedy(client, server, checkpoint):

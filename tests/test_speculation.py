@@ -129,4 +129,4 @@ def test_speculation_needs_a_paged_backend(tmp_path):
 
     path = build_checkpoint(tmp_path, "g", "gpt2")
     with pytest.raises(ConfigError, match="needs a paged backend"):
-        make_engine(path, backend="transformers", speculative__method="ngram")
+        make_engine(path, backend="transformers-unpaged", speculative__method="ngram")

@@ -17,6 +17,7 @@ from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
 from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
+from tierserve.core.backend_choice import AUTO, UnsupportedModel, backend_candidates
 from tierserve.core.engine.requests import read_warm_prompts
 from tierserve.core.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
@@ -37,7 +38,7 @@ log = structlog.get_logger(__name__)
 def build_core(settings: Settings, plugins: PluginManager | None = None) -> EngineCore:
     """The engine core ``settings`` describe, built in this process."""
     plugins = plugins or load_plugins()
-    backend: ModelBackend = plugins.registry("backends").get(settings.model.backend).factory(settings)
+    backend = load_backend(settings, plugins)
     kv = settings.kv_cache
     spec = backend.kv_spec(kv.block_size)
     num_blocks = kv.l1_capacity
@@ -82,6 +83,28 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         profiling=clock is not None,
     )
     return core
+
+
+def load_backend(settings: Settings, plugins: PluginManager) -> ModelBackend:
+    """The backend ``model.backend`` names, or with ``auto`` the first candidate that loads the checkpoint.
+
+    The chosen name is set on the backend (``backend_name``) for ``ModelInfo`` and ``/health``.
+    """
+    backends = plugins.registry("backends")
+    candidates = backend_candidates(settings, backends)
+    for index, name in enumerate(candidates):
+        try:
+            backend: ModelBackend = backends.get(name).factory(settings)
+        except UnsupportedModel as exc:
+            if index == len(candidates) - 1:
+                raise
+            log.warning("backend_unsupported", backend=name, reason=str(exc), trying=candidates[index + 1])
+            continue
+        backend.backend_name = backends.get(name).name
+        if settings.model.backend.lower() == AUTO:
+            log.info("backend_chosen", backend=backend.backend_name, setting="auto")
+        return backend
+    raise AssertionError("no backend candidates")  # backend_candidates never returns an empty list
 
 
 def build_store(settings: Settings, plugins: PluginManager, backend: ModelBackend, pool: BlockPool) -> TieredStore | None:
@@ -143,7 +166,7 @@ def model_info(core: EngineCore) -> ModelInfo:
     store = core.store
     return ModelInfo(
         path=str(getattr(backend, "path", settings.model.path)),
-        backend=settings.model.backend,
+        backend=backend.backend_name,
         device=str(backend.device),
         dtype=str(backend.dtype).removeprefix("torch."),
         fingerprint=backend.fingerprint,

@@ -465,7 +465,7 @@ class EngineClient:
         if not info.paged:
             raise RequestError(
                 f"beam_width: beam search needs a paged KV arena, which the {info.backend!r} "
-                'backend does not keep; serve the model with model.backend = "native"',
+                'backend does not keep; serve the model with model.backend = "auto" (a paged backend)',
                 param="beam_width",
             )
         check_fits(len(ids), params.max_tokens, info.max_model_len, None)

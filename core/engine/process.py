@@ -33,7 +33,7 @@ from tierserve.core.engine.messages import (
     Shutdown,
     StepOutputs,
 )
-from tierserve.core.errors import ConfigError
+from tierserve.core.errors import ConfigError, TierserveError
 
 if TYPE_CHECKING:
     from tierserve.core.config import Settings
@@ -65,7 +65,10 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
     try:
         core = build_core(settings, load_plugins(allowlist=allowlist))
     except Exception as exc:
-        log.exception("engine_core_load_failed")
+        if isinstance(exc, TierserveError):  # a message meant for the user: no traceback
+            log.error("engine_core_load_failed", error=f"{type(exc).__name__}: {exc}")
+        else:
+            log.exception("engine_core_load_failed")
         conn.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
         return
     conn.send(model_info(core))

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tierserve.plugins.backends.native import NATIVE_MODEL_TYPES
 from tierserve.plugins.backends.linear import Int8Linear, Linear, LinearFactory, quantize_rows
 from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # attend(layer_index, layer, q, k, v) -> attention output shaped like q
 Attend = Callable[[int, "LayerWeights", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,9 +79,9 @@ class PagedLlama:
         quantization: str = "none",
         kv_dtype: torch.dtype | None = None,
     ) -> None:
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
+        if config.model_type not in NATIVE_MODEL_TYPES:
             raise ValueError(
-                f"the native backend runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, not "
+                f"the native backend runs {', '.join(NATIVE_MODEL_TYPES)} checkpoints, not "
                 f"{config.model_type!r}; set model.backend = \"transformers\" for other architectures"
             )
         self.config = config

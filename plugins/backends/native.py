@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
 from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.backend_choice import UnsupportedModel
 from tierserve.core.batch import ScheduledChunk
 from tierserve.core.config import Settings
 from tierserve.core.hookspecs import hookimpl
@@ -45,6 +46,9 @@ def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the architectures llama.py implements
+
+
 class NativeSettings(BaseModel):
     """``[plugins.native]``: how the native backend runs."""
 
@@ -60,6 +64,11 @@ class NativeBackend(ModelBackend):
 
     paged = True
     supports_released_kv = True
+
+    @staticmethod
+    def supports_model_type(model_type: str) -> bool:
+        """Whether this backend has its own layers for ``model_type`` (``model.backend = "auto"`` asks)."""
+        return model_type in NATIVE_MODEL_TYPES
 
     def __init__(self, settings: Settings) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -77,6 +86,11 @@ class NativeBackend(ModelBackend):
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         self.attention_kernel = self.attention.name
         self.config = AutoConfig.from_pretrained(self.path)
+        if not self.supports_model_type(self.config.model_type):
+            raise UnsupportedModel(
+                f"the native backend runs {', '.join(NATIVE_MODEL_TYPES)} checkpoints, not "
+                f"{self.config.model_type!r}; set model.backend = \"auto\" or \"transformers\" for other architectures"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = PagedLlama(
             self.config,

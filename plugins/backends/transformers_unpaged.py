@@ -1,9 +1,11 @@
-"""The ``transformers`` backend: any ``AutoModelForCausalLM`` with the library's own KV cache.
+"""The ``transformers-unpaged`` backend: any ``AutoModelForCausalLM`` with the library's own KV cache.
 
-Slower than ``native`` (one forward per sequence per step, no paged arena) but
-it runs every architecture transformers knows (GPT-2, OPT, ...), behind the
-same request API. Each sequence keeps a ``DynamicCache``; chunked prefill
-feeds chunks into it; preemption drops it and the prompt is recomputed.
+The fallback for architectures the paged ``transformers`` backend refuses
+(attention not routed through transformers' ``AttentionInterface``, layers
+with different KV shapes, ALiBi, ...). Slower (one forward per sequence per
+step) and without the prefix cache or its tiers: each sequence keeps a
+``DynamicCache``; chunked prefill feeds chunks into it; preemption drops it
+and the prompt is recomputed.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ class TransformersBackend(ModelBackend):
         from tierserve.core.devices import resolve_device, resolve_dtype
 
         model = settings.model
-        for key, value in (("model.quantization", model.quantization), ("kv_cache.dtype", settings.kv_cache.dtype)):
-            if value not in ("none", "auto"):
-                # this backend keeps transformers' own weights and per-sequence caches
-                raise ConfigError(
-                    f"{key} = {value!r} is supported by the native backend only; "
-                    f"set model.backend = \"native\" or leave {key} at its default"
-                )
+        # this backend keeps transformers' own weights and per-sequence caches
+        if model.quantization != "none":
+            raise ConfigError(
+                f"model.quantization = {model.quantization!r} is supported by the native backend only; "
+                "set model.backend = \"native\" or leave model.quantization at its default"
+            )
+        if settings.kv_cache.dtype != "auto":
+            raise ConfigError(
+                f"kv_cache.dtype = {settings.kv_cache.dtype!r} is supported by the paged backends only; "
+                "set model.backend = \"auto\" (native or transformers) or leave kv_cache.dtype at its default"
+            )
         self.path = resolve_model_path(model.path)
         self.device = resolve_device(model.device)
         self.dtype = resolve_dtype(model.dtype, self.device)
@@ -123,4 +129,8 @@ class TransformersBackend(ModelBackend):
 
 @hookimpl
 def register_backends(register):
-    register("transformers", TransformersBackend, description="any AutoModelForCausalLM, with its own KV cache")
+    register(
+        "transformers-unpaged",
+        TransformersBackend,
+        description="any AutoModelForCausalLM, one DynamicCache per sequence (no prefix cache): the fallback",
+    )
