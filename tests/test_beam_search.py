@@ -19,7 +19,7 @@ NEW_TOKENS = 8
 BEAM_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[6]]  # 2, 11 and 11 tokens: partial last blocks at block_size 4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gpt_neox"])  # gpt_neox: the paged transformers backend
 def checkpoint(request, tmp_path_factory):
     path = build_checkpoint(tmp_path_factory.mktemp("beam"), request.param, request.param)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
