@@ -7,6 +7,9 @@
   child process (``server.engine_process``), whatever the preset's default.
 - ``tierserve-bf16`` / ``tierserve-int8``: the same with ``model.dtype = "bfloat16"``
   or ``model.quantization = "int8"`` (the peers of llama-server's BF16 and Q8_0).
+- ``tierserve-transformers`` / ``tierserve-unpaged``: the same with ``model.backend``
+  set to the paged ``transformers`` backend or to ``transformers-unpaged`` (one
+  ``DynamicCache`` per sequence), whatever ``auto`` would pick.
 - ``transformers-serve`` / ``transformers-serve-cb``: ``transformers serve``
   on the same directory, on CPU, without and with ``--continuous-batching``.
 - ``llama-server`` / ``llama-server-bf16`` / ``llama-server-q8_0``: llama.cpp's
@@ -38,7 +41,12 @@ from tests.server_helpers import free_port  # the tests' own helper; bench runs 
 
 TIERSERVE_MODES = {"tierserve": None, "tierserve-inproc": False, "tierserve-process": True}
 TIERSERVE_PRECISIONS = {"tierserve-bf16": ["model.dtype=bfloat16"], "tierserve-int8": ["model.quantization=int8"]}
-TIERSERVES = (*TIERSERVE_MODES, *TIERSERVE_PRECISIONS)
+TIERSERVE_BACKENDS = {
+    "tierserve-transformers": ['model.backend="transformers"'],
+    "tierserve-unpaged": ['model.backend="transformers-unpaged"'],
+}
+TIERSERVE_VARIANTS = {**TIERSERVE_PRECISIONS, **TIERSERVE_BACKENDS}
+TIERSERVES = (*TIERSERVE_MODES, *TIERSERVE_VARIANTS)
 SERVERS = (*TIERSERVES, "transformers-serve-cb", "transformers-serve", *PRECISIONS)
 
 
@@ -160,7 +168,7 @@ def start_tierserve(
     process_mode = TIERSERVE_MODES.get(name)
     if process_mode is not None:
         command += ["--set", f"server.engine_process={str(process_mode).lower()}"]
-    for setting in TIERSERVE_PRECISIONS.get(name, []):
+    for setting in TIERSERVE_VARIANTS.get(name, []):
         command += ["--set", setting]
     log_path = log_dir / f"{name}.log"
     process = _launch(command, log_path, dict(os.environ))

@@ -353,6 +353,21 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
             "initializer_range": 0.02,
         },
     },
+    # GPT-2 small's shape with the builtin tokenizer's vocabulary: 12 layers,
+    # hidden 768, 12 heads, 1024 positions; 87,415,296 parameters (tied
+    # embeddings). It runs on the paged transformers backend (no native layers).
+    "bench-gpt2": {
+        "architecture": "gpt2",
+        "seed": 0,
+        "config": {
+            "n_embd": 768,
+            "n_inner": 3072,
+            "n_layer": 12,
+            "n_head": 12,
+            "n_positions": 1024,
+            "initializer_range": 0.02,
+        },
+    },
     # The shape of Qwen2.5-0.5B (random weights): vocab 151,936 tied to the
     # embedding, 24 layers, hidden 896, MLP 4864, GQA 14/2 heads of 64, qkv
     # biases. 494,032,768 parameters, ~2 GB in float32; at this size the vocab
