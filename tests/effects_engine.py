@@ -51,8 +51,11 @@ def model_quantization(lab: Lab) -> None:
         assert (engine.info.quantization, engine.info.linear_kernel[:5]) == ("int8", "int8-")
         assert engine.info.fingerprint != lab.shared.info.fingerprint  # int8 KV is never served to float32
         assert len(run(engine, LONG, greedy(8)).token_ids) == 8
+    with lab.engine({"model.quantization": "int8", "model.backend": "transformers"}) as engine:
+        assert (engine.info.quantization, engine.info.linear_kernel[:5]) == ("int8", "int8-")
+        assert len(run(engine, LONG, greedy(8)).token_ids) == 8
     with pytest.raises(ConfigError, match=r"model.quantization = 'int8' is supported by the native backend only"):
-        with lab.engine({"model.quantization": "int8", "model.backend": "transformers"}):
+        with lab.engine({"model.quantization": "int8", "model.backend": "transformers-unpaged"}):
             pass
 
 
@@ -303,6 +306,18 @@ def plugins_native_linear_kernel(lab: Lab) -> None:
         assert "'onednn' needs a CPU device and a PyTorch build with oneDNN" in str(exc)
 
 
+def plugins_transformers_linear_kernel(lab: Lab) -> None:
+    values = {"model.backend": "transformers"}
+    with lab.engine(values | {"plugins.transformers.linear_kernel": "torch"}) as engine:
+        assert engine.info.linear_kernel == "torch"
+        torch_kernel = engine.info.fingerprint
+        assert run(engine, LONG, greedy(8)).token_ids == run(lab.shared, LONG, greedy(8)).token_ids
+    with lab.engine(values) as engine:  # auto: oneDNN where the CPU build has it
+        assert engine.info.linear_kernel in ("onednn", "torch")
+        assert (engine.info.fingerprint == torch_kernel) == (engine.info.linear_kernel == "torch")
+        assert run(engine, LONG, greedy(8)).token_ids == run(lab.shared, LONG, greedy(8)).token_ids
+
+
 PROBES = {
     "model.path": model_path,
     "model.backend": model_backend,
@@ -329,4 +344,5 @@ PROBES = {
     "plugins.ngram.max_n": plugins_ngram_max_n,
     "plugins.draft_model.path": plugins_draft_model_path,
     "plugins.native.linear_kernel": plugins_native_linear_kernel,
+    "plugins.transformers.linear_kernel": plugins_transformers_linear_kernel,
 }

@@ -1,4 +1,4 @@
-"""Dense layers for the native backend: float weights prepacked for oneDNN on CPU, int8 weights for fbgemm.
+"""Dense layers for the paged backends: float weights prepacked for oneDNN on CPU, int8 weights for fbgemm.
 
 PyTorch's CPU ``F.linear`` calls MKL, whose fp32 GEMV/GEMM reached 16 GB/s of
 weight reads on the 2-core AMD machine this was tuned on, while the same
@@ -36,6 +36,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +166,16 @@ class LinearFactory:
     the portable one (``weight_only``, else ``dequantize``).
     """
 
-    def __init__(self, kernel: str, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        kernel: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str = "none",
+        setting: str = "plugins.native.linear_kernel",
+    ) -> None:
         if kernel not in KERNELS:
-            raise ValueError(f"plugins.native.linear_kernel: got {kernel!r}, allowed: {', '.join(KERNELS)}")
+            raise ValueError(f"{setting}: got {kernel!r}, allowed: {', '.join(KERNELS)}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"model.quantization: got {quantization!r}, allowed: {', '.join(QUANTIZATIONS)}")
         self.dtype = dtype
@@ -175,7 +183,7 @@ class LinearFactory:
         if quantization == "int8":
             if kernel == "onednn":
                 raise ValueError(
-                    "plugins.native.linear_kernel: 'onednn' runs float weights; with model.quantization = 'int8' "
+                    f"{setting}: 'onednn' runs float weights; with model.quantization = 'int8' "
                     "use 'auto' (the fastest int8 kernel here) or 'torch'"
                 )
             kernels = int8_kernels(device)
@@ -188,7 +196,7 @@ class LinearFactory:
         available = _onednn_available(device, dtype)
         if kernel == "onednn" and not available:
             raise ValueError(
-                f"plugins.native.linear_kernel: 'onednn' needs a CPU device and a PyTorch build with oneDNN "
+                f"{setting}: 'onednn' needs a CPU device and a PyTorch build with oneDNN "
                 f"linear support for {dtype}; use 'auto' or 'torch'"
             )
         self.packed = available and kernel != "torch"
@@ -198,3 +206,33 @@ class LinearFactory:
         if self.quantization == "int8":
             return Int8Linear(weight, bias, self._int8_kernel, self.dtype)
         return Linear(weight, bias, self.packed)
+
+
+class KernelLinear(nn.Module):
+    """A model's dense layer run by one of tierserve's kernels (``linear.py``): oneDNN prepacked or int8."""
+
+    def __init__(self, layer: Linear | Int8Linear, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.layer, self.in_features, self.out_features = layer, in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def swap_linear_layers(model: nn.Module, factory: LinearFactory) -> int:
+    """Replace every ``nn.Linear`` (and GPT-2's transposed ``Conv1D``) with a ``KernelLinear``; returns how many."""
+    from transformers.pytorch_utils import Conv1D
+
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                weight, (in_features, out_features) = child.weight.detach(), (child.in_features, child.out_features)
+            elif isinstance(child, Conv1D):  # y = x @ W + b with W: [in, out]
+                weight, (in_features, out_features) = child.weight.detach().t(), (child.weight.shape[0], child.nf)
+            else:
+                continue
+            bias = None if child.bias is None else child.bias.detach()
+            parent._modules[name] = KernelLinear(factory(weight.contiguous(), bias), in_features, out_features)
+            swapped += 1
+    return swapped

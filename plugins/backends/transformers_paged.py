@@ -17,6 +17,11 @@ soft-capping. Models this cannot serve are refused with the reason
 (``UnsupportedModel``): attention not routed through the interface, layers
 with different KV shapes, or an attention input the arena does not carry
 (ALiBi slopes, attention sinks, ...).
+
+The model's dense layers (``nn.Linear``, GPT-2's ``Conv1D``) are swapped for
+the native backend's kernels (``linear.py``): oneDNN with prepacked weights on
+CPU (``[plugins.transformers] linear_kernel``), or int8 weights with
+``model.quantization = "int8"``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
 from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
@@ -46,6 +53,18 @@ KNOWN_ATTENTION_KWARGS = frozenset(
     {"dropout", "scaling", "sliding_window", "softcap", "is_causal", "position_ids", "cache_position",
      "output_attentions", "use_cache", "head_mask", "layer_idx", "position_embeddings"}
 )  # fmt: skip
+
+
+class TransformersSettings(BaseModel):
+    """``[plugins.transformers]``: how the paged transformers backend runs the model's dense layers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    linear_kernel: Literal["auto", "onednn", "torch"] = Field(
+        "auto",
+        description="the model's nn.Linear (and GPT-2 Conv1D) layers: oneDNN with prepacked weights on CPU (auto), "
+        "or transformers' own layers (torch)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +157,10 @@ class PagedTransformersBackend(ModelBackend):
         from tierserve.core.attention import attention_kernel
         from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
         from tierserve.core.devices import resolve_device, resolve_dtype
+        from tierserve.plugins.backends.linear import LinearFactory, swap_linear_layers
         from tierserve.plugins.backends.paged_attention import KVArena
 
         model = settings.model
-        if model.quantization != "none":  # the model's own nn.Linear layers run as they are
-            raise ConfigError(
-                f"model.quantization = {model.quantization!r} is supported by the native backend only; "
-                "set model.backend = \"native\" (Llama, Mistral, Qwen2, Qwen3) or model.quantization = \"none\""
-            )
         self.path = resolve_model_path(model.path)
         self.device = resolve_device(model.device)
         self.dtype = resolve_dtype(model.dtype, self.device)
@@ -165,6 +180,16 @@ class PagedTransformersBackend(ModelBackend):
             .eval()
         )
         self.config = self.model.config
+        options = settings.plugin_options("transformers", TransformersSettings)
+        try:
+            factory = LinearFactory(options.linear_kernel, self.device, self.dtype, model.quantization,
+                                    setting="plugins.transformers.linear_kernel")  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if factory.packed or model.quantization != "none":  # else transformers' own layers are that kernel already
+            swap_linear_layers(self.model, factory)
+        self.quantization = model.quantization
+        self.linear_kernel = factory.kernel
         self.layers = self._probe()
         first = self.layers[0]
         self.windows = sorted({layer.sliding_window for layer in self.layers}, key=lambda w: w or 0)
@@ -183,7 +208,8 @@ class PagedTransformersBackend(ModelBackend):
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         softcapped = any(layer.softcap is not None for layer in self.layers)
         self.attention_kernel = "math (logit soft-capping)" if softcapped else self.attention.name
-        kernels = "transformers-paged" + "".join(f"/{k.name}" for k in self.attention.forced)
+        # the matmul kernel and a forced attention kernel change summation order (int8: the weights themselves)
+        kernels = f"transformers-paged/{factory.kernel}" + "".join(f"/{k.name}" for k in self.attention.forced)
         if kv_dtype != self.dtype:
             kernels += f"/kv-{str(kv_dtype).removeprefix('torch.')}"
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
@@ -310,6 +336,7 @@ def register_backends(register):
     register(
         "transformers",
         PagedTransformersBackend,
+        settings=TransformersSettings,
         description="any AutoModelForCausalLM whose attention goes through transformers' AttentionInterface, "
         "on the paged KV arena (prefix cache and every tier)",
     )
