@@ -189,7 +189,7 @@ def test_config_overrides_pass_through(tmp_path):
 
 
 def test_unknown_architecture_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="available: gpt2, llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="available: bloom, gemma2, gpt2, gpt_neox, llama, mistral, phi3, qwen2, qwen3"):
         write_checkpoint(tmp_path / "x", "falcon")
     assert not (tmp_path / "x").exists()
 
@@ -285,9 +285,9 @@ def test_a_changed_spec_gets_a_new_directory(cache_root, monkeypatch):
 
 
 def test_unknown_builtin_lists_the_available_ones(cache_root):
-    with pytest.raises(ValueError, match="unknown builtin model 'huge'; available: bench, bench-qwen, tiny"):
+    with pytest.raises(ValueError, match="unknown builtin model 'huge'; available: bench, bench-gpt2, bench-qwen, tiny"):
         ensure_builtin_checkpoint("huge")
-    with pytest.raises(ConfigError, match="available: bench, bench-qwen, tiny"):
+    with pytest.raises(ConfigError, match="available: bench, bench-gpt2, bench-qwen, tiny"):
         resolve_model_path("builtin:huge")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bench.soak_crash import soak
 
-ITERATIONS = 10
+ITERATIONS = 6  # ~11 s each on 2 cores; the soak runs 100
 
 
 def test_sigkill_restarts_serve_exact_outputs_from_l3(tmp_path):
@@ -17,6 +17,6 @@ def test_sigkill_restarts_serve_exact_outputs_from_l3(tmp_path):
     assert result.kills_survived == ITERATIONS
     assert result.mismatches == []
     # The first life may be killed before its writes reach the disk; after that the probe's prefix is stored.
-    assert result.restarts_with_l3_hits >= 7, [r.l3_hits for r in result.restarts]
+    assert result.restarts_with_l3_hits >= ITERATIONS - 2, [r.l3_hits for r in result.restarts]
     # Each torn value file lies on the probe's prefix, so the probe reads it: counted as corrupt, never served.
     assert result.corrupt_detected >= result.torn_injected > 0

@@ -15,8 +15,8 @@ At load a probe forward of a few tokens records each attention call: the
 layers, in call order, their KV heads and head size, sliding window and logit
 soft-capping. Models this cannot serve are refused with the reason
 (``UnsupportedModel``): attention not routed through the interface, layers
-with different KV shapes, or an attention input the arena does not carry
-(ALiBi slopes, attention sinks, ...).
+with different KV shapes, KV shared across layers, or an attention input the
+arena does not carry (ALiBi slopes, attention sinks, ...).
 
 The model's dense layers (``nn.Linear``, GPT-2's ``Conv1D``) are swapped for
 the native backend's kernels (``linear.py``): oneDNN with prepacked weights on
@@ -232,6 +232,11 @@ class PagedTransformersBackend(ModelBackend):
         finally:
             _probe.reset(token)
         model_type = self.model.config.model_type
+        if getattr(self.model.config, "num_kv_shared_layers", 0):  # later layers read earlier layers' KV
+            raise UnsupportedModel(
+                f"{model_type!r}: its layers share KV across layers (num_kv_shared_layers), which the paged arena "
+                "does not model; set model.backend = \"transformers-unpaged\" to serve it"
+            )
         if not calls:
             raise UnsupportedModel(
                 f"{model_type!r}: no attention layer called transformers' attention interface; "
