@@ -27,3 +27,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def resolve_placement(model_path: str, device: str, dtype: str, kv_dtype: str):
+    """What a paged backend loads and where: ``(checkpoint directory, device, weight dtype, KV dtype)``.
+
+    ``kv_dtype`` ``"auto"`` is the weights' dtype (``kv_cache.dtype``).
+    """
+    from tierserve.core.checkpoints import resolve_model_path
+
+    where = resolve_device(device)
+    weights = resolve_dtype(dtype, where)
+    kv = weights if kv_dtype == "auto" else resolve_dtype(kv_dtype, where)
+    return resolve_model_path(model_path), where, weights, kv

@@ -110,7 +110,14 @@ def register_backends(register: Register) -> None:
     name is what ``[model] backend`` selects, e.g. ``"native"`` or
     ``"transformers"``. A backend registered with ``settings=Model`` reads its
     ``[plugins.NAME]`` table as ``settings.plugin_options("NAME", Model)``
-    (``native`` has ``linear_kernel``).
+    (``native`` and ``transformers`` have ``linear_kernel``).
+
+    ``model.backend = "auto"`` tries ``native``, ``transformers``,
+    ``transformers-unpaged`` in that order (``core/backend_choice.py``): a
+    factory with a static ``supports_model_type(model_type) -> bool`` is
+    skipped for checkpoints it does not run, and one that raises
+    ``tierserve.core.backend_choice.UnsupportedModel`` while loading hands
+    over to the next.
     """
 
 

@@ -74,15 +74,14 @@ class NativeBackend(ModelBackend):
         from transformers import AutoConfig, AutoTokenizer
 
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
-        from tierserve.core.devices import resolve_device, resolve_dtype
+        from tierserve.core.checkpoints import context_length, load_generation_eos_ids
+        from tierserve.core.devices import resolve_placement
         from tierserve.plugins.backends.llama import PagedLlama
 
         model = settings.model
-        self.path = resolve_model_path(model.path)
-        self.device = resolve_device(model.device)
-        self.dtype = resolve_dtype(model.dtype, self.device)
-        kv_dtype = self.dtype if settings.kv_cache.dtype == "auto" else resolve_dtype(settings.kv_cache.dtype, self.device)
+        self.path, self.device, self.dtype, kv_dtype = resolve_placement(
+            model.path, model.device, model.dtype, settings.kv_cache.dtype
+        )
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         self.attention_kernel = self.attention.name
         self.config = AutoConfig.from_pretrained(self.path)
