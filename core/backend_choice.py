@@ -42,10 +42,10 @@ def backend_candidates(settings: Settings, backends: Registry) -> list[str]:
         return [settings.model.backend]
     model_type = checkpoint_model_type(settings.model.path)
     names = [name for name in AUTO_ORDER if name in backends]
-    fitting = [
-        name
-        for name in names
-        if getattr(backends.get(name).factory, "supports_model_type", None) is None
-        or backends.get(name).factory.supports_model_type(model_type)
-    ]
-    return fitting or names[-1:]
+    for index, name in enumerate(names):
+        supports = getattr(backends.get(name).factory, "supports_model_type", None)
+        if supports is None or supports(model_type):
+            # the later ones stay as fallbacks (each refuses in its own loading what it cannot run),
+            # unasked: asking the transformers backend imports transformers
+            return names[index:]
+    return names[-1:]
