@@ -120,6 +120,21 @@ class ModelBackend(ABC):
         """Release the model and arena memory."""
 
 
+def kernel_variant(backend: str, linear_kernel: str, forced_attention, dtype, kv_dtype) -> str:
+    """How a paged backend computes, as its fingerprint names it: e.g. ``native/onednn``,
+    ``transformers-paged/int8-fbgemm/MATH/kv-bfloat16``.
+
+    Kernels change summation order, so KV is not bit-identical across them: the
+    matmul kernel, a forced attention kernel (torch's own choice adds nothing)
+    and a KV dtype narrower than the weights' (the KV itself is rounded
+    differently) are all named.
+    """
+    variant = f"{backend}/{linear_kernel}" + "".join(f"/{kernel.name}" for kernel in forced_attention)
+    if kv_dtype != dtype:
+        variant += f"/kv-{str(kv_dtype).removeprefix('torch.')}"
+    return variant
+
+
 def checkpoint_fingerprint(directory, *extra: str) -> str:
     """A stable id for a checkpoint's weights plus ``extra`` (dtype, backend, ...).
 

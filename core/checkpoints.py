@@ -85,6 +85,14 @@ def load_generation_eos_ids(directory: str | os.PathLike[str]) -> set[int]:
     return ids
 
 
+def eos_token_ids(directory: str | os.PathLike[str], tokenizer: Any) -> frozenset[int]:
+    """The ids that end generation: the checkpoint's declared ones plus the tokenizer's eos token."""
+    ids = load_generation_eos_ids(directory)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -17,7 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tierserve.plugins.backends.native import NATIVE_MODEL_TYPES
 from tierserve.plugins.backends.linear import Int8Linear, Linear, LinearFactory, quantize_rows
-from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch
+from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch, window_layout
 
 
 # attend(layer_index, layer, q, k, v) -> attention output shaped like q
@@ -142,9 +142,7 @@ class PagedLlama:
                 )
             )
         state.pop("model.rotary_emb.inv_freq", None)
-        self.windows = sorted({layer.sliding_window for layer in self.layers}, key=lambda w: w or 0)
-        # every layer windowed: KV older than the widest window is never read again
-        self.trained_window = None if None in self.windows else max(self.windows)
+        self.windows, self.trained_window = window_layout([layer.sliding_window for layer in self.layers])
         self._build_rope(config)
         self.arena = KVArena(len(self.layers), self.num_kv_heads, self.head_dim, self.kv_dtype, device)
         self.block_size = 0

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
-from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.backend import ModelBackend, checkpoint_fingerprint, kernel_variant
 from tierserve.core.backend_choice import UnsupportedModel
 from tierserve.core.batch import ScheduledChunk
 from tierserve.core.config import Settings
@@ -74,7 +74,7 @@ class NativeBackend(ModelBackend):
         from transformers import AutoConfig, AutoTokenizer
 
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, load_generation_eos_ids
+        from tierserve.core.checkpoints import context_length, eos_token_ids
         from tierserve.core.devices import resolve_placement
         from tierserve.plugins.backends.llama import PagedLlama
 
@@ -105,15 +105,8 @@ class NativeBackend(ModelBackend):
         self.kv_dtype = kv_dtype
         self.vocab_size = self.config.vocab_size
         self.max_model_len = context_length(model.max_model_len, self.config.max_position_embeddings, self.path)
-        eos = load_generation_eos_ids(self.path)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        # kernels change summation order, so KV is not bit-identical across kernels
-        # (a forced attention kernel is named; torch's own choice keeps the fingerprint it always had)
-        kernels = f"native/{self.model.linear_kernel}" + "".join(f"/{k.name}" for k in self.attention.forced)
-        if kv_dtype != self.dtype:  # the KV itself is rounded differently (int8 is in the kernel's name)
-            kernels += f"/kv-{str(kv_dtype).removeprefix('torch.')}"
+        self.eos_token_ids = eos_token_ids(self.path, self.tokenizer)
+        kernels = kernel_variant("native", self.model.linear_kernel, self.attention.forced, self.dtype, kv_dtype)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
 

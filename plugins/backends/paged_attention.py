@@ -69,6 +69,16 @@ class PagedBatch:
     max_position: int
 
 
+def window_layout(per_layer: Seq[int | None]) -> tuple[list[int | None], int | None]:
+    """The distinct sliding windows of a model's layers (``None``: full attention) and its trained window.
+
+    The trained window is the widest one when every layer is windowed (KV older
+    than it is never read again), else ``None``.
+    """
+    windows = sorted(set(per_layer), key=lambda w: w or 0)
+    return windows, None if None in windows else max(windows)
+
+
 def build_paged_batch(
     chunks: Seq[ScheduledChunk],
     block_size: int,

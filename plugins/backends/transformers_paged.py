@@ -27,6 +27,7 @@ CPU (``[plugins.transformers] linear_kernel``), or int8 weights with
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
-from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.backend import ModelBackend, checkpoint_fingerprint, kernel_variant
 from tierserve.core.backend_choice import UnsupportedModel
 from tierserve.core.batch import ScheduledChunk
 from tierserve.core.config import Settings
@@ -155,10 +156,10 @@ class PagedTransformersBackend(ModelBackend):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, load_generation_eos_ids
+        from tierserve.core.checkpoints import context_length, eos_token_ids
         from tierserve.core.devices import resolve_placement
         from tierserve.plugins.backends.linear import LinearFactory, swap_linear_layers
-        from tierserve.plugins.backends.paged_attention import KVArena
+        from tierserve.plugins.backends.paged_attention import KVArena, window_layout
 
         model = settings.model
         self.path, self.device, self.dtype, kv_dtype = resolve_placement(
@@ -191,36 +192,32 @@ class PagedTransformersBackend(ModelBackend):
         self.linear_kernel = factory.kernel
         self.layers = self._probe()
         first = self.layers[0]
-        self.windows = sorted({layer.sliding_window for layer in self.layers}, key=lambda w: w or 0)
-        # every layer windowed: KV older than the widest window is never read again
-        self.trained_window = None if None in self.windows else max(self.windows)
+        self.windows, self.trained_window = window_layout([layer.sliding_window for layer in self.layers])
         self.arena: KVArena = KVArena(len(self.layers), first.kv_heads, first.head_dim, kv_dtype, self.device)
         self.kv_dtype = kv_dtype
         self._batch: PagedBatch | None = None
         self.vocab_size = self.config.vocab_size
         positions = getattr(self.config, "max_position_embeddings", None) or getattr(self.config, "n_positions", None)
         self.max_model_len = context_length(model.max_model_len, positions or 2048, self.path)
-        eos = load_generation_eos_ids(self.path)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = eos_token_ids(self.path, self.tokenizer)
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         softcapped = any(layer.softcap is not None for layer in self.layers)
         self.attention_kernel = "math (logit soft-capping)" if softcapped else self.attention.name
-        # the matmul kernel and a forced attention kernel change summation order (int8: the weights themselves)
-        kernels = f"transformers-paged/{factory.kernel}" + "".join(f"/{k.name}" for k in self.attention.forced)
-        if kv_dtype != self.dtype:
-            kernels += f"/kv-{str(kv_dtype).removeprefix('torch.')}"
+        kernels = kernel_variant("transformers-paged", factory.kernel, self.attention.forced, self.dtype, kv_dtype)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
-        import inspect
-
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _probe(self) -> list[AttentionLayer]:
         """Run a few tokens through the model and describe each attention layer it called, in order."""
         import torch
 
+        model_type = self.model.config.model_type
+        if getattr(self.model.config, "num_kv_shared_layers", 0):  # later layers read earlier layers' KV
+            raise UnsupportedModel(
+                f"{model_type!r}: its layers share KV across layers (num_kv_shared_layers), which the paged arena "
+                "does not model; set model.backend = \"transformers-unpaged\" to serve it"
+            )
         calls: list[tuple[Any, AttentionLayer, set[str]]] = []
         token = _probe.set(calls)
         try:
@@ -230,12 +227,6 @@ class PagedTransformersBackend(ModelBackend):
                            use_cache=False)  # fmt: skip
         finally:
             _probe.reset(token)
-        model_type = self.model.config.model_type
-        if getattr(self.model.config, "num_kv_shared_layers", 0):  # later layers read earlier layers' KV
-            raise UnsupportedModel(
-                f"{model_type!r}: its layers share KV across layers (num_kv_shared_layers), which the paged arena "
-                "does not model; set model.backend = \"transformers-unpaged\" to serve it"
-            )
         if not calls:
             raise UnsupportedModel(
                 f"{model_type!r}: no attention layer called transformers' attention interface; "

@@ -34,7 +34,7 @@ class TransformersBackend(ModelBackend):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, load_generation_eos_ids, resolve_model_path
+        from tierserve.core.checkpoints import context_length, eos_token_ids, resolve_model_path
         from tierserve.core.devices import resolve_device, resolve_dtype
 
         model = settings.model
@@ -58,10 +58,7 @@ class TransformersBackend(ModelBackend):
         self.vocab_size = config.vocab_size
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
         self.max_model_len = context_length(model.max_model_len, positions, self.path)
-        eos = load_generation_eos_ids(self.path)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = eos_token_ids(self.path, self.tokenizer)
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         implementation = getattr(config, "_attn_implementation", None) or "eager"
         # only the "sdpa" implementation calls torch's kernels; "eager" is plain math already
