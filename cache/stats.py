@@ -24,6 +24,7 @@ class TierStats:
     corrupt_indexes: int = 0  # indexes found corrupt at start, moved aside and rebuilt (disk tiers)
     dropped_writes: int = 0
     write_errors: int = 0
+    connection_errors: int = 0  # a remote tier's server unreachable, timed out or refusing (remote tiers)
     get_seconds: float = 0.0
     put_seconds: float = 0.0
     stored_bytes: int = 0  # bytes as stored (compressed for disk)
@@ -105,6 +106,7 @@ class TierSnapshot:
     put_seconds: float
     compression_ratio: float
     corrupt_indexes: int = 0
+    connection_errors: int = 0
     blocks_total: int | None = None
     blocks_free: int | None = None
     medium: str = "memory"  # where the tier keeps its data: "arena" (L1), "memory", "disk", "remote"
@@ -137,6 +139,7 @@ class TierSnapshot:
             put_seconds=stats.put_seconds,
             compression_ratio=stats.compression_ratio,
             corrupt_indexes=stats.corrupt_indexes,
+            connection_errors=stats.connection_errors,
             blocks_total=blocks_total,
             blocks_free=blocks_free,
             medium=medium,
@@ -156,6 +159,7 @@ class TierSnapshot:
             "corrupt_indexes": self.corrupt_indexes,
             "dropped_writes": self.dropped_writes,
             "write_errors": self.write_errors,
+            "connection_errors": self.connection_errors,
             "get_seconds": round(self.get_seconds, 6),
             "put_seconds": round(self.put_seconds, 6),
             "compression_ratio": round(self.compression_ratio, 3),

@@ -147,15 +147,19 @@ class TieredStore:
     def _fetch_below(self, key: bytes, tokens: tuple[int, ...]) -> tuple[int, CacheEntry] | None:
         held = self.index.tiers_of(key)
         for position, store_tier in enumerate(self.tiers, 1):
-            if not held & (1 << position):
+            indexed = bool(held & (1 << position))
+            if not indexed and not store_tier.tier.shared:
                 continue
             entry = store_tier.tier.get(key)
-            if entry is None:  # expired or corrupt: the tier removed it
-                self.placement.discard(key, position)
+            if entry is None:  # expired, corrupt or evicted: the tier removed it
+                if indexed:
+                    self.placement.discard(key, position)
                 continue
             if entry.token_ids != tokens:
                 self.stats.token_mismatches += 1
                 continue
+            if not indexed:  # another process wrote it into a shared tier
+                self.placement.add(key, entry.parent, position)
             return position, entry
         return None
 

@@ -85,6 +85,9 @@ class CacheTier(ABC):
 
     name: str = "tier"
     medium: str = "memory"  # where entries live: "memory", "disk" or "remote" (statistics group bytes by it)
+    # Other processes write entries into a shared tier (a remote server), so the store asks it on a
+    # lookup even for keys its own index does not hold; ``keys`` then lists only what this process knows.
+    shared: bool = False
 
     def __init__(self) -> None:
         self.stats = TierStats()

@@ -104,9 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierserve.core.logs import configure_logging
-    from tierserve.core.secrets import auth_secrets
+    from tierserve.core.secrets import settings_secrets
 
-    configure_logging(loaded.settings.logging, secrets=auth_secrets(loaded.settings.auth))
+    configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
     failures: list[str] = []
 
     def stop(reason: str) -> None:  # a server whose model cannot load would only ever answer 503

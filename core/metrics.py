@@ -19,7 +19,8 @@ TIER_COUNTERS = {
     "corrupt": "Entries found corrupt, truncated or foreign, and deleted",
     "corrupt_indexes": "Indexes found corrupt at start, moved aside and rebuilt from the value files",
     "dropped_writes": "Writes dropped because the write queue was full",
-    "write_errors": "Writes that failed (disk full, read-only, ...)",
+    "write_errors": "Writes that failed (disk full, read-only, a remote server out of memory, ...)",
+    "connection_errors": "Commands to a remote tier's server that failed to connect or timed out",
     "get_seconds": "Time spent reading entries",
     "put_seconds": "Time spent storing entries",
 }

@@ -43,6 +43,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierserve.plugins.backends.transformers_unpaged",
     "tierserve.plugins.tiers.memory",
     "tierserve.plugins.tiers.disk",
+    "tierserve.plugins.tiers.redis_tier",
     "tierserve.plugins.speculation.ngram",
     "tierserve.plugins.speculation.draft_model",
 )

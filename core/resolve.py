@@ -114,6 +114,9 @@ def resolve_tiers(settings: Settings, plugins: PluginManager, merged: Merged) ->
         policy = _component(
             plugins, "eviction_policies", tier.eviction_policy, f"{path}.eviction_policy", source_of("eviction_policy")
         )
+        server_evicts = bool(component.metadata.get("server_evicts"))
+        if server_evicts:
+            _refuse_own_eviction(raw_entries[index] if raw_entries else None, path, component.name)
         model = component.settings or NoSettings
         own = tier.options.model_dump()
         if not explicit:  # legacy keys are offered; the plugin takes the ones it declares
@@ -125,7 +128,18 @@ def resolve_tiers(settings: Settings, plugins: PluginManager, merged: Merged) ->
         resolved.append(entry)
         for key in entry.as_table():
             merged.sources[(path, key)] = source_of(key)
+        if server_evicts:
+            merged.sources[(path, "eviction_policy")] += "; not used: the server evicts"
     kv.tiers = resolved
+
+
+def _refuse_own_eviction(raw: Mapping[str, Any] | None, path: str, plugin: str) -> None:
+    """A tier whose server evicts by itself (a remote tier) takes no ``eviction_policy`` in its entry."""
+    if raw is not None and raw.get("eviction_policy") is not None:
+        raise ConfigError(
+            f"{path}.eviction_policy: a {plugin!r} tier's server evicts by its own policy (for Redis, "
+            f"maxmemory-policy = allkeys-lru); remove eviction_policy from this entry"
+        )
 
 
 def resolve_plugin_tables(settings: Settings, plugins: PluginManager, sources: Mapping[tuple[str, str], str]) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tierserve.core.sections import AuthSettings
+    from tierserve.core.sections import AuthSettings, Settings
 
 REDACTED = "[redacted]"
 
@@ -25,6 +25,17 @@ def auth_secrets(auth: AuthSettings) -> list[str]:
     keys = [*auth.api_keys, *auth.admin_api_keys, *auth.shared_cache_keys]
     keys += [key for tenant_keys in auth.tenants.values() for key in tenant_keys]
     return [key for key in dict.fromkeys(keys) if key]
+
+
+def settings_secrets(settings: Settings) -> list[str]:
+    """Every secret the settings hold: the API keys, and what each cache tier's own settings name
+    through a ``secrets()`` method (a remote tier's password)."""
+    secrets = auth_secrets(settings.auth)
+    for tier in settings.kv_cache.tiers:
+        named = getattr(tier.options, "secrets", None)
+        if callable(named):
+            secrets.extend(named())
+    return secrets
 
 
 def redact_auth(values: dict[str, Any]) -> dict[str, Any]:

@@ -62,13 +62,14 @@ def components(state: ServerState) -> dict[str, Any]:
 
 def cache_system_status(state: ServerState, snapshot: EngineSnapshot | None) -> str:
     """``operational``; ``disabled`` (prefix caching off); ``degraded`` (a tier failed writes, found
-    corrupt entries or rebuilt a corrupt index: it still answers); ``loading``/``failed`` with the engine."""
+    corrupt entries, rebuilt a corrupt index or lost its remote server: it still answers);
+    ``loading``/``failed`` with the engine."""
     if snapshot is None:
         return "failed" if state.load_error else "loading"
     if snapshot.cache is None:
         return "disabled"
     tiers = snapshot.cache.tiers.values()
-    return "degraded" if any(t.write_errors or t.corrupt or t.corrupt_indexes for t in tiers) else "operational"
+    return "degraded" if any(t.write_errors or t.corrupt or t.corrupt_indexes or t.connection_errors for t in tiers) else "operational"
 
 
 @get("/health", opt=HEALTH, sync_to_thread=False)

@@ -146,3 +146,7 @@ class Lab:
     def close(self) -> None:
         if self._shared is not None:
             self._shared.close()
+        for value in self._memo.values():  # services a probe started (a redis-server)
+            stop = getattr(value, "stop", None)
+            if callable(stop):
+                stop()

@@ -85,7 +85,7 @@ def test_unknown_tier_plugin_or_policy_suggests_a_name(toml_file):
     path = toml_file('[[kv_cache.tiers]]\nname = "l2"\nplugin = "memroy"\n')
     message = error_of(path)
     assert f"kv_cache.tiers[0].plugin = 'memroy' (from config file {path})" in message
-    assert "unknown cache tier 'memroy'; available: disk, memory; did you mean 'memory'?" in message
+    assert "unknown cache tier 'memroy'; available: disk, memory, redis; did you mean 'memory'?" in message
     path = toml_file('[[kv_cache.tiers]]\nname = "l2"\nplugin = "memory"\neviction_policy = "lruu"\n', "policy.toml")
     message = error_of(path)
     assert f"kv_cache.tiers[0].eviction_policy = 'lruu' (from config file {path})" in message

@@ -195,7 +195,7 @@ def test_l1_only_store_needs_no_transfer_and_reports_l1():
     assert set(stats["tiers"]) == {"l1"} and stats["promotions"] == {} and stats["demotions"] == {}
     assert set(stats["tiers"]["l1"]) == {
         "hits", "misses", "hit_rate", "entries", "bytes", "evictions", "expirations", "corrupt", "corrupt_indexes",
-        "dropped_writes", "write_errors", "get_seconds", "put_seconds", "compression_ratio", "blocks_total", "blocks_free",
+        "dropped_writes", "write_errors", "connection_errors", "get_seconds", "put_seconds", "compression_ratio", "blocks_total", "blocks_free",
     }
     assert stats["index"] == {"cached_blocks": PROMPT_BLOCKS, "active_prefixes": 1, "avg_prefix_tokens": 16.0}
 

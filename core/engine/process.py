@@ -57,10 +57,10 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
     from tierserve.core.engine.loop import CoreLoop
     from tierserve.core.logs import configure_logging
     from tierserve.core.plugins import load_plugins
-    from tierserve.core.secrets import auth_secrets
+    from tierserve.core.secrets import settings_secrets
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
-    configure_logging(settings.logging, secrets=auth_secrets(settings.auth))
+    configure_logging(settings.logging, secrets=settings_secrets(settings))
     watch_parent(os.getppid())
     try:
         core = build_core(settings, load_plugins(allowlist=allowlist))

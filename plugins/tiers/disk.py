@@ -25,6 +25,7 @@ import structlog
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier, WriteTally
+from tierserve.cache.write_queue import TierWriter
 from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.plugins.tiers.disk_counts import CountsRecord
@@ -37,7 +38,6 @@ from tierserve.plugins.tiers.disk_recovery import (
     value_files,
 )
 from tierserve.plugins.tiers.disk_index import DiskIndex, StoredEntry
-from tierserve.plugins.tiers.disk_writer import DiskWriter
 
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
@@ -95,8 +95,15 @@ class DiskTier(CacheTier):
         self.codec = KVCodec(fingerprint, options.compression_level)
         self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
         self._index = DiskIndex(self.policy, self.max_bytes, self.stats)
-        self._writer = DiskWriter(
-            self.lock, options.write_queue, options.writer_nice, self._write, self._lose, self._save_counts
+        self._writer = TierWriter(
+            self.lock,
+            options.write_queue,
+            options.writer_nice,
+            self._write,
+            self._lose,
+            self._save_counts,
+            thread_name="tierserve-l3-writer",
+            event_prefix="kv_disk",
         )
         self._pending = self._writer.pending  # queued or being written, newest put per key
         self._closed = False

@@ -1,4 +1,4 @@
-"""The disk tier's background writes: a bounded queue, the entries queued or being written, one thread.
+"""A tier's background writes (the disk and redis tiers): a bounded queue, the entries queued or being written, one thread.
 
     submit(entry) ──► queue (full: refused) ──► writer thread (lower CPU priority): write(entry)
                       pending[key] = entry       └► done: leaves pending; lost: lost(entry) is told
@@ -26,7 +26,7 @@ log = structlog.get_logger(__name__)
 _TASK = object()  # a queue item: run the task instead of writing
 
 
-class DiskWriter(threading.Thread):
+class TierWriter(threading.Thread):
     """One daemon thread that writes queued entries in order.
 
     Args:
@@ -38,6 +38,8 @@ class DiskWriter(threading.Thread):
         lost: called under the lock for an entry ``write`` failed on (or raised for),
             once it no longer counts as pending.
         task: what ``request_task`` runs on this thread.
+        thread_name: the thread's name (``ps``, ``py-spy``).
+        event_prefix: the start of this writer's log events, e.g. ``"kv_disk"``.
     """
 
     def __init__(
@@ -48,8 +50,11 @@ class DiskWriter(threading.Thread):
         write: Callable[[CacheEntry], bool],
         lost: Callable[[CacheEntry], None],
         task: Callable[[], None],
+        thread_name: str = "tierserve-tier-writer",
+        event_prefix: str = "kv_tier",
     ) -> None:
-        super().__init__(name="tierserve-l3-writer", daemon=True)
+        super().__init__(name=thread_name, daemon=True)
+        self.event_prefix = event_prefix
         self.lock = lock
         self.nice = nice
         self.pending: dict[bytes, CacheEntry] = {}  # queued or being written, newest put per key
@@ -97,7 +102,7 @@ class DiskWriter(threading.Thread):
         with self._drained:
             if self._drained.wait_for(lambda: self._unwritten == 0, timeout):
                 return True
-            log.warning("kv_disk_flush_timeout", unwritten=self._unwritten, timeout=timeout)
+            log.warning(f"{self.event_prefix}_flush_timeout", unwritten=self._unwritten, timeout=timeout)
             return False
 
     def stop(self, last: Callable[[], None] | None = None) -> None:
@@ -122,7 +127,7 @@ class DiskWriter(threading.Thread):
         try:
             lost = not self._write(entry)
         except Exception:
-            log.exception("kv_disk_write_failed", key=entry.key.hex())
+            log.exception(f"{self.event_prefix}_write_failed", key=entry.key.hex())
             lost = True
         finally:
             with self.lock:
@@ -145,7 +150,7 @@ class DiskWriter(threading.Thread):
                 self._drained.notify_all()
 
     def _lower_priority(self) -> None:
-        """Compression and disk writes yield the CPU to the step loop (Linux: per-thread nice)."""
+        """Compression and writes yield the CPU to the step loop (Linux: per-thread nice)."""
         if not self.nice or not hasattr(os, "setpriority"):
             return
         try:
@@ -153,4 +158,4 @@ class DiskWriter(threading.Thread):
             current = os.getpriority(os.PRIO_PROCESS, thread)
             os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self.nice))
         except OSError as exc:
-            log.info("kv_disk_writer_priority_unchanged", error=str(exc))
+            log.info(f"{self.event_prefix}_writer_priority_unchanged", error=str(exc))

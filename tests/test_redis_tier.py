@@ -1,0 +1,220 @@
+"""The shared redis tier against a real redis-server: sharing across processes, faults, isolation, secrets."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+from tests.engine_helpers import build_checkpoint, hf_greedy, make_engine
+from tests.redis_server import RedisServer
+from tests.test_cache_tiers import FINGERPRINT, make_tier
+from tierserve.cache.hashing import block_hash, root_hash
+from tierserve.cache.tier import CacheEntry
+from tierserve.core.config import load_settings
+from tierserve.core.logs import configure_logging
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.secrets import settings_secrets
+
+NEW_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SYSTEM = "You are a terse assistant for a bakery: prices, opening hours and allergens only. " * 2
+PROMPT = SYSTEM + "Do you sell rye bread?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = build_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", "llama")
+    return path, hf_greedy(path, [PROMPT], NEW_TOKENS)[0]
+
+
+def entry(index: int, parent: bytes | None = None) -> CacheEntry:
+    tokens = tuple(range(index * 4, index * 4 + 4))
+    key = block_hash(parent or root_hash(FINGERPRINT, 4), tokens)
+    return CacheEntry(key, parent, tokens, torch.full((2, 2, 4, 2, 8), float(index)))
+
+
+def redis_tier(server: RedisServer, **options):
+    return make_tier("redis", url=server.url, **options)
+
+
+def redis_tiers(server: RedisServer, **options) -> dict:
+    """Engine settings with L1 only above a write-through redis tier."""
+    tier = {"name": "redis", "plugin": "redis", "url": server.url, "write_through": True, **options}
+    return {"kv_cache__block_size": 4, "kv_cache__tiers": [tier]}
+
+
+def test_an_entry_written_by_one_tier_is_read_by_another_and_checked(server):
+    writer, reader = redis_tier(server), redis_tier(server)
+    try:
+        first = entry(1)
+        writer.put(first)
+        writer.flush()
+        assert writer.contains(first.key) and writer.stats.stored_bytes > 0
+        assert not reader.contains(first.key)  # the reader has not seen it: the store asks a shared tier anyway
+        got = reader.get(first.key)
+        assert got is not None and got.token_ids == first.token_ids and torch.equal(got.kv, first.kv)
+        assert reader.contains(first.key) and reader.stats.hits == 1
+
+        client = server.client()
+        [name] = client.keys(f"tierserve:kv:*:{first.key.hex()}")
+        client.set(name, client.get(name)[:-7])  # truncated on the server
+        assert redis_tier(server).get(first.key) is None
+        assert not client.exists(name)  # the bad value was deleted
+        assert reader.stats.corrupt == 0
+
+        other_model = make_tier("redis", url=server.url, fingerprint="another-model")
+        writer.put(second := entry(2))
+        writer.flush()
+        assert other_model.get(second.key) is None  # keys are namespaced by the model
+        other_model.close()
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_ttl_becomes_the_key_expiry_and_clear_empties_the_model_namespace(server):
+    tier = make_tier("redis", ttl_seconds=600, url=server.url, key_prefix="ttl-test")
+    try:
+        tier.put(first := entry(3))
+        tier.put(entry(4, first.key))
+        tier.flush()
+        client = server.client()
+        names = client.keys("ttl-test:kv:*")
+        assert len(names) == 2 and all(0 < client.pttl(name) <= 600_000 for name in names)
+        assert tier.clear() == 2 and client.keys("ttl-test:kv:*") == [] and len(tier) == 0
+    finally:
+        tier.close()
+
+
+def test_a_server_evicting_under_maxmemory_gives_misses_not_errors(tmp_path):
+    full = RedisServer(tmp_path / "full", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru").start()
+    tier = redis_tier(full)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        entries = [
+            CacheEntry(bytes([i % 256, i // 256]) * 8, None, (i,), torch.randn(2, 2, 4, 2, 64, generator=generator))
+            for i in range(1000)
+        ]  # ~8 MB of incompressible blocks for a 3 MB server
+        for item in entries:
+            tier.put(item)
+            tier.flush()
+        found = [tier.get(item.key) for item in entries]
+        assert found[0] is None and found[-1] is not None and torch.equal(found[-1].kv, entries[-1].kv)
+        assert len(tier) < len(entries)  # what the server evicted is forgotten once a lookup misses
+        assert tier.stats.connection_errors == tier.stats.write_errors == tier.stats.corrupt == 0
+    finally:
+        tier.close()
+        full.stop()
+
+
+def test_an_unreachable_server_means_misses_and_counted_errors_then_recovery(tmp_path):
+    down = RedisServer(tmp_path / "down")  # not started yet
+    tier = redis_tier(down, retry_seconds=0.2, timeout_seconds=0.2)
+    try:
+        tier.put(first := entry(5))
+        tier.flush()
+        assert tier.get(first.key) is None
+        assert tier.stats.connection_errors >= 1 and tier.stats.dropped_writes >= 1
+        down.start()
+        time.sleep(0.25)  # past retry_seconds: the next command tries the server again
+        tier.put(first)
+        tier.flush()
+        assert redis_tier(down).get(first.key) is not None
+    finally:
+        tier.close()
+        down.stop()
+
+
+def test_two_processes_share_a_prefix_through_redis_with_the_cold_output(server, checkpoint, tmp_path):
+    path, expected = checkpoint
+    settings = redis_tiers(server, key_prefix="two-processes")
+    script = textwrap.dedent(
+        f"""
+        import json
+        from tests.engine_helpers import make_engine
+        from tierserve.core.sampling_params import SamplingParams
+        engine = make_engine({str(path)!r}, **{settings!r})
+        [result] = engine.generate([{PROMPT!r}], SamplingParams(temperature=0, max_tokens={NEW_TOKENS}, ignore_eos=True))
+        engine.close()  # flushes the redis writes
+        print(json.dumps({{"tokens": result.token_ids, "cached": result.cached_tokens}}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    a = json.loads(first.stdout.strip().splitlines()[-1])
+    assert a["tokens"] == expected and a["cached"] == 0
+
+    engine = make_engine(path, **settings)  # process B: its own empty L1, the same server
+    try:
+        [b] = engine.generate([PROMPT], GREEDY)
+        stats = engine.stats().cache
+        assert b.token_ids == expected
+        assert b.cached_tokens > 0 and stats.promotions["redis"] * 4 == b.cached_tokens
+        assert stats.tiers["redis"].hits > 0
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
+def test_redis_killed_mid_run_costs_misses_never_a_request(checkpoint, tmp_path):
+    path, expected = checkpoint
+    own = RedisServer(tmp_path / "own").start()
+    engine = make_engine(path, **redis_tiers(own, retry_seconds=0.2, timeout_seconds=0.2))
+    try:
+        [cold] = engine.generate([PROMPT], GREEDY)
+        engine.flush_cache()
+        own.kill()
+        engine.clear_cache("l1")
+        [during] = engine.generate([PROMPT], GREEDY)  # the lookup and the write-through fail: computed again
+        assert cold.token_ids == during.token_ids == expected and during.cached_tokens == 0
+        assert engine.stats().cache.tiers["redis"].connection_errors > 0
+        own.start()  # an empty server on the same port
+        time.sleep(0.25)
+        engine.clear_cache("l1")
+        [after] = engine.generate([PROMPT], GREEDY)  # written through again now that the server is back
+        engine.clear_cache("l1")
+        engine.flush_cache()
+        [hit] = engine.generate([PROMPT], GREEDY)
+        assert after.token_ids == hit.token_ids == expected and hit.cached_tokens > 0
+    finally:
+        engine.close()
+        own.stop()
+
+
+def test_a_password_is_refused_in_the_url_and_never_logged(tmp_path, monkeypatch):
+    with pytest.raises(Exception, match="password or password_env"):
+        load_settings(
+            None, environ={}, overrides={("kv_cache", "tiers"): [{"name": "r", "plugin": "redis", "url": "redis://:hunter22@h:1/0"}]}
+        )
+    monkeypatch.setenv("TS_TEST_REDIS_PASSWORD", "s3cret-redis-pass")
+    tiers = [{"name": "r", "plugin": "redis", "url": "redis://127.0.0.1:1/0", "password_env": "TS_TEST_REDIS_PASSWORD"}]
+    loaded = load_settings(None, environ={}, overrides={("kv_cache", "tiers"): tiers})
+    stream = io.StringIO()
+    configure_logging(loaded.settings.logging, stream=stream, secrets=settings_secrets(loaded.settings))
+    import structlog
+
+    structlog.get_logger("test").warning("oops", detail="auth failed with s3cret-redis-pass")
+    assert "s3cret-redis-pass" not in stream.getvalue() and "[redacted]" in stream.getvalue()
+
+
+def test_the_server_evicts_so_an_eviction_policy_in_the_entry_is_refused():
+    tier = {"name": "r", "plugin": "redis", "url": "redis://127.0.0.1:1/0", "eviction_policy": "lfu"}
+    with pytest.raises(Exception, match=r"kv_cache.tiers\[0\].eviction_policy: .*maxmemory-policy"):
+        load_settings(None, environ={}, overrides={("kv_cache", "tiers"): [tier]})
