@@ -1,6 +1,6 @@
-"""Time to first token with a long shared prefix: cold, then served from L1, L2 and L3 (after a restart).
+"""Time to first token with a long shared prefix: cold, then served from L1, L2, L3 and Redis (after a restart).
 
-    python -m bench.prefix_ttft [--model builtin:bench] [--prefix-len 2048] [--suffix-len 32]
+    python -m bench.prefix_ttft [--model builtin:bench] [--prefix-len 2048] [--suffix-len 32] [--redis-url URL]
 
 One prefix of ``prefix-len`` random token ids, each request adds a fresh
 ``suffix-len`` suffix and asks for one token (so the time is prefill + one
@@ -10,7 +10,12 @@ sample, i.e. TTFT). In one run, on one engine:
 - L1: the prefix blocks are still in the live pool;
 - L2: a second long prompt has pushed the prefix out of L1 into host memory;
 - L3: the engine is closed and a new one is built on the same L3 directory
-  (its index rebuilt from disk), so the prefix comes from disk.
+  (its index rebuilt from disk), so the prefix comes from disk;
+- Redis: an engine with L1 and a write-through ``redis`` tier computes the
+  prefix; a new, empty engine (a replica restarted, or another one) on the
+  same server is timed. ``--redis-url`` names the server; without it a
+  ``redis-server`` is started on a free loopback port (``--no-redis`` skips
+  the row).
 
 Prints TTFT per tier (median of ``--repeats`` where the state allows) and the
 ratio to cold, plus L3 bytes per cached token and the compression ratio.
@@ -22,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import socket
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -53,6 +60,62 @@ def build_engine(model: str, disk: str, prefix_len: int, suffix_len: int) -> Eng
     return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
 
 
+def build_redis_engine(model: str, url: str, prefix_len: int, suffix_len: int) -> EngineClient:
+    """L1 (room for two long prompts) above a write-through redis tier: nothing local survives a restart."""
+    blocks_per_prompt = -(-(prefix_len + suffix_len + 1) // 16)
+    tier = {"name": "redis", "plugin": "redis", "url": url, "write_through": True, "key_prefix": "bench-prefix-ttft"}
+    overrides = {
+        ("model", "path"): model,
+        ("kv_cache", "block_size"): 16,
+        ("kv_cache", "l1_capacity"): 2 * blocks_per_prompt,
+        ("kv_cache", "tiers"): [tier],
+        ("scheduler", "max_num_batched_tokens"): 4096,
+        ("logging", "level"): "warning",
+    }
+    loaded = load_settings("development", environ={}, overrides=overrides)
+    return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
+
+
+def start_redis_server() -> tuple[subprocess.Popen, str]:
+    """A throw-away ``redis-server`` (no persistence) on a free loopback port, and its URL."""
+    import redis
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.mkdtemp())
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(200):
+        try:
+            redis.Redis.from_url(url).ping()
+            return process, url
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def redis_rows(args: argparse.Namespace, prefix: list[int], fresh_suffix) -> list[tuple[float, int]]:
+    """TTFT of the prefix on a fresh engine that finds it only in Redis, ``repeats`` times."""
+    process, url = start_redis_server() if args.redis_url is None else (None, args.redis_url)
+    try:
+        writer = build_redis_engine(args.model, url, args.prefix_len, args.suffix_len)
+        writer.generate([prefix + fresh_suffix()], ONE_TOKEN)
+        writer.close()  # flushes the queued writes to the server
+        rows = []
+        for _ in range(args.repeats):
+            engine = build_redis_engine(args.model, url, args.prefix_len, args.suffix_len)
+            engine.generate([[5, 6, 7, 8]], ONE_TOKEN)
+            rows.append(ttft(engine, prefix + fresh_suffix()))
+            engine.close()
+        return rows
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=10)
+
+
 def ttft(engine: EngineClient, prompt: list[int]) -> tuple[float, int]:
     # Background L3 writes of earlier requests would otherwise share the CPU with this one.
     engine.flush_cache()
@@ -67,6 +130,8 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--redis-url", default=None, help="a redis server for the Redis row (default: start one)")
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis row")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -101,6 +166,9 @@ def main() -> None:
         engine.close()
     rows["L3 hit after restart"] = (statistics.median(t for t, _ in l3), l3[0][1])
     l3_tier = stats.tiers["l3"]
+    if not args.no_redis:
+        remote = redis_rows(args, prefix, fresh_suffix)
+        rows["Redis hit on a new engine"] = (statistics.median(t for t, _ in remote), remote[0][1])
 
     cold = rows["cold"][0]
     print(f"model {args.model}, prefix {args.prefix_len} + suffix {args.suffix_len} tokens, 1 output token")
