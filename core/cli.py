@@ -124,6 +124,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    flags = {
+        ("server", "host"): args.host,
+        ("server", "port"): args.port,
+        ("model", "path"): args.model,
+        ("fleet", "replicas"): args.replicas,
+    }
+    loaded = _settings_from(args, flags)  # validated here, before any replica loads them again
+    try:
+        from ray import serve
+
+        from tierserve.fleet.app import run_fleet
+        from tierserve.fleet.settings_sources import SettingsSources
+    except ImportError as exc:
+        raise TierserveError(f"tierserve fleet needs Ray Serve ({exc.name} is missing): pip install 'tierserve[fleet]'") from None
+    from tierserve.core.logs import configure_logging
+    from tierserve.core.secrets import settings_secrets
+
+    configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
+    overrides: dict[tuple[str, str], Any] = {}
+    for assignment in args.assignments:
+        section, key, value = parse_override(assignment)
+        overrides[(section, key)] = value
+    overrides.update({key: value for key, value in flags.items() if value is not None})
+    sources = SettingsSources.of(args.preset, args.config_file, overrides)
+    try:
+        run_fleet(sources, address=args.address, blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
 def server_config(loaded: LoadedSettings, on_load_failure: Callable[[str], None] | None = None) -> uvicorn.Config:
     """What ``tierserve serve`` runs: the app on ``[server] host`` and ``port``; at shutdown, requests
     in flight get ``shutdown_grace_seconds`` to finish before they are cancelled. ``on_load_failure``:
@@ -302,6 +336,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="bind port (server.port)")
     serve.add_argument("--model", help="checkpoint directory or builtin:NAME (model.path)")
     serve.set_defaults(handler=cmd_serve)
+
+    fleet = commands.add_parser(
+        "fleet", help="serve the same API from engine replicas on Ray Serve ([fleet]; pip install 'tierserve[fleet]')"
+    )
+    _add_settings_arguments(fleet)
+    fleet.add_argument("--host", help="bind address of the ingress (server.host)")
+    fleet.add_argument("--port", type=int, help="bind port of the ingress (server.port)")
+    fleet.add_argument("--model", help="checkpoint directory or builtin:NAME (model.path)")
+    fleet.add_argument("--replicas", type=int, help="engine replicas (fleet.replicas)")
+    fleet.add_argument("--address", help="a running Ray cluster to join (default: start one here)")
+    fleet.set_defaults(handler=cmd_fleet)
 
     _add_cache_commands(commands)
     return parser

@@ -319,6 +319,36 @@ class LoggingSettings(Section):
     format: Literal["console", "json"] = "console"
 
 
+class FleetSettings(Section):
+    """[fleet]: ``tierserve fleet``, engine replicas as a Ray Serve application behind one ingress."""
+
+    replicas: int = Field(2, ge=1, description="engine replicas when autoscaling is off")
+    autoscaling: bool = Field(False, description="let Ray Serve add and remove replicas by ongoing requests")
+    min_replicas: int = Field(1, ge=0, description="autoscaling's lower bound")
+    max_replicas: int = Field(2, ge=1, description="autoscaling's upper bound")
+    target_ongoing_requests: float = Field(
+        4.0, gt=0, description="autoscaling adds a replica when requests per replica stay above this"
+    )
+    upscale_delay_seconds: float = Field(10.0, ge=0, description="how long load stays above target before a replica is added")
+    downscale_delay_seconds: float = Field(300.0, ge=0, description="how long load stays below target before one is removed")
+    load_window_seconds: float = Field(30.0, gt=0, description="ongoing requests are averaged over this window (reported a few times per window)")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine replica")
+    routing: Literal["cache_aware", "power_of_two"] = Field(
+        "cache_aware",
+        description="cache_aware: the replica holding the longest prefix (or the cache_key); power_of_two: Ray's default",
+    )
+    affinity_max_queue: int = Field(
+        8, ge=0, description="a preferred replica with more ongoing requests than this loses the request to the least loaded"
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> FleetSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
+        return self
+
+
 class Settings(BaseSettings):
     """All of tierserve's settings, one section per concern."""
 
@@ -334,6 +364,7 @@ class Settings(BaseSettings):
     plugins: PluginSettings = Field(default_factory=PluginSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
 
     _plugin_options: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 

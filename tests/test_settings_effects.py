@@ -17,6 +17,7 @@ import pytest
 
 from tests.effects_cache import PROBES as CACHE_PROBES
 from tests.effects_engine import PROBES as ENGINE_PROBES
+from tests.effects_fleet import PROBES as FLEET_PROBES
 from tests.effects_http import PROBES as HTTP_PROBES
 from tests.effects_lab import HttpProbe, Lab, Probe
 from tests.effects_redis import PROBES as REDIS_PROBES
@@ -25,7 +26,9 @@ from tests.engine_helpers import build_checkpoint
 from tierserve.core.config import Settings, TierSettings
 from tierserve.core.plugins import TIER_KIND, load_plugins
 
-PROBES: dict[str, Probe] = {**ENGINE_PROBES, **CACHE_PROBES, **REDIS_PROBES, **SERVER_PROBES, **HTTP_PROBES}
+PROBES: dict[str, Probe] = {
+    **ENGINE_PROBES, **CACHE_PROBES, **REDIS_PROBES, **SERVER_PROBES, **HTTP_PROBES, **FLEET_PROBES
+}
 
 
 def model_leaves() -> set[str]:

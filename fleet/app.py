@@ -1,0 +1,70 @@
+"""The fleet as a Ray Serve application, from ``[fleet]`` and the same settings ``tierserve serve`` reads.
+
+    python: build_fleet(sources, settings) ─► serve.run(app, route_prefix="/")
+    shell:  tierserve fleet --preset production --set fleet.replicas=4
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierserve.core.sections import FleetSettings, Settings
+from tierserve.fleet.settings_sources import SettingsSources
+
+APP_NAME = "tierserve"
+
+
+def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
+    """The engine deployment's Ray Serve options (what ``[fleet]`` controls)."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": fleet.num_cpus, "num_gpus": fleet.num_gpus},
+        # a replica batches up to max_num_seqs and queues the rest itself; the router holds what is beyond
+        "max_ongoing_requests": settings.scheduler.max_num_seqs + settings.scheduler.max_waiting_requests,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+    }
+    if fleet.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": fleet.min_replicas,
+            "max_replicas": fleet.max_replicas,
+            "target_ongoing_requests": fleet.target_ongoing_requests,
+            "upscale_delay_s": fleet.upscale_delay_seconds,
+            "downscale_delay_s": fleet.downscale_delay_seconds,
+            "look_back_period_s": fleet.load_window_seconds,
+            "metrics_interval_s": min(10.0, max(0.5, fleet.load_window_seconds / 3)),  # a few reports per window
+        }
+    else:
+        options["num_replicas"] = fleet.replicas
+    if fleet.routing == "cache_aware":
+        from ray.serve.config import RequestRouterConfig
+
+        from tierserve.fleet.router import CacheAwareRouter
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=CacheAwareRouter,
+            request_router_kwargs={"affinity_max_queue": fleet.affinity_max_queue},
+        )
+    return options
+
+
+def build_fleet(sources: SettingsSources) -> Any:
+    """The Ray Serve application: the engine deployment behind the ingress (bind, then ``serve.run``)."""
+    from ray import serve
+
+    from tierserve.fleet.deployments import EngineReplica, Ingress
+
+    settings = sources.load().settings
+    engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings))
+    ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    return ingress.bind(engine.bind(sources), sources)
+
+
+def run_fleet(sources: SettingsSources, address: str | None = None, blocking: bool = True) -> None:
+    """Start (or join, with ``address``) a Ray cluster and serve the fleet on ``[server] host:port``."""
+    import ray
+    from ray import serve
+
+    settings = sources.load().settings
+    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
+    serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
+    serve.run(build_fleet(sources), name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -1,0 +1,167 @@
+"""The fleet's two Ray Serve deployments: engine replicas, each the single server, and one ingress.
+
+    client ─► Ray Serve proxy ─► Ingress ─► handle.forward (router: prefix / cache_key / least loaded)
+                                              └► EngineReplica: the tierserve app on a loopback port ─► engine
+
+Each engine replica runs the same Litestar app ``tierserve serve`` runs (its
+own engine, tiers and auth), so routes, authentication and errors are the
+single server's; the ingress only moves bytes. A request whose replica
+dies before it answered is sent again (the router picks a live replica);
+a stream cut short by a dying replica ends with an OpenAI-style error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import httpx
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tierserve.fleet.prefix_affinity import DECISIONS
+from tierserve.fleet.settings_sources import SettingsSources, replica_settings
+
+log = structlog.get_logger(__name__)
+
+# not forwarded: hop-by-hop headers, and those the proxy in front sets itself
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "date", "server"}
+)
+REPLICA_HEADER = "x-tierserve-replica"
+START_ATTEMPTS = 3
+READY_TIMEOUT_SECONDS = 600.0
+
+
+class EngineReplica:
+    """One tierserve server in a Ray Serve replica: uvicorn on a loopback port in a thread of this actor."""
+
+    def __init__(self, sources: SettingsSources) -> None:
+        import uvicorn
+        from ray import serve
+
+        from tierserve.core.cli import server_config
+        from tierserve.core.logs import configure_logging
+        from tierserve.core.secrets import settings_secrets
+
+        context = serve.get_replica_context()
+        self.name = context.replica_id.unique_id
+        rank = getattr(context.rank, "rank", context.rank)
+        loaded = replica_settings(sources, int(rank) if isinstance(rank, int) else 0)
+        configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request otherwise
+        self.failure: str | None = None
+
+        def failed(reason: str) -> None:
+            self.failure = reason
+
+        self.server = uvicorn.Server(server_config(loaded, on_load_failure=failed))
+        self.thread = threading.Thread(target=self.server.run, name="tierserve-replica-server", daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{loaded.settings.server.port}"
+        self._wait_ready()
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=None)
+        log.info("fleet_replica_ready", replica=self.name, url=self.base_url)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:
+            if self.failure is not None:
+                raise RuntimeError(f"the engine replica failed to load its model: {self.failure}")
+            if not self.thread.is_alive():
+                raise RuntimeError("the engine replica's server stopped while starting")
+            try:
+                if httpx.get(self.base_url + "/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine replica was not ready after {READY_TIMEOUT_SECONDS:.0f}s")
+            time.sleep(0.5)
+
+    async def forward(self, request: dict[str, Any]):
+        """Send one HTTP request to this replica's server; yields the status and headers, then the body."""
+        headers = [(name, value) for name, value in request["headers"] if name.lower() not in HOP_BY_HOP]
+        outgoing = self.client.build_request(
+            request["method"], request["path"], params=request.get("query") or None, headers=headers, content=request["body"]
+        )
+        response = await self.client.send(outgoing, stream=True)
+        try:
+            kept = [(name, value) for name, value in response.headers.items() if name.lower() not in HOP_BY_HOP]
+            yield {"status": response.status_code, "headers": [*kept, (REPLICA_HEADER, self.name)]}
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine died is replaced."""
+        if not self.thread.is_alive():
+            raise RuntimeError("the replica's server stopped")
+        response = await self.client.get("/health", timeout=10)
+        if response.status_code != 200:
+            raise RuntimeError(f"/health answered {response.status_code}: {response.text[:200]}")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.should_exit = True
+
+
+class Ingress:
+    """The fleet's HTTP entry point: forwards every request to an engine replica and streams the answer."""
+
+    def __init__(self, engine: Any, sources: SettingsSources) -> None:
+        self.engine = engine.options(stream=True)
+        auth = sources.load().settings.auth
+        self.admin_keys = set(auth.admin_api_keys or auth.api_keys)
+
+    async def __call__(self, request: Request) -> Response:
+        if request.url.path == "/v1/fleet/stats":
+            return self._fleet_stats(request)
+        forwarded = {
+            "method": request.method,
+            "path": request.url.path,
+            "query": request.url.query,
+            "headers": list(request.headers.items()),
+            "body": await request.body(),
+        }
+        for attempt in range(START_ATTEMPTS):
+            stream = self.engine.forward.remote(forwarded)
+            try:
+                head = await stream.__anext__()
+                break
+            except Exception as exc:  # the replica died before it answered: nothing reached the client yet
+                log.warning("fleet_request_retried", path=forwarded["path"], attempt=attempt + 1, error=repr(exc))
+                if attempt == START_ATTEMPTS - 1:
+                    return _error(503, f"no engine replica could take the request: {type(exc).__name__}")
+                await asyncio.sleep(0.2 * (attempt + 1))
+        event_stream = any(n.lower() == "content-type" and "text/event-stream" in v for n, v in head["headers"])
+        return StreamingResponse(_body(stream, event_stream), status_code=head["status"], headers=dict(head["headers"]))
+
+    def _fleet_stats(self, request: Request) -> Response:
+        if self.admin_keys:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if given not in self.admin_keys:
+                return _error(401, "a valid admin API key is required for /v1/fleet/stats", "authentication_error")
+        return JSONResponse({"routing_decisions": dict(DECISIONS)})
+
+
+async def _body(stream: Any, event_stream: bool):
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as exc:  # the replica died mid-answer: say so instead of ending silently
+        log.warning("fleet_stream_cut", error=repr(exc))
+        if event_stream:
+            error = {"message": f"the engine replica serving this stream stopped: {type(exc).__name__}", "type": "server_error", "code": 502}
+            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+
+
+def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)

@@ -1,0 +1,97 @@
+"""Probes of ``[fleet]``: each key changes what ``tierserve fleet`` asks Ray Serve for (the engine
+deployment's options, as the Ray dashboard and ``serve status`` show them) or how the router decides.
+
+``tests/test_fleet.py`` runs these options on a real cluster (replicas, autoscaling, routing).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.effects_lab import Lab
+from tierserve.core.errors import ConfigError
+from tierserve.fleet.app import engine_options
+from tierserve.fleet.prefix_affinity import choose
+
+
+def options(lab: Lab, **fleet) -> dict:
+    settings = lab.settings({f"fleet.{key}": value for key, value in fleet.items()}).settings
+    return engine_options(settings.fleet, settings)
+
+
+def autoscaling(lab: Lab, **fleet) -> dict:
+    return options(lab, autoscaling=True, **fleet)["autoscaling_config"]
+
+
+def fleet_replicas(lab: Lab) -> None:
+    assert options(lab, replicas=3)["num_replicas"] == 3 != options(lab)["num_replicas"]
+
+
+def fleet_autoscaling(lab: Lab) -> None:
+    assert "autoscaling_config" in options(lab, autoscaling=True) and "num_replicas" not in options(lab, autoscaling=True)
+    assert "autoscaling_config" not in options(lab)
+
+
+def fleet_min_replicas(lab: Lab) -> None:
+    assert autoscaling(lab, min_replicas=2)["min_replicas"] == 2
+    with pytest.raises(ConfigError, match="min_replicas"):
+        lab.settings({"fleet.min_replicas": 3, "fleet.max_replicas": 2})
+
+
+def fleet_max_replicas(lab: Lab) -> None:
+    assert autoscaling(lab, max_replicas=5)["max_replicas"] == 5
+
+
+def fleet_target_ongoing_requests(lab: Lab) -> None:
+    assert autoscaling(lab, target_ongoing_requests=1.5)["target_ongoing_requests"] == 1.5
+
+
+def fleet_upscale_delay_seconds(lab: Lab) -> None:
+    assert autoscaling(lab, upscale_delay_seconds=3)["upscale_delay_s"] == 3
+
+
+def fleet_downscale_delay_seconds(lab: Lab) -> None:
+    assert autoscaling(lab, downscale_delay_seconds=7)["downscale_delay_s"] == 7
+
+
+def fleet_load_window_seconds(lab: Lab) -> None:
+    scaled = autoscaling(lab, load_window_seconds=3)
+    assert scaled["look_back_period_s"] == 3 and scaled["metrics_interval_s"] == 1
+
+
+def fleet_num_cpus(lab: Lab) -> None:
+    assert options(lab, num_cpus=0.25)["ray_actor_options"]["num_cpus"] == 0.25
+
+
+def fleet_num_gpus(lab: Lab) -> None:
+    assert options(lab, num_gpus=1)["ray_actor_options"]["num_gpus"] == 1
+
+
+def fleet_routing(lab: Lab) -> None:
+    router = options(lab)["request_router_config"]
+    assert router.request_router_class.endswith("CacheAwareRouter")
+    assert "request_router_config" not in options(lab, routing="power_of_two")  # Ray's default router
+
+
+def fleet_affinity_max_queue(lab: Lab) -> None:
+    kwargs = options(lab, affinity_max_queue=2)["request_router_config"].request_router_kwargs
+    assert kwargs == {"affinity_max_queue": 2}
+    queues = {"a": 3, "b": 0}
+    assert choose("a", queues, kwargs["affinity_max_queue"], min) == ("b", False)
+    assert choose("a", queues, 8, min) == ("a", True)
+
+
+PROBES = {
+    "fleet.replicas": fleet_replicas,
+    "fleet.autoscaling": fleet_autoscaling,
+    "fleet.min_replicas": fleet_min_replicas,
+    "fleet.max_replicas": fleet_max_replicas,
+    "fleet.target_ongoing_requests": fleet_target_ongoing_requests,
+    "fleet.upscale_delay_seconds": fleet_upscale_delay_seconds,
+    "fleet.downscale_delay_seconds": fleet_downscale_delay_seconds,
+    "fleet.load_window_seconds": fleet_load_window_seconds,
+    "fleet.num_cpus": fleet_num_cpus,
+    "fleet.num_gpus": fleet_num_gpus,
+    "fleet.routing": fleet_routing,
+    "fleet.affinity_max_queue": fleet_affinity_max_queue,
+}
