@@ -341,6 +341,12 @@ class FleetSettings(Section):
     affinity_max_queue: int = Field(
         8, ge=0, description="a preferred replica with more ongoing requests than this loses the request to the least loaded"
     )
+    prefill_replicas: int = Field(
+        0,
+        ge=0,
+        description="replicas that only prefill prompts into the shared tier, for the others to decode from; "
+        "0: every replica does both",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> FleetSettings:

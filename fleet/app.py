@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tierserve.core.config import LoadedSettings
+from tierserve.core.errors import ConfigError
 from tierserve.core.sections import FleetSettings, Settings
 from tierserve.fleet.settings_sources import SettingsSources
 
@@ -47,16 +49,49 @@ def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
     return options
 
 
+def prefill_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
+    """The prefill deployment's options: ``prefill_replicas`` replicas, Ray's default router."""
+    return {
+        "ray_actor_options": {"num_cpus": fleet.num_cpus, "num_gpus": fleet.num_gpus},
+        "max_ongoing_requests": settings.scheduler.max_num_seqs + settings.scheduler.max_waiting_requests,
+        "num_replicas": fleet.prefill_replicas,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+    }
+
+
+def check_disaggregation(loaded: LoadedSettings) -> None:
+    """Prefill replicas hand prompts to decode replicas through a shared tier written through: refuse
+    a fleet with prefill replicas and no such tier (ConfigError naming what is missing)."""
+    if not loaded.settings.fleet.prefill_replicas:
+        return
+    registry = loaded.plugins.registry("cache_tiers")
+    for tier in loaded.settings.kv_cache.tiers:
+        if tier.write_through and getattr(registry.get(tier.plugin).factory, "shared", False):
+            return
+    raise ConfigError(
+        "fleet.prefill_replicas: prefill replicas hand their prompts to the decode replicas through a shared "
+        "cache tier; add a [[kv_cache.tiers]] entry with plugin = \"redis\" and write_through = true"
+    )
+
+
 def build_fleet(sources: SettingsSources) -> Any:
-    """The Ray Serve application: the engine deployment behind the ingress (bind, then ``serve.run``)."""
+    """The Ray Serve application: the engine deployment (and the prefill one) behind the ingress
+    (bind, then ``serve.run``)."""
     from ray import serve
 
     from tierserve.fleet.deployments import EngineReplica, Ingress
 
-    settings = sources.load().settings
+    loaded = sources.load()
+    check_disaggregation(loaded)
+    settings = loaded.settings
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings))
     ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
-    return ingress.bind(engine.bind(sources), sources)
+    prefill = None
+    if settings.fleet.prefill_replicas:
+        deployment = serve.deployment(EngineReplica, name="prefill").options(**prefill_options(settings.fleet, settings))
+        prefill = deployment.bind(sources)
+    return ingress.bind(engine.bind(sources), sources, prefill)
 
 
 def run_fleet(sources: SettingsSources, address: str | None = None, blocking: bool = True) -> None:

@@ -8,6 +8,12 @@ own engine, tiers and auth), so routes, authentication and errors are the
 single server's; the ingress only moves bytes. A request whose replica
 dies before it answered is sent again (the router picks a live replica);
 a stream cut short by a dying replica ends with an OpenAI-style error event.
+
+With prefill replicas (``[fleet] prefill_replicas``), a generation request
+first goes to one of them as the same request for one token: its prompt's
+blocks are computed there and written through to the shared tier, and the
+replica waits until they are stored; then the request itself goes to a
+decode replica, which finds the prompt there (a cache hit) and generates.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ HOP_BY_HOP = frozenset(
 REPLICA_HEADER = "x-tierserve-replica"
 START_ATTEMPTS = 3
 READY_TIMEOUT_SECONDS = 600.0
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class EngineReplica:
@@ -52,7 +59,7 @@ class EngineReplica:
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         rank = getattr(context.rank, "rank", context.rank)
-        loaded = replica_settings(sources, int(rank) if isinstance(rank, int) else 0)
+        loaded = replica_settings(sources, f"{context.deployment}-{rank if isinstance(rank, int) else self.name}")
         configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request otherwise
         self.failure: str | None = None
@@ -61,6 +68,7 @@ class EngineReplica:
             self.failure = reason
 
         self.server = uvicorn.Server(server_config(loaded, on_load_failure=failed))
+        self.app = self.server.config.app
         self.thread = threading.Thread(target=self.server.run, name="tierserve-replica-server", daemon=True)
         self.thread.start()
         self.base_url = f"http://127.0.0.1:{loaded.settings.server.port}"
@@ -99,6 +107,25 @@ class EngineReplica:
         finally:
             await response.aclose()
 
+    async def prefill(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Compute the prompt of a generation request (the same request for one token, not streamed) and
+        wait until its blocks are in the tiers it writes through to; returns the status and the usage."""
+        try:
+            body = json.loads(request["body"])
+        except ValueError:
+            return {"status": 400}
+        if not isinstance(body, dict):
+            return {"status": 400}
+        body.update(max_tokens=1, stream=False, n=1)
+        for key in ("stream_options", "max_completion_tokens", "min_tokens"):
+            body.pop(key, None)
+        headers = [(n, v) for n, v in request["headers"] if n.lower() not in HOP_BY_HOP]
+        response = await self.client.post(request["path"], json=body, headers=headers)
+        engine = self.app.state.tierserve.engine
+        await asyncio.to_thread(engine.flush_cache)  # the decode replica looks the blocks up next
+        usage = response.json().get("usage") if response.status_code == 200 else None
+        return {"status": response.status_code, "usage": usage, "replica": self.name}
+
     async def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine died is replaced."""
         if not self.thread.is_alive():
@@ -116,8 +143,9 @@ class EngineReplica:
 class Ingress:
     """The fleet's HTTP entry point: forwards every request to an engine replica and streams the answer."""
 
-    def __init__(self, engine: Any, sources: SettingsSources) -> None:
+    def __init__(self, engine: Any, sources: SettingsSources, prefill: Any | None = None) -> None:
         self.engine = engine.options(stream=True)
+        self.prefill = prefill
         auth = sources.load().settings.auth
         self.admin_keys = set(auth.admin_api_keys or auth.api_keys)
 
@@ -131,6 +159,8 @@ class Ingress:
             "headers": list(request.headers.items()),
             "body": await request.body(),
         }
+        if self.prefill is not None and request.method == "POST" and forwarded["path"] in GENERATION_PATHS:
+            await self._prefill(forwarded)
         for attempt in range(START_ATTEMPTS):
             stream = self.engine.forward.remote(forwarded)
             try:
@@ -143,6 +173,17 @@ class Ingress:
                 await asyncio.sleep(0.2 * (attempt + 1))
         event_stream = any(n.lower() == "content-type" and "text/event-stream" in v for n, v in head["headers"])
         return StreamingResponse(_body(stream, event_stream), status_code=head["status"], headers=dict(head["headers"]))
+
+    async def _prefill(self, forwarded: dict[str, Any]) -> None:
+        """Have a prefill replica compute the prompt into the shared tier; a failure only costs the decode
+        replica the prefill (it computes what it does not find), so it is logged, not returned."""
+        try:
+            done = await self.prefill.prefill.remote(forwarded)
+        except Exception as exc:
+            log.warning("fleet_prefill_failed", path=forwarded["path"], error=repr(exc))
+            return
+        if done.get("status") != 200:
+            log.info("fleet_prefill_refused", path=forwarded["path"], status=done.get("status"))
 
     def _fleet_stats(self, request: Request) -> Response:
         if self.admin_keys:

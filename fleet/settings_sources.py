@@ -43,12 +43,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def replica_settings(sources: SettingsSources, rank: int) -> LoadedSettings:
+def replica_settings(sources: SettingsSources, label: str) -> LoadedSettings:
     """A replica's settings: its server on a free loopback port (only the ingress listens outside), and
-    each disk tier in its own ``replica-<rank>`` folder, so replicas on one machine never share a directory."""
+    each disk tier in its own ``replica-<label>`` folder (deployment and rank), so replicas on one
+    machine never share a directory."""
     loaded = sources.load(server__host="127.0.0.1", server__port=free_port())
     for tier in loaded.settings.kv_cache.tiers:
         path = getattr(tier.options, "path", None)
         if tier.plugin == "disk" and path:
-            tier.options = tier.options.model_copy(update={"path": str(Path(path).expanduser() / f"replica-{rank}")})
+            tier.options = tier.options.model_copy(update={"path": str(Path(path).expanduser() / f"replica-{label}")})
     return loaded

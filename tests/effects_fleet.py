@@ -10,7 +10,7 @@ import pytest
 
 from tests.effects_lab import Lab
 from tierserve.core.errors import ConfigError
-from tierserve.fleet.app import engine_options
+from tierserve.fleet.app import check_disaggregation, engine_options, prefill_options
 from tierserve.fleet.prefix_affinity import choose
 
 
@@ -81,7 +81,17 @@ def fleet_affinity_max_queue(lab: Lab) -> None:
     assert choose("a", queues, 8, min) == ("a", True)
 
 
+def fleet_prefill_replicas(lab: Lab) -> None:
+    tier = {"name": "shared", "plugin": "redis", "url": "redis://127.0.0.1:1/0", "write_through": True}
+    loaded = lab.settings({"fleet.prefill_replicas": 2, "kv_cache.tiers": [tier]})
+    check_disaggregation(loaded)
+    assert prefill_options(loaded.settings.fleet, loaded.settings)["num_replicas"] == 2
+    with pytest.raises(ConfigError, match="shared cache tier"):  # L2 only: nothing to hand prompts over with
+        check_disaggregation(lab.settings({"fleet.prefill_replicas": 1}))
+
+
 PROBES = {
+    "fleet.prefill_replicas": fleet_prefill_replicas,
     "fleet.replicas": fleet_replicas,
     "fleet.autoscaling": fleet_autoscaling,
     "fleet.min_replicas": fleet_min_replicas,

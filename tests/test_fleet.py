@@ -15,7 +15,7 @@ import ray
 from litestar.testing import TestClient
 from ray import serve
 
-from tests.redis_server import free_port
+from tests.redis_server import RedisServer, free_port
 from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.fleet.app import APP_NAME, build_fleet, engine_options
@@ -168,3 +168,28 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(fleet):
         assert time.monotonic() - started < 120, "the idle fleet did not scale down"
         time.sleep(0.5)
     print("scaled down after", time.monotonic() - started)
+
+
+def test_disaggregated_prefill_hands_the_prompt_to_the_decode_replica_through_redis(fleet, tmp_path):
+    sources, url = fleet
+    shared = RedisServer(tmp_path / "redis").start()
+    try:
+        tier = {"name": "shared", "plugin": "redis", "url": shared.url, "write_through": True}
+        split = {**SETTINGS, ("fleet", "replicas"): 1, ("fleet", "prefill_replicas"): 1, ("kv_cache", "tiers"): [tier]}
+        serve.run(build_fleet(SettingsSources.of("development", None, split)), name=APP_NAME, route_prefix="/")
+        prompt = SYSTEM + "Which trains stop at the airport?"
+        body = {"model": "builtin:tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=180)
+        assert answer.status_code == 200
+        usage = answer.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 16  # all but the last block
+        assert shared.client().dbsize() > 0
+        loaded = sources.load()
+        engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
+        try:
+            [expected] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+        finally:
+            engine.close()
+        assert answer.json()["choices"][0]["text"] == expected.text
+    finally:  # the last test of the module: the fleet stays disaggregated until the module's teardown
+        shared.stop()
