@@ -10,6 +10,7 @@ into ``report.md`` and PNG plots):
     roofline     batch-1 decode tokens/s against the memory-bandwidth limit, per weight precision
     quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL
     cache-store  put/get speed of the memory and disk tiers, zstd levels
+    fleet        tierserve fleet on Ray: cache-aware vs default routing, prefill/decode disaggregation
     report       markdown table and plots from the JSON results
     all          every scenario, then the report
 
@@ -104,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--tokens", type=int, default=2048, help="prompt tokens whose KV is stored (default: 2048)")
     cs.add_argument("--levels", type=_ints, default=[1, 3, 6, 9, 19], help="zstd levels (default: 1,3,6,9,19)")
 
+    fl = commands.add_parser("fleet", help="tierserve fleet on Ray: cache-aware routing, disaggregation")
+    fl.add_argument("--parts", type=_names(("routing", "disaggregation")), default=["routing", "disaggregation"])
+    fl.add_argument("--conversations", type=int, default=16)
+    fl.add_argument("--systems-prompts", type=int, default=4, help="system prompts the conversations share (default: 4)")
+    fl.add_argument("--turns", type=int, default=8)
+    fl.add_argument("--prefix-len", type=int, default=512)
+    fl.add_argument("--turn-len", type=int, default=32)
+    fl.add_argument("--output-len", type=int, default=16)
+    fl.add_argument("--decoders", type=int, default=4, help="streams decoding during the long prompts (default: 4)")
+    fl.add_argument("--decode-len", type=int, default=192)
+    fl.add_argument("--long-prompts", type=int, default=6)
+    fl.add_argument("--long-len", type=int, default=1536)
+    fl.add_argument("--repeats", type=int, default=2)
+
     commands.add_parser("report", help="write report.md and the plots from the results folder")
     commands.add_parser("all", help="every scenario with its defaults, then the report")
     return parser
@@ -111,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_scenario(name: str, args: argparse.Namespace) -> None:
     from bench import cache_store, cold_prefill, prefix, quality, report, roofline, throughput
+    from bench import fleet as fleet_bench
     from bench.harness import BenchContext
 
     if name == "report":
@@ -131,6 +147,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         payload = roofline.run(ctx, args.prompt_len, args.decode_tokens, args.repeats, args.systems)
     elif name == "quality":
         payload = quality.run(ctx, args.architectures)
+    elif name == "fleet":
+        payload = fleet_bench.run(ctx, args)
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.stats import median, ratio
 
-SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store")
+SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store", "fleet")
 
 
 def _ms(seconds: float | None) -> str:
@@ -281,7 +281,34 @@ def cold_prefill_section(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def fleet_section(payload: dict) -> str:
+    """Routing (hit rate, TTFT) and disaggregation (TPOT of running decodes), medians over repeats."""
+    summary = payload["summary"]
+    lines = []
+    if "cache_aware" in summary:
+        lines += ["| routing | prompt-token hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s |", "|---|---:|---:|---:|---:|"]
+        for routing in ("cache_aware", "power_of_two"):
+            row = summary.get(routing)
+            if row:
+                lines.append(
+                    f"| {routing} | {row['hit_rate']:.3f} | {row['ttft_p50_s']:.3f} | {row['ttft_p99_s']:.3f} | {row['output_tok_s']:.1f} |"
+                )
+        if summary.get("hit_rate_ratio"):
+            lines.append(f"\nhit rate ×{summary['hit_rate_ratio']:.2f}, TTFT p50 ×{summary['ttft_p50_ratio']:.2f} lower\n")
+    if "together" in summary:
+        lines += ["| prefill and decode | TPOT p50 (s) | TPOT p99 (s) | inter-token p99 (s) | long prompt TTFT p50 (s) |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        for split in ("together", "disaggregated"):
+            row = summary.get(split)
+            if row:
+                lines.append(
+                    f"| {split} | {row['tpot_p50_s']:.4f} | {row['tpot_p99_s']:.4f} | {row['itl_p99_s']:.4f} | {row['long_ttft_p50_s']:.3f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 SECTIONS = {
+    "fleet": ("Fleet: cache-aware routing and prefill/decode disaggregation", fleet_section),
     "throughput": ("Throughput vs concurrency", throughput_section),
     "cold-prefill": ("Cold prefill (TTFT of a long uncached prompt)", cold_prefill_section),
     "prefix": ("Shared-prefix chats by cache state", prefix_section),
