@@ -100,7 +100,7 @@ def deploy(ctx: BenchContext, port: int, fleet: dict[str, Any], tiers: list[dict
     if tiers is not None:
         overrides[("kv_cache", "tiers")] = tiers
     serve.run(build_fleet(SettingsSources.of("development", None, overrides)), name=APP_NAME, route_prefix="/")
-    return FleetServer(f"http://127.0.0.1:{port}", ctx.model)
+    return FleetServer(f"http://127.0.0.1:{port}", str(ctx.checkpoint))  # the name the replicas serve
 
 
 def conversations(tokenizer, systems: int, per_system: int, turns: int, prefix_len: int, turn_len: int, seed: int):
@@ -169,7 +169,8 @@ def run(ctx: BenchContext, args: Any) -> dict:
                     server = deploy(ctx, port, {"replicas": 2, "routing": routing})
                     summary = routing_run(ctx, server, args, seed=1000 + len(runs))
                     runs.append({"part": "routing", "routing": routing, "repeat": repeat, **summary})
-                    print(f"routing {routing}: hit rate {summary['hit_rate']:.3f}, TTFT p50 {summary['ttft_p50_s']:.3f}s")
+                    print(f"routing {routing}: hit rate {summary['hit_rate']:.3f}, TTFT p50 {summary['ttft_p50_s']}s, "
+                          f"errors {summary['errors']} ({summary['first_error']})")
         if "disaggregation" in args.parts:
             redis_process, url = start_redis()
             tier = {"name": "shared", "plugin": "redis", "url": url, "write_through": True}
@@ -179,7 +180,7 @@ def run(ctx: BenchContext, args: Any) -> dict:
                     server = deploy(ctx, port, fleet, [tier])
                     summary = asyncio.run(mixed_load(server, ctx, args, seed=2000 + len(runs)))
                     runs.append({"part": "disaggregation", "split": split, "repeat": repeat, **summary})
-                    print(f"{split}: TPOT p99 {summary['tpot_p99_s']:.4f}s, ITL p99 {summary['itl_p99_s']:.4f}s")
+                    print(f"{split}: TPOT p99 {summary['tpot_p99_s']}s, ITL p99 {summary['itl_p99_s']}s, errors {summary['errors']}")
     finally:
         serve.shutdown()
         ray.shutdown()
