@@ -338,8 +338,11 @@ class FleetSettings(Section):
         "cache_aware",
         description="cache_aware: the replica holding the longest prefix (or the cache_key); power_of_two: Ray's default",
     )
-    affinity_max_queue: int = Field(
-        8, ge=0, description="a preferred replica with more ongoing requests than this loses the request to the least loaded"
+    max_imbalance: int = Field(
+        2,
+        ge=0,
+        description="the replica holding a request's prefix keeps it while it has at most this many more ongoing "
+        "requests than the least loaded replica; beyond, the least loaded takes it",
     )
     prefill_replicas: int = Field(
         0,

@@ -44,7 +44,7 @@ def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
 
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=CacheAwareRouter,
-            request_router_kwargs={"affinity_max_queue": fleet.affinity_max_queue},
+            request_router_kwargs={"max_imbalance": fleet.max_imbalance},
         )
     return options
 
@@ -103,3 +103,16 @@ def run_fleet(sources: SettingsSources, address: str | None = None, blocking: bo
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
     serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
     serve.run(build_fleet(sources), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The fleet for ``serve run`` and KubeRay's RayService (``import_path: tierserve.fleet.app:app_builder``).
+
+    ``args``: ``preset`` (default ``production``), ``config_file`` (a TOML path on every node) and ``set``
+    (``{"fleet.replicas": 4, ...}``, as ``--set`` takes them).
+    """
+    overrides: dict[tuple[str, str], Any] = {}
+    for dotted, value in (args.get("set") or {}).items():
+        section, _, key = str(dotted).partition(".")
+        overrides[(section, key)] = value
+    return build_fleet(SettingsSources.of(args.get("preset", "production"), args.get("config_file"), overrides))

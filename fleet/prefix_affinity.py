@@ -153,14 +153,15 @@ class PrefixAffinity:
 
 
 def choose(
-    preferred: str | None, queue_lengths: Mapping[str, int | None], max_queue: int, pick: Callable[[list[str]], str]
+    preferred: str | None, ongoing: Mapping[str, int], max_imbalance: int, pick: Callable[[list[str]], str]
 ) -> tuple[str, bool]:
     """The replica to send to, and whether it is the preferred one.
 
-    The preferred replica keeps the request while its known queue is at most ``max_queue`` (an
-    unknown length counts as empty); otherwise the least loaded replica takes it (``pick`` breaks ties).
+    The preferred replica keeps the request while it has at most ``max_imbalance`` more ongoing
+    requests than the least loaded replica (as SGLang's router balances); otherwise the least loaded
+    replica takes it (``pick`` breaks ties).
     """
-    if preferred is not None and preferred in queue_lengths and (queue_lengths[preferred] or 0) <= max_queue:
+    shortest = min(ongoing.values())
+    if preferred is not None and preferred in ongoing and ongoing[preferred] - shortest <= max_imbalance:
         return preferred, True
-    shortest = min((length or 0) for length in queue_lengths.values())
-    return pick([name for name, length in queue_lengths.items() if (length or 0) == shortest]), False
+    return pick([name for name, count in ongoing.items() if count == shortest]), False

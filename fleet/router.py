@@ -12,7 +12,7 @@ metric ``tierserve_fleet_routing_decisions``).
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -20,7 +20,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from tierserve.fleet import prefix_affinity
 from tierserve.fleet.prefix_affinity import PrefixAffinity, RouteKey, choose, route_key
 
-SEEN_REQUESTS = 10_000  # request ids remembered so a retried routing counts once
+SEEN_REQUESTS = 100_000  # requests in flight this router keeps track of
 
 
 def request_route_key(args: list[Any]) -> RouteKey | None:
@@ -34,14 +34,19 @@ def request_route_key(args: list[Any]) -> RouteKey | None:
 
 class CacheAwareRouter(FIFOMixin, RequestRouter):
     """Sends a request to the replica that last received the longest prefix of its prompt (or its
-    ``cache_key``) unless that replica has more than ``affinity_max_queue`` requests ongoing; then, and
-    for prompts nothing matches, to the least loaded replica (ties broken at random)."""
+    ``cache_key``) unless that replica has more than ``max_imbalance`` requests ongoing beyond the least
+    loaded one; then, and for prompts nothing matches, to the least loaded replica (ties at random).
 
-    def initialize_state(self, affinity_max_queue: int = 8, max_chunks: int = 200_000) -> None:
+    Ongoing requests are counted here, from the choice to ``on_request_completed``: exact for what
+    this router sent, where Ray's queue-length cache is refreshed only now and then.
+    """
+
+    def initialize_state(self, max_imbalance: int = 2, max_chunks: int = 200_000) -> None:
         self.affinity = PrefixAffinity(max_chunks=max_chunks)
-        self.max_queue = affinity_max_queue
+        self.max_imbalance = max_imbalance
         self._metric = _decision_metric()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._placed: OrderedDict[str, str] = OrderedDict()  # internal request id -> replica, until completed
+        self._ongoing: Counter[str] = Counter()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -51,26 +56,37 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             return []
         key = request_route_key(pending_request.args) if pending_request is not None else None
         preferred, reason, _ = self.affinity.prefer(key, by_name)
-        queues = {name: self._replica_queue_len_cache.get(r.replica_id) for name, r in by_name.items()}
-        chosen, kept = choose(preferred, queues, self.max_queue, random.choice)
+        ongoing = {name: self._ongoing[name] for name in by_name}
+        chosen, kept = choose(preferred, ongoing, self.max_imbalance, random.choice)
         if preferred is not None and not kept:
             reason = "overloaded"
         self.affinity.record(key, chosen)
         if pending_request is not None:
-            self._count_once(pending_request.metadata.internal_request_id, reason)
+            self._place(pending_request.metadata.internal_request_id, chosen, reason)
         others = [replica for name, replica in by_name.items() if name != chosen]
         return [[by_name[chosen]], others] if others else [[by_name[chosen]]]
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        placed = self._placed.pop(internal_request_id, None)
+        if placed is not None:
+            self._ongoing[placed] = max(0, self._ongoing[placed] - 1)
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         self.affinity.forget_replica(replica_id.unique_id)
+        self._ongoing.pop(replica_id.unique_id, None)
 
-    def _count_once(self, request_id: str, reason: str) -> None:
-        if request_id in self._seen:
+    def _place(self, request_id: str, replica: str, reason: str) -> None:
+        """Count the request on ``replica`` (a retried choice moves it) and its decision once."""
+        earlier = self._placed.get(request_id)
+        if earlier is not None:
+            self._ongoing[earlier] = max(0, self._ongoing[earlier] - 1)
+        self._placed[request_id] = replica
+        self._ongoing[replica] += 1
+        while len(self._placed) > SEEN_REQUESTS:  # completions never reported (should not happen): forget
+            self._placed.popitem(last=False)
+        if earlier is not None:
             return
-        self._seen[request_id] = None
-        while len(self._seen) > SEEN_REQUESTS:
-            self._seen.popitem(last=False)
         # through the module: Ray ships this router module by value, so a name imported here would be a copy
         prefix_affinity.DECISIONS[reason] += 1
         if self._metric is not None:

@@ -73,12 +73,12 @@ def fleet_routing(lab: Lab) -> None:
     assert "request_router_config" not in options(lab, routing="power_of_two")  # Ray's default router
 
 
-def fleet_affinity_max_queue(lab: Lab) -> None:
-    kwargs = options(lab, affinity_max_queue=2)["request_router_config"].request_router_kwargs
-    assert kwargs == {"affinity_max_queue": 2}
-    queues = {"a": 3, "b": 0}
-    assert choose("a", queues, kwargs["affinity_max_queue"], min) == ("b", False)
-    assert choose("a", queues, 8, min) == ("a", True)
+def fleet_max_imbalance(lab: Lab) -> None:
+    kwargs = options(lab, max_imbalance=1)["request_router_config"].request_router_kwargs
+    assert kwargs == {"max_imbalance": 1}
+    ongoing = {"a": 3, "b": 1}
+    assert choose("a", ongoing, kwargs["max_imbalance"], min) == ("b", False)
+    assert choose("a", ongoing, options(lab)["request_router_config"].request_router_kwargs["max_imbalance"], min) == ("a", True)
 
 
 def fleet_prefill_replicas(lab: Lab) -> None:
@@ -103,5 +103,5 @@ PROBES = {
     "fleet.num_cpus": fleet_num_cpus,
     "fleet.num_gpus": fleet_num_gpus,
     "fleet.routing": fleet_routing,
-    "fleet.affinity_max_queue": fleet_affinity_max_queue,
+    "fleet.max_imbalance": fleet_max_imbalance,
 }

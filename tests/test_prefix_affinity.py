@@ -64,6 +64,6 @@ def test_the_index_is_bounded_oldest_first():
 
 def test_a_busy_preferred_replica_loses_the_request_to_the_least_loaded():
     first = min
-    assert choose("a", {"a": 3, "b": 0}, max_queue=4, pick=first) == ("a", True)
-    assert choose("a", {"a": 5, "b": 2, "c": 2}, max_queue=4, pick=first) == ("b", False)
-    assert choose(None, {"a": None, "b": 1}, max_queue=4, pick=first) == ("a", False)
+    assert choose("a", {"a": 3, "b": 1}, max_imbalance=2, pick=first) == ("a", True)
+    assert choose("a", {"a": 5, "b": 2, "c": 2}, max_imbalance=2, pick=first) == ("b", False)
+    assert choose(None, {"a": 0, "b": 1}, max_imbalance=2, pick=first) == ("a", False)
