@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bench.soak_crash import soak
 
-ITERATIONS = 6  # ~11 s each on 2 cores; the soak runs 100
+ITERATIONS = 5  # ~11 s each on 2 cores; the soak runs 100
 
 
 def test_sigkill_restarts_serve_exact_outputs_from_l3(tmp_path):

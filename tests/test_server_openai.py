@@ -201,8 +201,12 @@ def test_disconnecting_stream_frees_blocks(server):
         for index, _ in enumerate(response.iter_lines()):
             if index >= 3:
                 break  # leave mid-stream
+    def settled() -> bool:  # blocks other tests' cache keys pin stay taken
+        stats = engine.stats()
+        return not stats.requests_queued and stats.kv_blocks_free + stats.kv_blocks_pinned == stats.kv_blocks_total
+
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (engine.stats().requests_queued or engine.stats().kv_usage):
+    while time.monotonic() < deadline and not settled():
         time.sleep(0.05)
     stats = engine.stats()
     assert stats.requests_queued == 0
