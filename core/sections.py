@@ -339,7 +339,7 @@ class FleetSettings(Section):
         description="cache_aware: the replica holding the longest prefix (or the cache_key); power_of_two: Ray's default",
     )
     max_imbalance: int = Field(
-        2,
+        8,
         ge=0,
         description="the replica holding a request's prefix keeps it while it has at most this many more ongoing "
         "requests than the least loaded replica; beyond, the least loaded takes it",

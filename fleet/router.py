@@ -41,7 +41,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
     this router sent, where Ray's queue-length cache is refreshed only now and then.
     """
 
-    def initialize_state(self, max_imbalance: int = 2, max_chunks: int = 200_000) -> None:
+    def initialize_state(self, max_imbalance: int = 8, max_chunks: int = 200_000) -> None:
         self.affinity = PrefixAffinity(max_chunks=max_chunks)
         self.max_imbalance = max_imbalance
         self._metric = _decision_metric()
