@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 import socket
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +33,7 @@ import httpx
 
 from bench.client import RunResult, run_clients, stream_completion
 from bench.harness import BenchContext
+from bench.redis_server import start_redis_server
 from bench.stats import median, percentile
 from bench.workloads import Conversation, text_with_tokens
 
@@ -63,25 +61,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def start_redis() -> tuple[subprocess.Popen, str]:
-    import redis
-
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("the disaggregation runs need redis-server (apt-get install redis-server)")
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.mkdtemp())
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(200):
-        try:
-            redis.Redis.from_url(url).ping()
-            return process, url
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def deploy(ctx: BenchContext, port: int, fleet: dict[str, Any], tiers: list[dict] | None = None) -> FleetServer:
@@ -172,7 +151,7 @@ def run(ctx: BenchContext, args: Any) -> dict:
                     print(f"routing {routing}: hit rate {summary['hit_rate']:.3f}, TTFT p50 {summary['ttft_p50_s']}s, "
                           f"errors {summary['errors']} ({summary['first_error']})")
         if "disaggregation" in args.parts:
-            redis_process, url = start_redis()
+            redis_process, url = start_redis_server()
             tier = {"name": "shared", "plugin": "redis", "url": url, "write_through": True}
             for repeat in range(args.repeats):
                 for split in SPLITS if repeat % 2 == 0 else SPLITS[::-1]:

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 
+from bench.redis_server import start_redis_server
 from tierserve.core.config import load_settings
 from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
@@ -74,26 +73,6 @@ def build_redis_engine(model: str, url: str, prefix_len: int, suffix_len: int) -
     }
     loaded = load_settings("development", environ={}, overrides=overrides)
     return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
-
-
-def start_redis_server() -> tuple[subprocess.Popen, str]:
-    """A throw-away ``redis-server`` (no persistence) on a free loopback port, and its URL."""
-    import redis
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.mkdtemp())
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(200):
-        try:
-            redis.Redis.from_url(url).ping()
-            return process, url
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def redis_rows(args: argparse.Namespace, prefix: list[int], fresh_suffix) -> list[tuple[float, int]]:

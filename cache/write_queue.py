@@ -15,15 +15,95 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import structlog
 
+from tierserve.cache.stats import TierStats
 from tierserve.cache.tier import CacheEntry, WriteTally
 
 log = structlog.get_logger(__name__)
 
 _TASK = object()  # a queue item: run the task instead of writing
+
+
+class QueuedTier:
+    """What the tiers whose writes queue in a ``TierWriter`` (disk, redis) share: what is queued
+    (``_pending``, the writer's ``pending``) counts as held next to what is stored (``_stored``: a
+    mapping from key to a record with ``parent`` and ``accesses``); ``get`` times and counts the tier's
+    ``_lookup``; ``put`` and ``put_waiting`` hand the entry to its ``_put`` and return nothing (such a
+    tier drops what it evicts). The tier sets ``lock``, ``stats``, ``_pending`` and ``_stored``; list
+    this class before ``CacheTier``."""
+
+    lock: threading.RLock
+    stats: TierStats
+    _pending: dict[bytes, CacheEntry]
+    _stored: Any
+    _writer: TierWriter
+    _closed: bool
+
+    def _stop_writes(self, last: Callable[[], None] | None = None) -> bool:
+        """Write what is queued, refuse later puts and end the writer (``last`` runs on its thread);
+        False when the tier was closed already. (``flush`` is the tier's: ``CacheTier.flush``.)"""
+        with self.lock:
+            if self._closed:
+                return False
+        self.flush()
+        with self.lock:
+            self._closed = True
+        self._writer.stop(last=last)
+        return True
+
+    def _lookup(self, key: bytes) -> CacheEntry | None:
+        raise NotImplementedError
+
+    def _put(self, entry: CacheEntry, tally: WriteTally | None = None, deadline: float = 0.0) -> None:
+        raise NotImplementedError
+
+    def get(self, key: bytes) -> CacheEntry | None:
+        start = time.perf_counter()
+        entry = self._lookup(key)
+        with self.lock:
+            if entry is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+            self.stats.get_seconds += time.perf_counter() - start
+        return entry
+
+    def put(self, entry: CacheEntry) -> list[CacheEntry]:
+        self._put(entry)
+        return []
+
+    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
+        """``put``, waiting for room in the write queue until ``deadline`` instead of dropping at once;
+        ``tally`` learns whether the entry was written or dropped once the writer is done with it."""
+        self._put(entry, tally, deadline)
+        return []
+
+    def keys(self) -> Iterator[bytes]:
+        with self.lock:
+            return iter(list(set(self._stored) | self._pending.keys()))
+
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent hash of ``key``; ``None`` also when ``key`` is not held."""
+        with self.lock:
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending.parent
+            stored = self._stored.get(key)
+            return stored.parent if stored is not None else None
+
+    def __len__(self) -> int:
+        # O(queued writes), bounded by the queue, not by what is stored: stats read this per scrape
+        with self.lock:
+            return len(self._stored) + sum(1 for key in self._pending if key not in self._stored)
+
+    def access_count(self, key: bytes) -> int:
+        with self.lock:
+            pending, stored = self._pending.get(key), self._stored.get(key)
+            return (pending.accesses if pending else 0) + (stored.accesses if stored else 0)
 
 
 class TierWriter(threading.Thread):

@@ -15,7 +15,7 @@ one record of the directory (``disk_counts``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +25,7 @@ import structlog
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier, WriteTally
-from tierserve.cache.write_queue import TierWriter
+from tierserve.cache.write_queue import QueuedTier, TierWriter
 from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.plugins.tiers.disk_counts import CountsRecord
@@ -49,7 +49,7 @@ log = structlog.get_logger(__name__)
 _UNBOUNDED = 2**63 - 1  # policy capacity when max_bytes is 0 (no byte bound)
 
 
-class DiskTier(CacheTier):
+class DiskTier(QueuedTier, CacheTier):
     """A persistent (or spill-only) tier in its ``path``, bounded by ``max_bytes`` (``DiskTierSettings``).
 
     ``put`` only enqueues: one writer thread encodes and writes, so callers
@@ -106,6 +106,7 @@ class DiskTier(CacheTier):
             event_prefix="kv_disk",
         )
         self._pending = self._writer.pending  # queued or being written, newest put per key
+        self._stored = self._index
         self._closed = False
         cache = None
         try:
@@ -126,27 +127,6 @@ class DiskTier(CacheTier):
                 return not self._expire_pending_if_old(pending)
             stored = self._index.get(key)
             return stored is not None and not self._expire_if_old(key, stored)
-
-    def get(self, key: bytes) -> CacheEntry | None:
-        start = time.perf_counter()
-        entry = self._lookup(key)
-        with self.lock:
-            if entry is None:
-                self.stats.misses += 1
-            else:
-                self.stats.hits += 1
-            self.stats.get_seconds += time.perf_counter() - start
-        return entry
-
-    def put(self, entry: CacheEntry) -> list[CacheEntry]:
-        self._put(entry)
-        return []
-
-    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
-        """``put``, waiting for room in the write queue until ``deadline`` instead of dropping at once;
-        ``tally`` learns whether the entry was written or dropped once the writer is done with it."""
-        self._put(entry, tally, deadline)
-        return []
 
     def _put(self, entry: CacheEntry, tally: WriteTally | None = None, deadline: float = 0.0) -> None:
         start = time.perf_counter()
@@ -197,32 +177,9 @@ class DiskTier(CacheTier):
                 log.warning("kv_disk_clear_failed", directory=str(self.directory), error=repr(exc))
             return removed
 
-    def keys(self) -> Iterator[bytes]:
-        with self.lock:
-            return iter(list(set(self._index) | self._pending.keys()))
-
-    def parent_of(self, key: bytes) -> bytes | None:
-        """The parent hash of ``key``; ``None`` also when ``key`` is not stored."""
-        with self.lock:
-            pending = self._pending.get(key)
-            if pending is not None:
-                return pending.parent
-            stored = self._index.get(key)
-            return stored.parent if stored is not None else None
-
-    def __len__(self) -> int:
-        # O(queued writes), bounded by l3_write_queue, not by what is stored: stats read this per scrape
-        with self.lock:
-            return len(self._index) + sum(1 for key in self._pending if key not in self._index)
-
     @property
     def bytes_used(self) -> int:
         return self._index.stored_bytes
-
-    def access_count(self, key: bytes) -> int:
-        with self.lock:
-            pending, stored = self._pending.get(key), self._index.get(key)
-            return (pending.accesses if pending else 0) + (stored.accesses if stored else 0)
 
     def add_accesses(self, key: bytes, count: int) -> None:
         with self.lock:
@@ -252,15 +209,10 @@ class DiskTier(CacheTier):
 
     def close(self) -> None:
         """Write what is queued, stop the writer and close the directory; later puts are dropped."""
-        with self.lock:
-            if self._closed:
-                return
-        self.flush()
-        with self.lock:
-            self._closed = True
         # diskcache keeps a connection per thread and closes only the caller's: one left open would
         # write into the index when collected, even after the directory is reopened (or its index moved aside)
-        self._writer.stop(last=self._cache.close)
+        if not self._stop_writes(last=self._cache.close):
+            return
         self._save_counts()
         self._cache.close()
 

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry, CacheTier, WriteTally
-from tierserve.cache.write_queue import TierWriter
+from tierserve.cache.write_queue import QueuedTier, TierWriter
 from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
 
@@ -143,7 +143,7 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-class RedisTier(CacheTier):
+class RedisTier(QueuedTier, CacheTier):
     """KV blocks in a Redis server shared by every process configured with the same url and key prefix.
 
     ``put`` only enqueues; one writer thread checks whether the key is there
@@ -187,6 +187,7 @@ class RedisTier(CacheTier):
             event_prefix="kv_redis",
         )
         self._pending = self._writer.pending
+        self._stored = self._known
         self._check_server()
         self._writer.start()
 
@@ -195,26 +196,6 @@ class RedisTier(CacheTier):
     def contains(self, key: bytes) -> bool:
         with self.lock:
             return key in self._pending or key in self._known
-
-    def get(self, key: bytes) -> CacheEntry | None:
-        start = time.perf_counter()
-        entry = self._lookup(key)
-        with self.lock:
-            if entry is None:
-                self.stats.misses += 1
-            else:
-                self.stats.hits += 1
-            self.stats.get_seconds += time.perf_counter() - start
-        return entry
-
-    def put(self, entry: CacheEntry) -> list[CacheEntry]:
-        self._put(entry)
-        return []
-
-    def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
-        """``put``, waiting for room in the write queue until ``deadline``; ``tally`` learns how it ends."""
-        self._put(entry, tally, deadline)
-        return []
 
     def remove(self, key: bytes) -> None:
         with self.lock:
@@ -232,30 +213,9 @@ class RedisTier(CacheTier):
         deleted = self._command(self._delete_namespace)
         return known if deleted is FAILED else deleted
 
-    def keys(self) -> Iterator[bytes]:
-        with self.lock:
-            return iter(list(self._known.keys() | self._pending.keys()))
-
-    def parent_of(self, key: bytes) -> bytes | None:
-        with self.lock:
-            pending = self._pending.get(key)
-            if pending is not None:
-                return pending.parent
-            known = self._known.get(key)
-            return known.parent if known is not None else None
-
-    def __len__(self) -> int:
-        with self.lock:
-            return len(self._known) + sum(1 for key in self._pending if key not in self._known)
-
     @property
     def bytes_used(self) -> int:
         return self.stats.stored_bytes
-
-    def access_count(self, key: bytes) -> int:
-        with self.lock:
-            pending, known = self._pending.get(key), self._known.get(key)
-            return (pending.accesses if pending else 0) + (known.accesses if known else 0)
 
     def add_accesses(self, key: bytes, count: int) -> None:
         with self.lock:
@@ -278,14 +238,8 @@ class RedisTier(CacheTier):
 
     def close(self) -> None:
         """Write what is queued, stop the writer and close the connections; later puts are dropped."""
-        with self.lock:
-            if self._closed:
-                return
-        self.flush()
-        with self.lock:
-            self._closed = True
-        self._writer.stop()
-        self.client.close()
+        if self._stop_writes():
+            self.client.close()
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless the remembered entries and the byte counters agree."""
