@@ -151,8 +151,8 @@ class TieredStore:
             if not indexed and not store_tier.tier.shared:
                 continue
             entry = store_tier.tier.get(key)
-            if entry is None:  # expired, corrupt or evicted: the tier removed it
-                if indexed:
+            if entry is None:  # expired, corrupt or evicted (the tier removed it), or a remote tier unreachable now
+                if indexed and not store_tier.tier.contains(key):
                     self.placement.discard(key, position)
                 continue
             if entry.token_ids != tokens:

@@ -135,7 +135,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     try:
         from ray import serve
 
-        from tierserve.fleet.app import run_fleet
+        from tierserve.fleet.app import APP_NAME, run_fleet
         from tierserve.fleet.settings_sources import SettingsSources
     except ImportError as exc:
         raise TierserveError(f"tierserve fleet needs Ray Serve ({exc.name} is missing): pip install 'tierserve[fleet]'") from None
@@ -154,7 +154,10 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        if args.address:  # a shared cluster: remove only this application
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
     return 0
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 import structlog
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -41,6 +43,7 @@ HOP_BY_HOP = frozenset(
 )
 REPLICA_HEADER = "x-tierserve-replica"
 START_ATTEMPTS = 3
+REPLICA_GONE = (RayActorError, ActorUnavailableError, BackPressureError, DeploymentUnavailableError)
 READY_TIMEOUT_SECONDS = 600.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -73,7 +76,10 @@ class EngineReplica:
         self.thread.start()
         self.base_url = f"http://127.0.0.1:{loaded.settings.server.port}"
         self._wait_ready()
-        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=None)
+        # streams hold their connection for the whole generation: no pool bound below the engine's own
+        unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=None, limits=unbounded)
+        self.health_client = httpx.AsyncClient(base_url=self.base_url, timeout=10)  # never queued behind streams
         log.info("fleet_replica_ready", replica=self.name, url=self.base_url)
 
     def _wait_ready(self) -> None:
@@ -94,14 +100,14 @@ class EngineReplica:
 
     async def forward(self, request: dict[str, Any]):
         """Send one HTTP request to this replica's server; yields the status and headers, then the body."""
-        headers = [(name, value) for name, value in request["headers"] if name.lower() not in HOP_BY_HOP]
+        headers = _forwardable(request["headers"])
         outgoing = self.client.build_request(
             request["method"], request["path"], params=request.get("query") or None, headers=headers, content=request["body"]
         )
         response = await self.client.send(outgoing, stream=True)
         try:
-            kept = [(name, value) for name, value in response.headers.items() if name.lower() not in HOP_BY_HOP]
-            yield {"status": response.status_code, "headers": [*kept, (REPLICA_HEADER, self.name)]}
+            kept = _forwardable(response.headers.raw)
+            yield {"status": response.status_code, "headers": [*kept, (REPLICA_HEADER.encode(), self.name.encode())]}
             async for chunk in response.aiter_raw():
                 yield chunk
         finally:
@@ -119,8 +125,7 @@ class EngineReplica:
         body.update(max_tokens=1, stream=False, n=1)
         for key in ("stream_options", "max_completion_tokens", "min_tokens"):
             body.pop(key, None)
-        headers = [(n, v) for n, v in request["headers"] if n.lower() not in HOP_BY_HOP]
-        response = await self.client.post(request["path"], json=body, headers=headers)
+        response = await self.client.post(request["path"], json=body, headers=_forwardable(request["headers"]))
         engine = self.app.state.tierserve.engine
         await asyncio.to_thread(engine.flush_cache)  # the decode replica looks the blocks up next
         usage = response.json().get("usage") if response.status_code == 200 else None
@@ -130,7 +135,7 @@ class EngineReplica:
         """Ray Serve's health check: a replica whose engine died is replaced."""
         if not self.thread.is_alive():
             raise RuntimeError("the replica's server stopped")
-        response = await self.client.get("/health", timeout=10)
+        response = await self.health_client.get("/health")
         if response.status_code != 200:
             raise RuntimeError(f"/health answered {response.status_code}: {response.text[:200]}")
 
@@ -156,7 +161,7 @@ class Ingress:
             "method": request.method,
             "path": request.url.path,
             "query": request.url.query,
-            "headers": list(request.headers.items()),
+            "headers": list(request.headers.raw),  # bytes: any latin-1 value passes as sent
             "body": await request.body(),
         }
         if self.prefill is not None and request.method == "POST" and forwarded["path"] in GENERATION_PATHS:
@@ -166,13 +171,18 @@ class Ingress:
             try:
                 head = await stream.__anext__()
                 break
-            except Exception as exc:  # the replica died before it answered: nothing reached the client yet
+            except REPLICA_GONE as exc:  # the replica died before it answered: nothing reached the client yet
                 log.warning("fleet_request_retried", path=forwarded["path"], attempt=attempt + 1, error=repr(exc))
                 if attempt == START_ATTEMPTS - 1:
                     return _error(503, f"no engine replica could take the request: {type(exc).__name__}")
                 await asyncio.sleep(0.2 * (attempt + 1))
-        event_stream = any(n.lower() == "content-type" and "text/event-stream" in v for n, v in head["headers"])
-        return StreamingResponse(_body(stream, event_stream), status_code=head["status"], headers=dict(head["headers"]))
+            except Exception as exc:  # not a replica's death: sending it again would not help
+                log.exception("fleet_request_failed", path=forwarded["path"])
+                return _error(502, f"the engine replica could not take the request: {type(exc).__name__}", "server_error")
+        event_stream = any(n.lower() == b"content-type" and b"text/event-stream" in v for n, v in head["headers"])
+        response = StreamingResponse(_body(stream, event_stream), status_code=head["status"])
+        response.raw_headers = [*head["headers"], *response.raw_headers]  # repeated headers (set-cookie) kept
+        return response
 
     async def _prefill(self, forwarded: dict[str, Any]) -> None:
         """Have a prefill replica compute the prompt into the shared tier; a failure only costs the decode
@@ -199,9 +209,16 @@ async def _body(stream: Any, event_stream: bool):
             yield chunk
     except Exception as exc:  # the replica died mid-answer: say so instead of ending silently
         log.warning("fleet_stream_cut", error=repr(exc))
-        if event_stream:
-            error = {"message": f"the engine replica serving this stream stopped: {type(exc).__name__}", "type": "server_error", "code": 502}
-            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+        if not event_stream:
+            raise  # the proxy aborts the transfer: a cut JSON body must not look complete
+        error = {"message": f"the engine replica serving this stream stopped: {type(exc).__name__}", "type": "server_error", "code": 502}
+        yield f"data: {json.dumps({'error': error})}\n\n".encode()
+
+
+def _forwardable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The end-to-end headers, names lower-cased (as ASGI wants them), values as bytes."""
+    kept = [(name.lower(), value) for name, value in headers]
+    return [(name, value) for name, value in kept if name.decode("latin-1") not in HOP_BY_HOP]
 
 
 def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:

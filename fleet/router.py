@@ -3,8 +3,9 @@
 It runs where the engine deployment's handle lives (the ingress replica) and
 sees each forwarded request's path, headers and body; ``prefix_affinity``
 does the bookkeeping. The router records a request's prefix against the
-replica it chose when it chooses (Ray calls ``on_request_routed`` only with
-strict queue limits on), and counts each decision once by reason
+replica Ray hands it (Ray calls ``on_request_routed`` only with strict queue
+limits on, so the routing future's result is what it follows), and counts
+each decision once by reason
 (``prefix_affinity.DECISIONS``, served at ``/v1/fleet/stats``, and the Ray
 metric ``tierserve_fleet_routing_decisions``).
 """
@@ -15,7 +16,7 @@ import random
 from collections import Counter, OrderedDict
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from tierserve.fleet import prefix_affinity
 from tierserve.fleet.prefix_affinity import PrefixAffinity, RouteKey, choose, route_key
@@ -28,23 +29,30 @@ def request_route_key(args: list[Any]) -> RouteKey | None:
     if not args or not isinstance(args[0], dict):
         return None
     request = args[0]
-    headers = {name.lower(): value for name, value in request.get("headers", [])}
+    headers = {_text(name).lower(): _text(value) for name, value in request.get("headers", [])}
     return route_key(request.get("path", ""), headers, request.get("body", b""))
 
 
-class CacheAwareRouter(FIFOMixin, RequestRouter):
+def _text(value: str | bytes) -> str:
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+class CacheAwareRouter(RequestRouter):
     """Sends a request to the replica that last received the longest prefix of its prompt (or its
     ``cache_key``) unless that replica has more than ``max_imbalance`` requests ongoing beyond the least
     loaded one; then, and for prompts nothing matches, to the least loaded replica (ties at random).
 
-    Ongoing requests are counted here, from the choice to ``on_request_completed``: exact for what
-    this router sent, where Ray's queue-length cache is refreshed only now and then.
+    What a request is recorded against (its prefix, its count of ongoing requests, its decision) is the
+    replica Ray actually hands it (its routing future's result), from then until
+    ``on_request_completed``: exact for what this router sent, where Ray's queue-length cache is
+    refreshed only now and then. Requests are matched to replicas by id (no FIFO reassignment).
     """
 
     def initialize_state(self, max_imbalance: int = 8, max_chunks: int = 200_000) -> None:
         self.affinity = PrefixAffinity(max_chunks=max_chunks)
         self.max_imbalance = max_imbalance
         self._metric = _decision_metric()
+        self._routing: dict[int, tuple[RouteKey | None, str]] = {}  # id(routing future) -> (key, reason), until it resolves
         self._placed: OrderedDict[str, str] = OrderedDict()  # internal request id -> replica, until completed
         self._ongoing: Counter[str] = Counter()
 
@@ -60,37 +68,47 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         chosen, kept = choose(preferred, ongoing, self.max_imbalance, random.choice)
         if preferred is not None and not kept:
             reason = "overloaded"
-        self.affinity.record(key, chosen)
         if pending_request is not None:
-            self._place(pending_request.metadata.internal_request_id, chosen, reason)
+            self._follow(pending_request, key, reason)
         others = [replica for name, replica in by_name.items() if name != chosen]
         return [[by_name[chosen]], others] if others else [[by_name[chosen]]]
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
-        placed = self._placed.pop(internal_request_id, None)
-        if placed is not None:
-            self._ongoing[placed] = max(0, self._ongoing[placed] - 1)
+        self._release(self._placed.pop(internal_request_id, None))
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         self.affinity.forget_replica(replica_id.unique_id)
         self._ongoing.pop(replica_id.unique_id, None)
 
-    def _place(self, request_id: str, replica: str, reason: str) -> None:
-        """Count the request on ``replica`` (a retried choice moves it) and its decision once."""
-        earlier = self._placed.get(request_id)
-        if earlier is not None:
-            self._ongoing[earlier] = max(0, self._ongoing[earlier] - 1)
+    def _follow(self, pending_request: PendingRequest, key: RouteKey | None, reason: str) -> None:
+        """Remember the latest decision for this routing attempt; record it once Ray assigns a replica."""
+        future = pending_request.future
+        first = id(future) not in self._routing
+        self._routing[id(future)] = (key, reason)
+        if first:
+            request_id = pending_request.metadata.internal_request_id
+            future.add_done_callback(lambda done: self._routed(request_id, done))
+
+    def _routed(self, request_id: str, future: Any) -> None:
+        key, reason = self._routing.pop(id(future), (None, "unparsed"))
+        if future.cancelled() or future.exception() is not None:
+            return  # cancelled before a replica took it: nothing to count
+        replica = future.result().replica_id.unique_id
+        self.affinity.record(key, replica)
+        self._release(self._placed.pop(request_id, None))  # a retried request moves
         self._placed[request_id] = replica
         self._ongoing[replica] += 1
         while len(self._placed) > SEEN_REQUESTS:  # completions never reported (should not happen): forget
-            self._placed.popitem(last=False)
-        if earlier is not None:
-            return
+            self._release(self._placed.popitem(last=False)[1])
         # through the module: Ray ships this router module by value, so a name imported here would be a copy
         prefix_affinity.DECISIONS[reason] += 1
         if self._metric is not None:
             self._metric.inc(tags={"reason": reason})
+
+    def _release(self, replica: str | None) -> None:
+        if replica is not None:
+            self._ongoing[replica] = max(0, self._ongoing[replica] - 1)
 
 
 def _decision_metric() -> Any:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -87,7 +87,7 @@ class RedisTierSettings(BaseModel):
         parts = urlsplit(self.url)
         if parts.scheme not in URL_SCHEMES:
             raise ValueError(f"url: scheme {parts.scheme!r} is not one of {', '.join(URL_SCHEMES)}")
-        if parts.password is not None:
+        if parts.password is not None or "password" in parse_qs(parts.query):
             raise ValueError(
                 "url: holds a password; give it as password or password_env, so it never appears "
                 "in logs or `tierserve config show`"
@@ -124,6 +124,7 @@ class Known:
     stored: int  # bytes of the encoded value
     raw: int  # bytes of its tensor
     accesses: int = 0
+    expires: float | None = None  # time.time() by which the server's TTL has surely ended
 
 
 def model_id(fingerprint: str) -> str:
@@ -195,7 +196,7 @@ class RedisTier(QueuedTier, CacheTier):
 
     def contains(self, key: bytes) -> bool:
         with self.lock:
-            return key in self._pending or key in self._known
+            return key in self._pending or self._live(key) is not None
 
     def remove(self, key: bytes) -> None:
         with self.lock:
@@ -240,6 +241,7 @@ class RedisTier(QueuedTier, CacheTier):
         """Write what is queued, stop the writer and close the connections; later puts are dropped."""
         if self._stop_writes():
             self.client.close()
+            self.client.connection_pool.disconnect()  # a client given a pool leaves it open
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless the remembered entries and the byte counters agree."""
@@ -265,13 +267,13 @@ class RedisTier(QueuedTier, CacheTier):
             return FAILED
         try:
             result = run()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            self._failed(exc)
-            return FAILED
         except redis.ResponseError as exc:  # the server answered: out of memory, wrong type, ...
             with self.lock:
                 self.stats.write_errors += 1
             log.warning("kv_redis_command_refused", tier=self.tier_name, url=self.url, error=str(exc))
+            return FAILED
+        except (redis.RedisError, OSError) as exc:  # unreachable, timed out, or a reply that is not Redis's
+            self._failed(exc)
             return FAILED
         self._recovered()
         return result
@@ -300,9 +302,15 @@ class RedisTier(QueuedTier, CacheTier):
     def _check_server(self) -> None:
         """Reach the server once at start (a failure is logged; the tier starts skipping it), and say
         when its eviction policy would refuse writes when full rather than evict."""
-        config = self._command(lambda: self.client.config_get("maxmemory*"))
-        if config is FAILED:
-            self._command(self.client.ping)  # CONFIG may be disabled (managed services): PING reaches it still
+        import redis
+
+        try:
+            config = self.client.config_get("maxmemory*")
+        except redis.ResponseError:  # CONFIG disabled (managed services): PING says whether it is reachable
+            self._command(self.client.ping)
+            return
+        except (redis.RedisError, OSError) as exc:
+            self._failed(exc)
             return
         if config.get("maxmemory", "0") != "0" and config.get("maxmemory-policy") == "noeviction":
             log.warning(
@@ -351,7 +359,8 @@ class RedisTier(QueuedTier, CacheTier):
         with self.lock:
             known = self._known.get(key)
             accesses = known.accesses if known is not None else 0
-            self._remember(key, Known(entry.parent, len(data), entry.nbytes, accesses + 1))
+            expires = entry.created + self.ttl_ms / 1000 if self.ttl_ms is not None else None
+            self._remember(key, Known(entry.parent, len(data), entry.nbytes, accesses + 1, expires))
         return entry
 
     # ---- writing -------------------------------------------------------------
@@ -361,8 +370,9 @@ class RedisTier(QueuedTier, CacheTier):
         with self.lock:
             self.stats.puts += 1
             key = entry.key
-            if key in self._known and key not in self._pending:
-                self._known[key].accesses += entry.accesses
+            known = self._live(key)
+            if known is not None and key not in self._pending:
+                known.accesses += entry.accesses
                 if tally is not None:
                     tally.written += 1
             elif self._closed or not self._available():
@@ -373,7 +383,11 @@ class RedisTier(QueuedTier, CacheTier):
                 if tally is not None:
                     self._writer.wait_for_room(deadline)  # releases the lock while it waits
                 earlier = self._pending.get(key)
-                if self._writer.submit(entry, tally):
+                if self._closed:  # closed while it waited: the writer has stopped
+                    self.stats.dropped_writes += 1
+                    if tally is not None:
+                        tally.dropped += 1
+                elif self._writer.submit(entry, tally):
                     entry.accesses += earlier.accesses if earlier else 0
                 else:
                     self.stats.dropped_writes += 1
@@ -414,7 +428,8 @@ class RedisTier(QueuedTier, CacheTier):
             data_size = len(data)
         with self.lock:
             if self._pending.get(key) is entry:
-                self._remember(key, Known(entry.parent, data_size, entry.nbytes, entry.accesses))
+                expires = time.time() + self.ttl_ms / 1000 if self.ttl_ms is not None else None
+                self._remember(key, Known(entry.parent, data_size, entry.nbytes, entry.accesses, expires))
         return True
 
     def _lose(self, entry: CacheEntry) -> None:
@@ -423,6 +438,15 @@ class RedisTier(QueuedTier, CacheTier):
             self.note_removed(entry.key)
 
     # ---- what this process remembers (callers hold self.lock) ------------------
+
+    def _live(self, key: bytes) -> Known | None:
+        """What is remembered of ``key``, unless its TTL has ended on the server (then it is forgotten)."""
+        known = self._known.get(key)
+        if known is not None and known.expires is not None and time.time() > known.expires:
+            self._forget(key, removed=True)
+            self.stats.expirations += 1
+            return None
+        return known
 
     def _remember(self, key: bytes, known: Known) -> None:
         self._forget(key)
