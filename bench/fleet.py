@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import time
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.client import RunResult, run_clients, stream_completion
 from bench.harness import BenchContext
-from bench.redis_server import start_redis_server
 from bench.stats import median, percentile
 from bench.workloads import Conversation, text_with_tokens
+from tests.redis_server import RedisServer  # the tests' own helpers; bench runs from a checkout
+from tests.server_helpers import free_port
 
 ROUTINGS = ("cache_aware", "power_of_two")
 SPLITS = ("together", "disaggregated")
@@ -55,12 +56,6 @@ class FleetServer:
             "stream_options": {"include_usage": True}, "ignore_eos": True,
         }  # fmt: skip
         return {**body, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def deploy(ctx: BenchContext, port: int, fleet: dict[str, Any], tiers: list[dict] | None = None) -> FleetServer:
@@ -140,7 +135,7 @@ def run(ctx: BenchContext, args: Any) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs: list[dict] = []
-    redis_process = None
+    redis_server = None
     try:
         if "routing" in args.parts:
             for repeat in range(args.repeats):
@@ -151,8 +146,8 @@ def run(ctx: BenchContext, args: Any) -> dict:
                     print(f"routing {routing}: hit rate {summary['hit_rate']:.3f}, TTFT p50 {summary['ttft_p50_s']}s, "
                           f"errors {summary['errors']} ({summary['first_error']})")
         if "disaggregation" in args.parts:
-            redis_process, url = start_redis_server()
-            tier = {"name": "shared", "plugin": "redis", "url": url, "write_through": True}
+            redis_server = RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start()
+            tier = {"name": "shared", "plugin": "redis", "url": redis_server.url, "write_through": True}
             for repeat in range(args.repeats):
                 for split in SPLITS if repeat % 2 == 0 else SPLITS[::-1]:
                     fleet = {"replicas": 2} if split == "together" else {"replicas": 1, "prefill_replicas": 1}
@@ -163,9 +158,8 @@ def run(ctx: BenchContext, args: Any) -> dict:
     finally:
         serve.shutdown()
         ray.shutdown()
-        if redis_process is not None:
-            redis_process.terminate()
-            redis_process.wait(timeout=10)
+        if redis_server is not None:
+            redis_server.stop()
     config = {key: getattr(args, key) for key in (
         "parts", "conversations", "systems_prompts", "turns", "prefix_len", "turn_len", "output_len", "repeats",
         "decoders", "decode_len", "long_prompts", "long_len",

@@ -30,8 +30,9 @@ import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
-from bench.redis_server import start_redis_server
+from tests.redis_server import RedisServer  # the tests' own helper; bench runs from a checkout
 from tierserve.core.config import load_settings
 from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
@@ -77,7 +78,8 @@ def build_redis_engine(model: str, url: str, prefix_len: int, suffix_len: int) -
 
 def redis_rows(args: argparse.Namespace, prefix: list[int], fresh_suffix) -> list[tuple[float, int]]:
     """TTFT of the prefix on a fresh engine that finds it only in Redis, ``repeats`` times."""
-    process, url = start_redis_server() if args.redis_url is None else (None, args.redis_url)
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start() if args.redis_url is None else None
+    url = server.url if server is not None else args.redis_url
     try:
         writer = build_redis_engine(args.model, url, args.prefix_len, args.suffix_len)
         writer.generate([prefix + fresh_suffix()], ONE_TOKEN)
@@ -90,9 +92,8 @@ def redis_rows(args: argparse.Namespace, prefix: list[int], fresh_suffix) -> lis
             engine.close()
         return rows
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=10)
+        if server is not None:
+            server.stop()
 
 
 def ttft(engine: EngineClient, prompt: list[int]) -> tuple[float, int]:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from tests.server_helpers import free_port
 
 
 def redis_server_binary() -> str:
@@ -30,12 +31,6 @@ def redis_server_binary() -> str:
         if found:
             return found
     raise RuntimeError("the redis tier's tests need redis-server: apt-get install redis-server (or brew install redis)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

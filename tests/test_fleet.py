@@ -15,7 +15,8 @@ import ray
 from litestar.testing import TestClient
 from ray import serve
 
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
+from tests.server_helpers import free_port
 from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.fleet.app import APP_NAME, build_fleet, engine_options
