@@ -31,13 +31,18 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _settings_from(args: argparse.Namespace, flags: dict[tuple[str, str], Any] | None = None) -> LoadedSettings:
+def _overrides_from(args: argparse.Namespace, flags: dict[tuple[str, str], Any] | None = None) -> dict[tuple[str, str], Any]:
+    """``--set`` assignments, then the command's own flags that were given."""
     overrides: dict[tuple[str, str], Any] = {}
     for assignment in args.assignments:
         section, key, value = parse_override(assignment)
         overrides[(section, key)] = value
     overrides.update({k: v for k, v in (flags or {}).items() if v is not None})
-    return load_settings(preset=args.preset, config_file=args.config_file, overrides=overrides)
+    return overrides
+
+
+def _settings_from(args: argparse.Namespace, flags: dict[tuple[str, str], Any] | None = None) -> LoadedSettings:
+    return load_settings(preset=args.preset, config_file=args.config_file, overrides=_overrides_from(args, flags))
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -143,12 +148,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from tierserve.core.secrets import settings_secrets
 
     configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
-    overrides: dict[tuple[str, str], Any] = {}
-    for assignment in args.assignments:
-        section, key, value = parse_override(assignment)
-        overrides[(section, key)] = value
-    overrides.update({key: value for key, value in flags.items() if value is not None})
-    sources = SettingsSources.of(args.preset, args.config_file, overrides)
+    sources = SettingsSources.of(args.preset, args.config_file, _overrides_from(args, flags))
     try:
         run_fleet(sources, address=args.address, blocking=True)
     except KeyboardInterrupt:

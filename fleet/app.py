@@ -16,15 +16,20 @@ from tierserve.fleet.settings_sources import SettingsSources
 APP_NAME = "tierserve"
 
 
-def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
-    """The engine deployment's Ray Serve options (what ``[fleet]`` controls)."""
-    options: dict[str, Any] = {
+def replica_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
+    """What every engine-running deployment (engine, prefill) asks of Ray Serve."""
+    return {
         "ray_actor_options": {"num_cpus": fleet.num_cpus, "num_gpus": fleet.num_gpus},
         # a replica batches up to max_num_seqs and queues the rest itself; the router holds what is beyond
         "max_ongoing_requests": settings.scheduler.max_num_seqs + settings.scheduler.max_waiting_requests,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
     }
+
+
+def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
+    """The engine deployment's Ray Serve options (what ``[fleet]`` controls)."""
+    options = replica_options(fleet, settings)
     if fleet.autoscaling:
         options["autoscaling_config"] = {
             "min_replicas": fleet.min_replicas,
@@ -51,13 +56,7 @@ def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
 
 def prefill_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
     """The prefill deployment's options: ``prefill_replicas`` replicas, Ray's default router."""
-    return {
-        "ray_actor_options": {"num_cpus": fleet.num_cpus, "num_gpus": fleet.num_gpus},
-        "max_ongoing_requests": settings.scheduler.max_num_seqs + settings.scheduler.max_waiting_requests,
-        "num_replicas": fleet.prefill_replicas,
-        "health_check_period_s": 5,
-        "health_check_timeout_s": 30,
-    }
+    return {**replica_options(fleet, settings), "num_replicas": fleet.prefill_replicas}
 
 
 def check_disaggregation(loaded: LoadedSettings) -> None:

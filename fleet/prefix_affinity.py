@@ -30,8 +30,7 @@ CHUNK_TOKENS = 16
 KEY_BYTES = 12
 
 # Routing decisions of this process's routers, by reason (the ingress serves them at /v1/fleet/stats).
-DECISIONS: Counter[str] = Counter()
-DECISION_REASONS = ("cache_key", "prefix", "overloaded", "no_match", "unparsed")
+DECISIONS: Counter[str] = Counter()  # cache_key, prefix, overloaded, no_match, unparsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +41,7 @@ class RouteKey:
     chunks: tuple[bytes, ...] = field(default=())
 
 
-def prompt_text(path: str, body: Mapping[str, Any]) -> str | list[int] | None:
+def prompt_text(body: Mapping[str, Any]) -> str | list[int] | None:
     """The prompt of an OpenAI-style request body as text (chat: each message's role and content),
     or token ids; None when the body carries none."""
     messages = body.get("messages")
@@ -53,9 +52,7 @@ def prompt_text(path: str, body: Mapping[str, Any]) -> str | list[int] | None:
                 parts.append(f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e")
         return "".join(parts)
     prompt = body.get("prompt", body.get("input"))
-    if isinstance(prompt, list) and prompt and all(isinstance(item, int) for item in prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: the first prompt decides
     if isinstance(prompt, list) and prompt and all(isinstance(item, int) for item in prompt):
         return prompt
@@ -70,7 +67,7 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def route_key(path: str, headers: Mapping[str, str], body: bytes) -> RouteKey | None:
+def route_key(headers: Mapping[str, str], body: bytes) -> RouteKey | None:
     """The routing key of one HTTP request (``headers`` with lower-case names); None when the body
     is not a JSON object with a prompt (the request then goes to the least loaded replica)."""
     try:
@@ -82,7 +79,7 @@ def route_key(path: str, headers: Mapping[str, str], body: bytes) -> RouteKey | 
     tenant = hashlib.blake2b(headers.get("authorization", "").encode(), digest_size=KEY_BYTES).digest()
     cache_key = parsed.get("cache_key")
     named = f"{tenant.hex()}:{parsed.get('cache_namespace', '')}:{cache_key}" if isinstance(cache_key, str) else None
-    prompt = prompt_text(path, parsed)
+    prompt = prompt_text(parsed)
     if prompt is None:
         return RouteKey(named) if named else None
     return RouteKey(named, chunk_keys(prompt, tenant))

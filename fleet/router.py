@@ -30,7 +30,7 @@ def request_route_key(args: list[Any]) -> RouteKey | None:
         return None
     request = args[0]
     headers = {_text(name).lower(): _text(value) for name, value in request.get("headers", [])}
-    return route_key(request.get("path", ""), headers, request.get("body", b""))
+    return route_key(headers, request.get("body", b""))
 
 
 def _text(value: str | bytes) -> str:

@@ -17,10 +17,10 @@ def chat(*turns: str, **extra) -> bytes:
 
 def test_a_conversation_prefers_the_replica_that_had_its_earlier_turns():
     affinity = PrefixAffinity()
-    first = route_key("/v1/chat/completions", ALICE, chat("When is the first train?"))
+    first = route_key(ALICE, chat("When is the first train?"))
     assert affinity.prefer(first, ["a", "b"])[:2] == (None, "no_match")
     affinity.record(first, "b")
-    follow_up = route_key("/v1/chat/completions", ALICE, chat("When is the first train?", "And the last one?"))
+    follow_up = route_key(ALICE, chat("When is the first train?", "And the last one?"))
     replica, reason, matched = affinity.prefer(follow_up, ["a", "b"])
     assert (replica, reason) == ("b", "prefix") and matched >= len(SYSTEM) // CHUNK_CHARS
     assert affinity.prefer(follow_up, ["a"])[:2] == (None, "no_match")  # b is gone: nothing to prefer
@@ -30,31 +30,31 @@ def test_a_conversation_prefers_the_replica_that_had_its_earlier_turns():
 
 def test_tenants_and_unrelated_prompts_do_not_attract_each_other():
     affinity = PrefixAffinity()
-    affinity.record(route_key("/v1/chat/completions", ALICE, chat("hi")), "a")
-    bob = route_key("/v1/chat/completions", {"authorization": "Bearer bob-key"}, chat("hi"))
+    affinity.record(route_key(ALICE, chat("hi")), "a")
+    bob = route_key({"authorization": "Bearer bob-key"}, chat("hi"))
     assert affinity.prefer(bob, ["a", "b"])[0] is None
-    other = route_key("/v1/completions", ALICE, json.dumps({"prompt": "x" * 200}).encode())
+    other = route_key(ALICE, json.dumps({"prompt": "x" * 200}).encode())
     assert affinity.prefer(other, ["a", "b"])[0] is None
-    tokens = route_key("/v1/completions", ALICE, json.dumps({"prompt": list(range(40))}).encode())
+    tokens = route_key(ALICE, json.dumps({"prompt": list(range(40))}).encode())
     affinity.record(tokens, "b")
-    longer = route_key("/v1/completions", ALICE, json.dumps({"prompt": [list(range(50))]}).encode())
+    longer = route_key(ALICE, json.dumps({"prompt": [list(range(50))]}).encode())
     assert affinity.prefer(longer, ["a", "b"])[:2] == ("b", "prefix")
 
 
 def test_a_cache_key_goes_where_it_went_before_and_bad_bodies_are_unparsed():
     affinity = PrefixAffinity()
-    keyed = route_key("/v1/completions", ALICE, json.dumps({"prompt": "short", "cache_key": "docs"}).encode())
+    keyed = route_key(ALICE, json.dumps({"prompt": "short", "cache_key": "docs"}).encode())
     affinity.record(keyed, "a")
-    again = route_key("/v1/completions", ALICE, json.dumps({"prompt": "other", "cache_key": "docs"}).encode())
+    again = route_key(ALICE, json.dumps({"prompt": "other", "cache_key": "docs"}).encode())
     assert affinity.prefer(again, ["a", "b"])[:2] == ("a", "cache_key")
-    assert route_key("/v1/completions", ALICE, b"{not json") is None
+    assert route_key(ALICE, b"{not json") is None
     assert affinity.prefer(None, ["a"])[:2] == (None, "unparsed")
 
 
 def test_the_index_is_bounded_oldest_first():
     affinity = PrefixAffinity(max_chunks=4)
-    old = route_key("/v1/completions", ALICE, json.dumps({"prompt": "o" * CHUNK_CHARS * 3}).encode())
-    new = route_key("/v1/completions", ALICE, json.dumps({"prompt": "n" * CHUNK_CHARS * 3}).encode())
+    old = route_key(ALICE, json.dumps({"prompt": "o" * CHUNK_CHARS * 3}).encode())
+    new = route_key(ALICE, json.dumps({"prompt": "n" * CHUNK_CHARS * 3}).encode())
     affinity.record(old, "a")
     affinity.record(new, "b")
     assert len(affinity) == 4
