@@ -151,8 +151,9 @@ class Ingress:
     def __init__(self, engine: Any, sources: SettingsSources, prefill: Any | None = None) -> None:
         self.engine = engine.options(stream=True)
         self.prefill = prefill
-        auth = sources.load().settings.auth
-        self.admin_keys = set(auth.admin_api_keys or auth.api_keys)
+        settings = sources.load().settings
+        self.admin_keys = set(settings.auth.admin_api_keys or settings.auth.api_keys)
+        self.max_body = settings.server.max_request_bytes
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/v1/fleet/stats":
@@ -162,8 +163,15 @@ class Ingress:
             "path": request.url.path,
             "query": request.url.query,
             "headers": list(request.headers.raw),  # bytes: any latin-1 value passes as sent
-            "body": await request.body(),
+            "body": b"",
         }
+        body = bytearray()
+        async for chunk in request.stream():  # bounded as the single server bounds it, before anything is held
+            body += chunk
+            if len(body) > self.max_body:
+                message = f"request body: more than server.max_request_bytes = {self.max_body} bytes"
+                return _error(413, message, "invalid_request_error")
+        forwarded["body"] = bytes(body)
         if self.prefill is not None and request.method == "POST" and forwarded["path"] in GENERATION_PATHS:
             await self._prefill(forwarded)
         for attempt in range(START_ATTEMPTS):

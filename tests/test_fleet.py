@@ -169,6 +169,14 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(fleet):
         time.sleep(0.5)
 
 
+def test_an_oversized_body_is_refused_at_the_ingress(fleet):
+    sources, url = fleet
+    limit = sources.load().settings.server.max_request_bytes
+    body = b'{"prompt": "' + b"x" * (limit + 1) + b'"}'
+    answer = httpx.post(f"{url}/v1/completions", content=body, headers={**AUTH, "content-type": "application/json"}, timeout=60)
+    assert answer.status_code == 413 and "max_request_bytes" in answer.json()["error"]["message"]
+
+
 def test_disaggregated_prefill_hands_the_prompt_to_the_decode_replica_through_redis(fleet, tmp_path):
     sources, url = fleet
     shared = RedisServer(tmp_path / "redis").start()
@@ -192,3 +200,4 @@ def test_disaggregated_prefill_hands_the_prompt_to_the_decode_replica_through_re
         assert answer.json()["choices"][0]["text"] == expected.text
     finally:  # the last test of the module: the fleet stays disaggregated until the module's teardown
         shared.stop()
+
