@@ -11,6 +11,7 @@ into ``report.md`` and PNG plots):
     quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL
     cache-store  put/get speed of the memory and disk tiers, zstd levels
     fleet        tierserve fleet on Ray: cache-aware vs default routing, prefill/decode disaggregation
+    lora         one batch over 4 LoRA adapters vs the base model alone (output tokens/s)
     report       markdown table and plots from the JSON results
     all          every scenario, then the report
 
@@ -119,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--long-len", type=int, default=1536)
     fl.add_argument("--repeats", type=int, default=2)
 
+    lr = commands.add_parser("lora", help="a batch mixing LoRA adapters vs the base model alone")
+    lr.add_argument("--requests", type=int, default=32)
+    lr.add_argument("--prompt-len", type=int, default=128)
+    lr.add_argument("--output-len", type=int, default=64)
+    lr.add_argument("--adapters", type=int, default=4)
+    lr.add_argument("--rank", type=int, default=16)
+    lr.add_argument("--repeats", type=int, default=3)
+
     commands.add_parser("report", help="write report.md and the plots from the results folder")
     commands.add_parser("all", help="every scenario with its defaults, then the report")
     return parser
@@ -149,6 +158,10 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         payload = quality.run(ctx, args.architectures)
     elif name == "fleet":
         payload = fleet_bench.run(ctx, args)
+    elif name == "lora":
+        from bench import lora
+
+        payload = lora.run(ctx, args.requests, args.prompt_len, args.output_len, args.adapters, args.rank, args.repeats)
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:

@@ -307,7 +307,23 @@ def fleet_section(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lora_section(payload: dict) -> str:
+    config, summary = payload["config"], payload["summary"]
+    return "\n".join([
+        f"{config['requests']} requests x ({config['prompt_len']} prompt + {config['output_len']} output) tokens, greedy, "
+        f"in one engine; adapters of rank {config['rank']} on {', '.join(config['modules'])}; median of {config['repeats']} "
+        "alternating repeats.",
+        "",
+        "| run | output tokens/s |",
+        "|---|---:|",
+        f"| base model alone | {_num(summary['base'])} |",
+        f"| {config['adapters']} adapters mixed in the batch | {_num(summary['mixed'])} |",
+        f"| mixed / base | {_x(summary['mixed_over_base'])} {_verdict(summary['mixed_over_base'], 0.7)} |",
+    ])
+
+
 SECTIONS = {
+    "lora": ("LoRA adapters mixed in one batch", lora_section),
     "fleet": ("Fleet: cache-aware routing and prefill/decode disaggregation", fleet_section),
     "throughput": ("Throughput vs concurrency", throughput_section),
     "cold-prefill": ("Cold prefill (TTFT of a long uncached prompt)", cold_prefill_section),

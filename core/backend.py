@@ -40,6 +40,7 @@ class ModelBackend(ABC):
         attention_kernel: which attention kernels run, in words (``ModelInfo``,
             ``/health``); built-in backends follow ``[sliding_window] use_flash_attention``.
         quantization: how the weights are stored (``model.quantization``: ``"none"``, ``"int8"``).
+        supports_lora: ``load_lora`` runs adapters (per request, mixed in one batch).
         linear_kernel: what runs the dense matmuls, in words (``"onednn"``, ``"int8-fbgemm"``, ...).
         kv_dtype: how the KV arena holds keys and values (``kv_cache.dtype``; the model's dtype by default).
         backend_name: the name the backend was registered under; the engine builder sets it
@@ -60,6 +61,7 @@ class ModelBackend(ABC):
     linear_kernel: str = "unreported"
     kv_dtype: torch.dtype | None = None
     backend_name: str = "unnamed"  # the registered name it was built under (set by the engine builder)
+    supports_lora: bool = False  # load_lora works (model.max_loras > 0 is refused at load otherwise)
 
     def kv_spec(self, block_size: int) -> KVSpec:
         """The KV layout the engine's KV manager needs: bytes per block, and a trained sliding
@@ -111,6 +113,26 @@ class ModelBackend(ABC):
             f"the {type(self).__name__} backend cannot compute embeddings; "
             "serve the model with model.backend = \"native\" or \"transformers\""
         )
+
+    def load_lora(self, name: str, path: str) -> dict[str, object]:
+        """Load a PEFT LoRA adapter into a free slot, named ``name`` (requests naming it in
+        ``Sequence.lora_name`` run with it); returns what ``/v1/models`` shows of it (``rank``,
+        ``modules``, ``fingerprint``, which goes into its requests' cache keys).
+
+        Raises ``RequestError``: LoRA off (``model.max_loras = 0``), no free slot, a rank over
+        ``model.max_lora_rank``, or an unreadable or unsupported adapter. Backends without
+        LoRA support keep this default.
+        """
+        from tierserve.core.errors import RequestError
+
+        raise RequestError(
+            f"lora_name: the {self.backend_name} backend runs no LoRA adapters; serve the model with "
+            "model.backend = \"native\" (Llama, Mistral, Qwen2, Qwen3)",
+            param="lora_name",
+        )
+
+    def unload_lora(self, name: str) -> None:
+        """Free an adapter's slot (the engine calls this once no sequence uses it)."""
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished, aborted or preempted; a preempted sequence

@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.set_defaults(handler=cmd_fleet)
 
     _add_cache_commands(commands)
+    from tierserve.core.cli_models import add_model_commands
+
+    add_model_commands(commands, _add_server_arguments, _call_server)
     return parser
 
 

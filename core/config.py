@@ -23,7 +23,13 @@ from tierserve.core.errors import ConfigError
 from tierserve.core.layers import Layer, parse_override, preset_names, preset_path, read_layers, read_toml
 from tierserve.core.merge import Merged, merge_layers
 from tierserve.core.plugins import ALLOWLIST_ENV, TIER_KIND, PluginManager, load_plugins, parse_allowlist
-from tierserve.core.resolve import check_components, check_tier_keys, resolve_plugin_tables, resolve_tiers
+from tierserve.core.resolve import (
+    check_components,
+    check_model_keys,
+    check_tier_keys,
+    resolve_plugin_tables,
+    resolve_tiers,
+)
 from tierserve.core.secrets import redact_auth
 from tierserve.core.sections import (
     AuthSettings,
@@ -80,6 +86,8 @@ class LoadedSettings:
     layers: list[str] = field(default_factory=list)
 
     def source_of(self, section: str, key: str) -> str:
+        if section == "models":  # [[models]] comes whole from one layer
+            return self.sources.get(("models", ""), DEFAULT_SOURCE)
         return self.sources.get((section, key), DEFAULT_SOURCE)
 
     def explain(self) -> dict[str, Any]:
@@ -91,6 +99,9 @@ class LoadedSettings:
         """
         out: dict[str, Any] = {}
         for section, values in self.settings.model_dump(mode="json").items():
+            if section == "models":
+                out[section] = [self._items("models", entry) for entry in values]
+                continue
             if section == "plugins":
                 values = {"enabled": values["enabled"]}
             values.pop("tiers", None)
@@ -135,6 +146,8 @@ def _validate(merged: Merged) -> Settings:
         sources = merged.sources
 
         def source_of(loc: tuple[Any, ...]) -> str | None:
+            if loc and loc[0] == "models":
+                return sources.get(("models", ""))
             return sources.get((loc[0], loc[1])) if len(loc) > 1 else None
 
         def sources_within(loc: tuple[Any, ...]) -> list[str]:
@@ -174,6 +187,7 @@ def load_settings(
         plugins.aliases(), plugins.registry(TIER_KIND).names(),
     )  # fmt: skip
     check_tier_keys(merged)
+    check_model_keys(merged)
     settings = _validate(merged)
     check_components(settings, plugins, merged.sources)
     resolve_tiers(settings, plugins, merged)

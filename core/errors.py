@@ -22,6 +22,13 @@ class RequestError(TierserveError, ValueError):
         self.param = param
         self.code = code
 
+    def __reduce__(self):  # param and code survive the pipe from an engine core process
+        return (_rebuild_request_error, (type(self), self.message, self.param, self.code))
+
+
+def _rebuild_request_error(cls: type[RequestError], message: str, param: str | None, code: str) -> RequestError:
+    return cls(message, param=param, code=code)
+
 
 class QueueFullError(TierserveError, RuntimeError):
     """The waiting queue is at ``max_waiting_requests``; the server answers 503 + Retry-After."""

@@ -84,6 +84,13 @@ def merge_layers(
                     f"unknown section [{section}] in {layer.label}; available sections: "
                     f"{', '.join(sections)}{suggest(section, sections)}"
                 )
+            if section == "models":  # [[models]]: a later layer's list replaces an earlier one's
+                if not isinstance(table, list) or not all(isinstance(entry, Mapping) for entry in table):
+                    raise ConfigError(f"models in {layer.label} must be [[models]] tables, got {table!r}")
+                merged.values["models"] = [dict(entry) for entry in table]  # type: ignore[assignment]
+                merged.sources[("models", "")] = layer.label
+                merged.ranks[("models", "")] = layer.rank
+                continue
             if not isinstance(table, Mapping):
                 raise ConfigError(f"[{section}] in {layer.label} must be a table of keys, got {table!r}")
             keys = model_keys(sections[section].annotation)

@@ -58,6 +58,23 @@ def check_components(settings: Settings, plugins: PluginManager, sources: Mappin
         setattr(getattr(settings, section), key, component.name)
 
 
+def check_model_keys(merged: Merged) -> None:
+    """``[[models]]`` replaces ``[model]``: its keys from earlier layers (a preset's) are marked unused;
+    set in the same layer or a later one (``--model``), they contradict it."""
+    models_key = ("models", "")
+    if models_key not in merged.sources:
+        return
+    for (section, key), source in list(merged.sources.items()):
+        if section != "model":
+            continue
+        if merged.ranks[(section, key)] >= merged.ranks[models_key]:
+            raise ConfigError(
+                f"model.{key} (from {source}) and [[models]] (from {merged.sources[models_key]}) both describe "
+                f"the served model; with [[models]], give each entry its own {key}"
+            )
+        merged.sources[(section, key)] += "; not used: [[models]] replaces [model]"
+
+
 def check_tier_keys(merged: Merged) -> None:
     """``kv_cache.tiers`` replaces the legacy tier keys of earlier layers (a preset's); set in the same
     layer or a later one, they contradict it."""

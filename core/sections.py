@@ -95,6 +95,18 @@ class ModelSettings(Section):
         description="seeds the random draws of requests that bring no seed: an engine started with the same "
         "seed samples the same outputs for the same requests in the same order",
     )
+    max_loras: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="LoRA adapter slots kept resident (as vLLM's --max-loras); 0: LoRA off, no memory reserved. "
+        "Requests with different adapters, and with none, decode in one batch (native backend)",
+    )
+    max_lora_rank: int = Field(16, gt=0, le=512, description="the highest adapter rank a slot holds (vLLM's --max-lora-rank)")
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="adapters loaded at start-up, name -> PEFT adapter directory; a request names one in 'model'",
+    )
 
     @field_validator("served_model_name")
     @classmethod
@@ -107,6 +119,17 @@ class ModelSettings(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"names must be unique, got {names}")
         return value
+
+    @model_validator(mode="after")
+    def _lora_slots(self) -> ModelSettings:
+        if len(self.lora_adapters) > self.max_loras:
+            raise ValueError(
+                f"lora_adapters names {len(self.lora_adapters)} adapters and max_loras is {self.max_loras}; "
+                "raise model.max_loras to at least the number of adapters"
+            )
+        if any(not name.strip() or "@" in name for name in self.lora_adapters):
+            raise ValueError("lora_adapters: an adapter name must not be empty or contain '@'")
+        return self
 
     @property
     def model_names(self) -> list[str]:
@@ -121,6 +144,80 @@ class ModelSettings(Section):
         if kind not in {"auto", "cpu", "cuda", "mps"}:
             raise ValueError("must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
         return value
+
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+class ModelEntry(ModelSettings):
+    """One ``[[models]]`` table (or a ``POST /v1/models`` body): a model version served next to others.
+
+    Its ``id`` is ``name@version``; ``name`` alone and each of ``aliases`` are aliases that point at
+    one version (the first one loaded under that name) until switched. The [model] keys set how it loads;
+    ``kv_share`` is its part of ``[kv_cache] l1_capacity`` (the live KV pool), ``scheduler`` overrides
+    ``[scheduler]`` keys for it alone.
+    """
+
+    name: str = Field(description="the model's name; requests send it, or name@version, or an alias, as 'model'")
+    version: str = Field("1", description="the version; name@version always names this one")
+    aliases: list[str] = Field(default_factory=list, description="more names that point at this version")
+    kv_share: float | None = Field(
+        None, gt=0, le=1, description="its share of kv_cache.l1_capacity; unset: an equal share of the [[models]]"
+    )
+    scheduler: dict[str, Any] = Field(
+        default_factory=dict, description="[scheduler] keys for this model alone (max_num_seqs, max_num_batched_tokens, ...)"
+    )
+
+    @field_validator("name", "version")
+    @classmethod
+    def _plain(cls, value: str) -> str:
+        if not MODEL_NAME.fullmatch(value):
+            raise ValueError("use 1-128 letters, digits and . _ : / - (no '@', no spaces)")
+        return value
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            if not MODEL_NAME.fullmatch(alias):
+                raise ValueError(f"alias {alias!r}: use 1-128 letters, digits and . _ : / - (no '@', no spaces)")
+        return value
+
+    @field_validator("scheduler")
+    @classmethod
+    def _scheduler(cls, value: dict[str, Any]) -> dict[str, Any]:
+        SchedulerSettings(**value)  # unknown keys and bad values fail here, named
+        return value
+
+    @model_validator(mode="after")
+    def _no_served_names(self) -> ModelEntry:
+        if self.served_model_name is not None:
+            raise ValueError("served_model_name: a [[models]] entry names itself with name and aliases")
+        return self
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class RegistrySettings(Section):
+    """[registry]: how many models one server keeps loaded (``[[models]]``, ``POST /v1/models``)."""
+
+    max_loaded_models: int = Field(4, gt=0, description="models (versions) loaded at once; a load past it is refused")
+    memory_budget_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="the most memory the loaded models' weights and KV pools may take together (estimated from "
+        "each checkpoint and its KV pool); a load past it is refused; unset: no bound",
+    )
+    unload_idle: bool = Field(
+        False,
+        description="instead of refusing a load past max_loaded_models or memory_budget_bytes, unload the least "
+        "recently used idle models that no alias points at (as Ollama's keep-alive does)",
+    )
+    warm_prompts_on_switch: int = Field(
+        16, ge=0, description="an alias switch with warm=true replays the old version's this many most used prompts"
+    )
 
 
 class SchedulerSettings(Section):
@@ -374,6 +471,25 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="[[models]]: several models and versions in one server (unset: [model] alone)"
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _distinct_models(cls, value: list[ModelEntry]) -> list[ModelEntry]:
+        ids = [entry.id for entry in value]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(f"each name@version may appear once; repeated: {', '.join(repeated)}")
+        owner: dict[str, str] = {}
+        for entry in value:
+            for alias in entry.aliases:
+                if alias in owner and owner[alias] != entry.id:
+                    raise ValueError(f"alias {alias!r} points at both {owner[alias]} and {entry.id}; give it to one")
+                owner[alias] = entry.id
+        return value
 
     _plugin_options: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 

@@ -55,7 +55,8 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # the tenant's salt, with the LoRA adapter's fingerprint when one runs
+    lora_name: str | None = None  # the LoRA adapter this sequence runs with (None: the base model)
     use_prefix_cache: bool = True  # False: neither reuse cached blocks nor publish this sequence's
     first_scheduled_time: float | None = None
     cache_lookup_seconds: float = 0.0

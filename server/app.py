@@ -28,6 +28,7 @@ from tierserve.server.tenants import bearer_token
 
 ROUTE_MODULES: tuple[str, ...] = (
     "tierserve.server.openai_routes",
+    "tierserve.server.model_routes",
     "tierserve.server.embedding_routes",
     "tierserve.server.cache_routes",
     "tierserve.server.health_routes",
@@ -63,7 +64,7 @@ def create_app(
         settings = settings.settings
     plugins = plugins or load_plugins()
     state = ServerState(
-        settings=settings, plugins=plugins, engine=engine, owns_engine=engine is None, on_load_failure=on_load_failure
+        settings=settings, plugins=plugins, given_engine=engine, on_load_failure=on_load_failure
     )
     modules = [importlib.import_module(name) for name in ROUTE_MODULES]
     handlers: list[Any] = []

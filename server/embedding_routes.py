@@ -13,7 +13,7 @@ from pydantic import field_validator
 from tierserve.server.errors import APIError
 from tierserve.server.generation_jobs import check_prompt_bytes
 from tierserve.server.schemas import Body, check_prompts
-from tierserve.server.state import ready_engine, state_of
+from tierserve.server.state import state_of
 
 
 class EmbeddingRequest(Body):
@@ -48,11 +48,17 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | 
 async def embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> dict[str, Any]:
     """Embed each input on its own; vectors come back in input order."""
     state = state_of(request)
-    model = state.resolve_model(data.model)
-    inputs = _inputs(data.input)
-    check_prompt_bytes(inputs, state.settings.server.max_prompt_bytes, "input")
-    engine = ready_engine(request)
-    vectors, prompt_tokens = await asyncio.to_thread(engine.embed, inputs)
+    target = await state.target_loaded(data.model, admit=True)
+    try:
+        if target.lora_name is not None:
+            raise APIError(400, f"model: embeddings come from the base model, not the LoRA adapter "
+                           f"{target.lora_name!r}; name the base model", param="model", code="unsupported")  # fmt: skip
+        model = target.name
+        inputs = _inputs(data.input)
+        check_prompt_bytes(inputs, state.settings.server.max_prompt_bytes, "input")
+        vectors, prompt_tokens = await asyncio.to_thread(target.engine.embed, inputs)
+    finally:
+        target.release()
     hidden = vectors.shape[1]
     if data.dimensions is not None and data.dimensions != hidden:
         raise APIError(

@@ -18,7 +18,8 @@ from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.errors import APIError
 from tierserve.server.schemas import SamplingFields
-from tierserve.server.state import BODY_REQUEST_ID, ready_engine, state_of
+from tierserve.server.model_registry import Target
+from tierserve.server.state import BODY_REQUEST_ID, state_of
 from tierserve.server.tenants import OPEN_TENANT, cache_scope, caller_of
 
 
@@ -54,6 +55,12 @@ class Job:
     started: float = field(default_factory=time.perf_counter)
     id: str = ""
     tenant: str = OPEN_TENANT  # the caller's tenant: its cache scope and its own request ids
+    target: Target | None = None  # the model version (and LoRA adapter) it runs on
+
+    @property
+    def engine(self) -> EngineClient:
+        assert self.target is not None
+        return self.target.served.engine  # type: ignore[return-value]
 
 
 # ---- building a job ---------------------------------------------------------------------
@@ -105,10 +112,21 @@ def chat_prompt(engine: EngineClient, messages: list[dict[str, Any]]) -> list[li
 
 
 async def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
+    """Validate a request and resolve its model; the job holds its version until ``job.target.release()``."""
+    state = state_of(request)
+    target = await state.target_loaded(body.model, admit=True)
+    try:
+        return await _build_job(request, body, target, chat=chat, cached=cached)
+    except BaseException:
+        target.release()
+        raise
+
+
+async def _build_job(request: Request, body: SamplingFields, target: Target, *, chat: bool, cached: bool) -> Job:
     state = state_of(request)
     server = state.settings.server
-    model = state.resolve_model(body.model)
-    engine = ready_engine(request)
+    model = target.name
+    engine = target.engine
     requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     sent_as = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
     check_max_tokens(requested, server.max_tokens_limit, sent_as)
@@ -166,9 +184,11 @@ async def build_job(request: Request, body: SamplingFields, *, chat: bool, cache
         request.scope.setdefault("state", {})[BODY_REQUEST_ID] = request_id
     timeout = state.settings.server.timeout_seconds
     deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
+    for ids in prompts:
+        target.served.remember_prompt(ids)
     return Job(
         prompts, params, body.n, chat, cached, body, model, deadline,
-        id=request_id or f"{prefix}-{uuid.uuid4().hex}", tenant=caller_of(request.scope).tenant,
+        id=request_id or f"{prefix}-{uuid.uuid4().hex}", tenant=caller_of(request.scope).tenant, target=target,
     )  # fmt: skip
 
 
@@ -199,6 +219,7 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
                     # the first choice names the prefix: one request is one use of its key
                     cache_key=cache_key if index == 0 else None,
                     cache_namespace=scope or "",
+                    lora_name=job.target.lora_name if job.target is not None else None,
                     loop=loop,
                 )
             )

@@ -30,12 +30,15 @@ from tierserve.server.state import ServerState, state_of
 async def respond(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Response | Stream:
     state = state_of(request)
     job = await build_job(request, body, chat=chat, cached=cached)
-    engine = state.engine
-    if cached and body.use_beam_search and body.beam_width is None:
-        body.beam_width = state.settings.speculative.beam_width
-    if body.beam_width is not None and body.beam_width > 1:
-        return await respond_with_beams(engine, state, job)
-    submitted = submit_all(engine, job, asyncio.get_running_loop())
+    engine = job.engine
+    try:
+        if cached and body.use_beam_search and body.beam_width is None:
+            body.beam_width = state.settings.speculative.beam_width
+        if body.beam_width is not None and body.beam_width > 1:
+            return await respond_with_beams(engine, state, job)
+        submitted = submit_all(engine, job, asyncio.get_running_loop())
+    finally:
+        job.target.release()  # submitted: the engine tracks them now (an unload waits for them there)
     choices = [Choice(index=i, prompt_index=i // job.n) for i in range(len(submitted))]
     if not chat and body.echo:  # the prompt's text comes first, as OpenAI's echo does
         for choice in choices:
@@ -67,6 +70,9 @@ async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job)
     if getattr(body, "cache_key", None) is not None:
         raise APIError(400, "cache_key: beam search neither reads nor keeps cached prefixes; send it without beams",
                        param="cache_key", code="unsupported")
+    if job.target is not None and job.target.lora_name is not None:
+        raise APIError(400, f"model: beam search runs the base model only, not the LoRA adapter "
+                       f"{job.target.lora_name!r}; send it without beam_width", param="model", code="unsupported")
     params = BeamSearchParams(
         beam_width=body.beam_width,
         max_tokens=job.params[0].max_tokens,
@@ -153,20 +159,34 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
 
 
 def model_entry(state: ServerState, name: str) -> dict[str, Any]:
-    engine = state.engine
+    """OpenAI's model object for a served name (a version, an alias or a LoRA adapter), with its status."""
+    registry = state.registry
+    target = registry.lookup(name)
+    served = target.served
+    engine = served.engine
+    ready = served.status == "ready" and engine is not None
     # the backend that runs ("auto" becomes its choice once the engine is built)
-    backend = engine.info.backend if state.ready and engine else state.settings.model.backend
-    return {
+    backend = engine.info.backend if ready else served.settings.model.backend
+    entry = {
         "id": name,
         "object": "model",
-        "created": int(state.started_at),
+        "created": int(served.created),
         "owned_by": "tierserve",
         "name": name,
-        "description": f"{state.settings.model.path} on the {backend} backend",
+        "description": f"{served.settings.model.path} on the {backend} backend",
         "backend": backend,
-        "status": "ready" if state.ready else ("failed" if state.load_error else "loading"),
-        "max_model_len": engine.info.max_model_len if state.ready and engine else None,
+        "status": served.status,
+        "max_model_len": engine.info.max_model_len if ready else None,
+        "root": served.id,  # the version it runs on (vLLM's field)
+        "parent": None,
     }
+    if served.version is not None:
+        entry.update(registry.describe(served))
+    if target.lora_name is not None:
+        adapter = engine.loras.get(target.lora_name, {}) if engine is not None else {}
+        entry.update(parent=served.id, root=str(adapter.get("path")), lora_rank=adapter.get("rank"),
+                     description=f"LoRA adapter {target.lora_name!r} on {served.id}")  # fmt: skip
+    return entry
 
 
 @get("/v1/models", sync_to_thread=False)
@@ -178,7 +198,7 @@ def list_models(request: Request) -> dict[str, Any]:
 @get("/v1/models/{model_id:str}", sync_to_thread=False)
 def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
     state = state_of(request)
-    return model_entry(state, state.resolve_model(model_id))
+    return model_entry(state, model_id)
 
 
 @post("/v1/completions", status_code=200)

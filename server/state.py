@@ -14,6 +14,7 @@ from tierserve.core.config import Settings
 from tierserve.core.engine.process import EngineProcessError
 from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import PluginManager
+from tierserve.server.model_registry import ModelRegistry, Target
 
 if TYPE_CHECKING:
     from litestar import Request
@@ -28,50 +29,58 @@ BODY_REQUEST_ID = "body_request_id"  # ASGI scope state: the request_id a reques
 class ServerState:
     settings: Settings
     plugins: PluginManager
-    engine: EngineClient | None = None
+    given_engine: EngineClient | None = None  # built by the caller for the single [model] (tests share one)
     ready: bool = False
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     active_requests: int = 0
     extras: dict[str, object] = field(default_factory=dict)  # per-concern state (metrics, monitor, ...)
-    owns_engine: bool = True  # False when the caller passed an engine in (it outlives the app)
     on_load_failure: Callable[[str], None] | None = None  # told the one-line reason when the model fails to load
+    registry: ModelRegistry = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.registry = ModelRegistry(self.settings, self.plugins, self.given_engine)
+
+    @property
+    def engine(self) -> EngineClient | None:
+        """The default model's engine (cache management, health and metrics without a ``model``)."""
+        default = self.registry.default
+        return default.engine if default is not None else None
 
     @property
     def model_names(self) -> list[str]:
         """Every name clients may send as ``model``, the default first."""
-        return self.settings.model.model_names or [self.settings.model.path]
+        return self.registry.names()
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def resolve_model(self, model: str | None) -> str:
-        """The served name a request's ``model`` selects (the default when it sends none); 404 otherwise."""
+    def target(self, model: str | None, *, admit: bool = False) -> Target:
+        """The model version (and LoRA adapter) a request's ``model`` selects; 404 for an unknown name."""
+        return self.registry.resolve(model, admit=admit)
+
+    async def target_loaded(self, model: str | None, *, admit: bool = False) -> Target:
+        """``target``, after loading the version again when ``[registry] unload_idle`` had unloaded it."""
+        import asyncio
+
         from tierserve.server.errors import APIError
 
-        if model is None:
-            return self.model_name
-        if model in self.model_names or model == self.settings.model.path:
-            return model
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {', '.join(repr(n) for n in self.model_names)}",
-            param="model",
-            code="model_not_found",
-        )
+        try:
+            return self.target(model, admit=admit)
+        except APIError as exc:
+            if exc.code != "model_unloaded" or not await asyncio.to_thread(self.registry.reload_if_unloaded, model):
+                raise
+            return self.target(model, admit=admit)
 
     def load(self) -> None:
-        """Build and start the engine (on a background thread at start-up); ready when done."""
-        from tierserve.core.engine import EngineClient
-
+        """Build and start every configured model (on a background thread at start-up); ready when done."""
         try:
-            if self.engine is None:
-                self.engine = EngineClient.from_settings(self.settings, self.plugins)
-            self.engine.start()
-            self.plugins.call_lifecycle("on_startup", self.engine)
+            self.registry.load_configured()
+            if self.engine is not None:
+                self.plugins.call_lifecycle("on_startup", self.engine)
             self.ready = True
-            log.info("server_ready", model=self.model_name)
+            log.info("server_ready", model=self.model_name, models=sorted(self.registry.models))
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, (TierserveError, EngineProcessError)):  # the reason is the message; no traceback
@@ -88,13 +97,9 @@ class ServerState:
 
     def close(self) -> None:
         """Stop serving: in-flight requests are aborted (their blocks freed), queued L3 writes flushed."""
-        if self.engine is None:
-            return
-        self.plugins.call_lifecycle("on_shutdown", self.engine)
-        if self.owns_engine:
-            self.engine.close()
-        else:
-            self.engine.shutdown()
+        if self.engine is not None:
+            self.plugins.call_lifecycle("on_shutdown", self.engine)
+        self.registry.close()
         self.ready = False
 
 
@@ -103,10 +108,14 @@ def state_of(request: Request) -> ServerState:
 
 
 def ready_engine(request: Request) -> EngineClient:
-    """The engine, or a 503 (with Retry-After) while it is still loading."""
+    """The engine of the model ``?model=`` names (default: the default model), or a 503 (with Retry-After)
+    while it is still loading. The cache routes manage that model's cache."""
     from tierserve.server.errors import APIError
 
     state = state_of(request)
+    model = request.query_params.get("model")
+    if model is not None and state.ready:
+        return state.target(model).engine
     if not state.ready or state.engine is None:
         message = f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
         raise APIError(503, message, code="not_ready", headers={"Retry-After": "5"})

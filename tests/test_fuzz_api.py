@@ -33,8 +33,15 @@ V1_OPERATIONS = [
     "GET /v1/cache/keys",
     "DELETE /v1/cache/keys/{key}",
     "GET /v1/plugins",
+    "POST /v1/models",
+    "DELETE /v1/models/{model_id}",
+    "POST /v1/models/aliases",
+    "POST /v1/load_lora_adapter",
+    "POST /v1/unload_lora_adapter",
 ]
 NO_INPUT = {"POST /v1/cache/offload"}  # nothing a negative case could break
+# a valid body loads a model (the builtin one when it names no path): test_model_registry.py covers it
+NOT_FUZZED = {"POST /v1/models"}
 EXAMPLES_PER_MODE = 25
 MAX_TOKENS = 4  # the tiny model answers at once; the schema sets no upper bound on these fields
 BOUNDED_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
@@ -97,8 +104,9 @@ def test_schema_lists_every_v1_operation(api) -> None:
 
 
 # Negative cases need something to break: the GET routes take no body and only a free-form string.
-RUNS = [(label, GenerationMode.POSITIVE) for label in V1_OPERATIONS] + [
-    (label, GenerationMode.NEGATIVE) for label in V1_OPERATIONS if label.startswith("POST") and label not in NO_INPUT
+FUZZED = [label for label in V1_OPERATIONS if label not in NOT_FUZZED]
+RUNS = [(label, GenerationMode.POSITIVE) for label in FUZZED] + [
+    (label, GenerationMode.NEGATIVE) for label in FUZZED if label.startswith("POST") and label not in NO_INPUT
 ]
 
 

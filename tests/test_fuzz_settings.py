@@ -20,7 +20,8 @@ from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import load_plugins
 from tierserve.core.tier_settings import TIER_KEYS
 
-SECTIONS = {name: list(field.annotation.model_fields) for name, field in Settings.model_fields.items()}
+# the [section] tables ([[models]] is a list of tables: test_model_registry.py and the settings probes cover it)
+SECTIONS = {name: list(field.annotation.model_fields) for name, field in Settings.model_fields.items() if name != "models"}
 DEFAULTS = Settings().model_dump(mode="json")
 _BUILTINS = load_plugins(allowlist=[])
 ALIASES = _BUILTINS.aliases()  # "section.key" -> (component, key)

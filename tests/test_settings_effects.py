@@ -21,19 +21,25 @@ from tests.effects_fleet import PROBES as FLEET_PROBES
 from tests.effects_http import PROBES as HTTP_PROBES
 from tests.effects_lab import HttpProbe, Lab, Probe
 from tests.effects_redis import PROBES as REDIS_PROBES
+from tests.effects_registry import PROBES as REGISTRY_PROBES
 from tests.effects_server import PROBES as SERVER_PROBES
 from tests.engine_helpers import build_checkpoint
-from tierserve.core.config import Settings, TierSettings
+from tierserve.core.config import ModelSettings, Settings, TierSettings
+from tierserve.core.sections import ModelEntry
 from tierserve.core.plugins import TIER_KIND, load_plugins
 
 PROBES: dict[str, Probe] = {
-    **ENGINE_PROBES, **CACHE_PROBES, **REDIS_PROBES, **SERVER_PROBES, **HTTP_PROBES, **FLEET_PROBES
+    **ENGINE_PROBES, **CACHE_PROBES, **REDIS_PROBES, **SERVER_PROBES, **HTTP_PROBES, **FLEET_PROBES,
+    **REGISTRY_PROBES,
 }
 
 
 def model_leaves() -> set[str]:
     """Every key the settings model and the built-in components' settings models define."""
-    leaves = {f"{section}.{key}" for section, field in Settings.model_fields.items() for key in field.annotation.model_fields}
+    sections = {name: field.annotation for name, field in Settings.model_fields.items() if name != "models"}
+    leaves = {f"{section}.{key}" for section, model in sections.items() for key in model.model_fields}
+    # a [[models]] entry's [model] keys are [model]'s (probed there); its own keys are probed here
+    leaves |= {f"models[].{key}" for key in ModelEntry.model_fields if key not in ModelSettings.model_fields}
     leaves |= {f"kv_cache.tiers[].{key}" for key in TierSettings.model_fields if key != "options"}
     builtins = load_plugins(allowlist=[])
     for name, component in builtins.settings_components().items():

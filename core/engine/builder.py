@@ -18,7 +18,7 @@ from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
 from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
 from tierserve.core.backend_choice import AUTO, UnsupportedModel, backend_candidates
-from tierserve.core.engine.requests import read_warm_prompts
+from tierserve.core.engine.requests import RequestError, read_warm_prompts
 from tierserve.core.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import PluginManager, load_plugins
@@ -67,6 +67,7 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     )
     keys = build_named_prefixes(settings, store, spec.block_bytes, num_blocks)
     core = EngineCore(settings, scheduler, runner, store, clock, keys)
+    load_lora_adapters(settings, core)
     log.info(
         "engine_ready",
         model=str(getattr(backend, "path", settings.model.path)),
@@ -83,6 +84,23 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         profiling=clock is not None,
     )
     return core
+
+
+def load_lora_adapters(settings: Settings, core: EngineCore) -> None:
+    """Load ``model.lora_adapters`` into the core; a bad one is a ``ConfigError`` naming it."""
+    model = settings.model
+    if model.max_loras and not core.backend.supports_lora:
+        core.close()
+        raise ConfigError(
+            f"model.max_loras = {model.max_loras}: the {core.backend.backend_name} backend runs no LoRA adapters; "
+            "serve the model with model.backend = \"native\" (Llama, Mistral, Qwen2, Qwen3) or set max_loras = 0"
+        )
+    for name, path in model.lora_adapters.items():
+        try:
+            core.load_lora(name, path)
+        except RequestError as exc:
+            core.close()
+            raise ConfigError(f"model.lora_adapters.{name} = {path!r}: {exc.message.removeprefix('lora_path: ')}") from None
 
 
 def load_backend(settings: Settings, plugins: PluginManager) -> ModelBackend:
@@ -186,6 +204,8 @@ def model_info(core: EngineCore) -> ModelInfo:
         linear_kernel=backend.linear_kernel,
         kv_dtype=str(backend.kv_dtype or backend.dtype).removeprefix("torch."),
         key_max_pinned_bytes=core.keys.max_pinned_bytes if core.keys is not None else 0,
+        lora_slots=settings.model.max_loras if backend.supports_lora else 0,
+        loras=dict(core.loras),
     )
 
 

@@ -71,6 +71,7 @@ class EngineClient:
         self._counter = itertools.count()
         self._rng = random.Random()
         self._lock = threading.Lock()
+        self.loras: dict[str, dict[str, object]] = dict(info.loras)  # LoRA adapters requests may name
 
     @classmethod
     def from_settings(
@@ -126,6 +127,7 @@ class EngineClient:
         cache_key: str | None = None,
         cache_namespace: str = "",
         warm: str | None = None,
+        lora_name: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[str, RequestStream]:
         """Queue a tokenised request from any thread; deltas arrive on the returned stream.
@@ -138,6 +140,8 @@ class EngineClient:
         normally its full prompt blocks are pinned under that key (``check_cache_key``).
         ``warm``: the prompt warm (``EngineClient.warm``) the request is part of; its
         write-through waits for room in write queues and is counted for that warm.
+        ``lora_name``: a loaded LoRA adapter (``load_lora``) the request runs with; its prefix
+        cache entries are its own.
 
         An asyncio consumer (``loop``) that leaves more than ``[server] max_stream_backlog``
         deltas unread has its request aborted (its stream ends with ``finish_reason="abort"``).
@@ -152,6 +156,12 @@ class EngineClient:
         spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
         if cache_key is not None:
             self.check_cache_key(len(ids), use_prefix_cache)
+        if lora_name is not None and lora_name not in self.loras:
+            raise RequestError(
+                f"model: no LoRA adapter named {lora_name!r} is loaded (loaded: {', '.join(sorted(self.loras)) or 'none'})",
+                param="model",
+                code="model_not_found",
+            )
         request_id = request_id or f"req-{next(self._counter)}-{self._rng.getrandbits(32):08x}"
         with self._lock:
             waiting = self._core_waiting + self._unacknowledged
@@ -163,7 +173,7 @@ class EngineClient:
             stream = RequestStream(loop, self.settings.server.max_stream_backlog)
             request = EngineRequest(
                 request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming,
-                cache_key=cache_key, cache_namespace=cache_namespace, warm=warm,
+                cache_key=cache_key, cache_namespace=cache_namespace, warm=warm, lora_name=lora_name,
             )  # fmt: skip
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer,
@@ -271,14 +281,19 @@ class EngineClient:
         *,
         priorities: Seq[int] | None = None,
         cache_salt: str | None = None,
+        lora_names: Seq[str | None] | None = None,
     ) -> list[CompletedRequest]:
-        """Run prompts to completion (all submitted at once, batched continuously)."""
+        """Run prompts to completion (all submitted at once, batched continuously); ``lora_names``
+        gives each prompt's adapter (``None``: the base model)."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         submitted = []
         for index, prompt in enumerate(prompts):
             ids = self.encode_prompt(prompt)
             priority = priorities[index] if priorities else 0
-            submitted.append((ids, *self.submit(ids, params_list[index], priority=priority, cache_salt=cache_salt)))
+            lora_name = lora_names[index] if lora_names else None
+            submitted.append(
+                (ids, *self.submit(ids, params_list[index], priority=priority, cache_salt=cache_salt, lora_name=lora_name))
+            )
         results = []
         for ids, request_id, stream in submitted:
             tokens: list[int] = []
@@ -378,6 +393,19 @@ class EngineClient:
     def delete_cache_key(self, namespace: str, name: str) -> bool:
         """Unpin a named prefix and evict its blocks (those no other key pins); False for an unknown key."""
         return self.driver.call("delete_cache_key", namespace, name)
+
+    def load_lora(self, name: str, path: str) -> dict[str, object]:
+        """Load a PEFT LoRA adapter directory under ``name`` (between steps; requests keep running).
+        ``RequestError``: LoRA off, no free slot, a duplicate name, or a bad adapter."""
+        info = self.driver.call("load_lora", name, path)
+        self.loras[name] = info
+        return info
+
+    def unload_lora(self, name: str) -> int:
+        """Refuse new requests for an adapter at once; its slot frees when the requests using it end
+        (returns how many are still running). ``RequestError`` for an unknown name."""
+        self.loras.pop(name, None)  # first: no new request may name it while the core drains it
+        return self.driver.call("unload_lora", name)
 
     def clear_cache(self, tier: str = "all") -> dict[str, int]:
         """Drop cached prefixes of one tier (a name from ``info.tier_names``) or ``all``; safe while requests run."""

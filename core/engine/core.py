@@ -79,6 +79,9 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._rng = random.Random(settings.model.seed)  # seeds requests that bring no seed of their own
         scheduler.on_release = runner.release
+        self.loras: dict[str, dict[str, object]] = {}  # loaded LoRA adapters: name -> what load_lora returned
+        self._lora_users: dict[str, int] = {}  # adapter -> sequences running or waiting with it
+        self._lora_draining: set[str] = set()  # unloaded adapters whose slot frees when their last sequence ends
 
     @property
     def backend(self):
@@ -91,6 +94,13 @@ class EngineCore:
         if request.request_id in self.requests:
             log.warning("request_id_in_flight", request_id=request.request_id)
             return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
+        salt = request.cache_salt
+        if request.lora_name is not None:
+            adapter = self.loras.get(request.lora_name)
+            if adapter is None:  # unloaded after the client accepted the request
+                return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
+            # no prefix is shared across adapters: the adapter's weights change every block's KV
+            salt = f"{salt or ''}\0lora:{request.lora_name}:{adapter['fingerprint']}"
         seq = Sequence(
             seq_id=self.next_seq_id(),
             request_id=request.request_id,
@@ -100,7 +110,8 @@ class EngineCore:
             priority=request.priority,
             arrival_time=request.arrival_time,
             generator=self._generator(request.params),
-            cache_salt=request.cache_salt,
+            cache_salt=salt,
+            lora_name=request.lora_name,
             use_prefix_cache=request.use_prefix_cache,
             spec_method=request.spec_method,
             spec_k=self.runner.max_draft_tokens,
@@ -114,6 +125,8 @@ class EngineCore:
         except QueueFullError:
             return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
         self.requests[request.request_id] = seq
+        if seq.lora_name is not None:
+            self._lora_users[seq.lora_name] = self._lora_users.get(seq.lora_name, 0) + 1
         if request.cache_key is not None and self.keys is not None:
             self._keyed[request.request_id] = (request.cache_namespace, request.cache_key)
         self.counters.requests_added += 1
@@ -163,7 +176,17 @@ class EngineCore:
 
     def _ended(self, seq: Sequence, finish_reason: str) -> None:
         """A keyed request that ended normally names its prompt's full blocks (counting its hit
-        first when the key is known); an aborted one registers nothing."""
+        first when the key is known); an aborted one registers nothing. The last sequence of a
+        draining LoRA adapter frees its slot."""
+        if seq.lora_name is not None:
+            left = self._lora_users[seq.lora_name] - 1
+            self._lora_users[seq.lora_name] = left
+            if left == 0:
+                del self._lora_users[seq.lora_name]
+                if seq.lora_name in self._lora_draining:
+                    self._lora_draining.discard(seq.lora_name)
+                    self.backend.unload_lora(seq.lora_name)
+                    log.info("lora_unloaded", lora_name=seq.lora_name)
         key = self._keyed.pop(seq.request_id, None)
         if key is None or self.keys is None or finish_reason not in ("stop", "length"):
             return
@@ -232,6 +255,37 @@ class EngineCore:
         return generator
 
     # ---- commands (between steps) ----------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> dict[str, object]:
+        """Load a LoRA adapter under ``name`` (``RequestError`` when it cannot be); returns its description."""
+        if name in self.loras:
+            raise RequestError(f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
+        if name in self._lora_draining:
+            raise RequestError(
+                f"lora_name: {name!r} is still unloading ({self._lora_users.get(name, 0)} requests finishing); retry",
+                param="lora_name",
+            )
+        info = self.backend.load_lora(name, path)
+        self.loras[name] = info
+        log.info("lora_loaded", lora_name=name, path=str(info.get("path")), rank=info.get("rank"))
+        return info
+
+    def unload_lora(self, name: str) -> int:
+        """Stop accepting requests for an adapter; its slot frees once the requests using it end.
+        Returns how many are still running (0: freed now). ``RequestError`` for an unknown name."""
+        if self.loras.pop(name, None) is None:
+            raise RequestError(
+                f"lora_name: no adapter named {name!r} is loaded (loaded: {', '.join(sorted(self.loras)) or 'none'})",
+                param="lora_name",
+                code="lora_not_found",
+            )
+        running = self._lora_users.get(name, 0)
+        if running:
+            self._lora_draining.add(name)
+        else:
+            self.backend.unload_lora(name)
+            log.info("lora_unloaded", lora_name=name)
+        return running
 
     def clear_cache(self, tier: str = "all") -> dict[str, int]:
         """Drop cached prefixes of one tier or ``all``; blocks in use keep their data."""

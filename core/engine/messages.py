@@ -43,6 +43,8 @@ class ModelInfo:
     linear_kernel: str = "unreported"  # e.g. "onednn", "int8-fbgemm"
     kv_dtype: str = ""  # how the KV arena holds keys and values (kv_cache.dtype resolved)
     key_max_pinned_bytes: int = 0  # the most KV one cache_key may pin; 0: cache keys unavailable (no prefix cache)
+    lora_slots: int = 0  # model.max_loras where the backend runs adapters; 0: LoRA off
+    loras: dict[str, dict[str, object]] = field(default_factory=dict)  # adapters loaded at start: name -> description
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -46,6 +46,7 @@ class EngineRequest:
     cache_key: str | None = None  # names the prompt's cached prefix: pinned once the request ends normally
     cache_namespace: str = ""  # the tenant the key belongs to (a key is (namespace, name))
     warm: str | None = None  # the prompt warm it is part of: its writes wait for room (EngineCore.finish_warm)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     arrival_time: float = field(default_factory=time.monotonic)
 
 

@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tierserve.plugins.backends.native import NATIVE_MODEL_TYPES
 from tierserve.plugins.backends.linear import Int8Linear, Linear, LinearFactory, quantize_rows
+from tierserve.plugins.backends.lora import LoraBatch, LoraSlots
 from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch, window_layout
 
 
@@ -146,6 +147,21 @@ class PagedLlama:
         self._build_rope(config)
         self.arena = KVArena(len(self.layers), self.num_kv_heads, self.head_dim, self.kv_dtype, device)
         self.block_size = 0
+        self.lora: LoraSlots | None = None
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Reserve ``max_loras`` adapter slots of rank ``max_rank`` on every layer's projections."""
+        hidden = self.config.hidden_size
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.config.intermediate_size
+        shapes = {
+            "qkv": (hidden, [q_size, kv_size, kv_size]),
+            "o_proj": (q_size, [hidden]),
+            "gate_up": (hidden, [inter, inter]),
+            "down": (inter, [hidden]),
+        }
+        self.lora = LoraSlots(shapes, len(self.layers), max_loras, max_rank, self.device, self.dtype)
+        return self.lora
 
     def _build_rope(self, config) -> None:
         params = getattr(config, "rope_parameters", None) or {}
@@ -191,8 +207,12 @@ class PagedLlama:
         """Copy ``[n, layers, 2, block_size, kv_heads, head_dim]`` into whole blocks."""
         self.arena.write_blocks(block_ids, data)
 
-    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The decoder stack over a flat token batch; ``attend(layer_index, layer, q, k, v)`` supplies attention."""
+    def _run_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
+        """The decoder stack over a flat token batch; ``attend(layer_index, layer, q, k, v)`` supplies attention,
+        ``lora`` the rows that add an adapter's low-rank update to each projection."""
+        slots = self.lora if lora is not None else None
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin_signed[positions].unsqueeze(1)
         half = self.head_dim // 2
@@ -204,6 +224,8 @@ class PagedLlama:
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
+            if slots is not None:
+                qkv = slots.apply(lora, "qkv", index, x, qkv)
             v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, self.head_dim)
             if layer.q_norm is None:  # q and k rotate as one tensor of heads + kv_heads
                 qk = qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, self.head_dim)
@@ -215,10 +237,18 @@ class PagedLlama:
                 q = q * cos + q.roll(half, -1) * sin
                 k = k * cos + k.roll(half, -1) * sin
             attn = attend(index, layer, q, k, v)
-            hidden = hidden + layer.o_proj(attn.reshape(tokens, q_size))
+            if slots is None:
+                hidden = hidden + layer.o_proj(attn.reshape(tokens, q_size))
+                x = rms_norm(hidden, layer.post_norm, self.eps)
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                hidden = hidden + layer.down(self.act(gate) * up)
+                continue
+            flat = attn.reshape(tokens, q_size)
+            hidden = hidden + slots.apply(lora, "o_proj", index, flat, layer.o_proj(flat))
             x = rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(self.act(gate) * up)
+            gate, up = slots.apply(lora, "gate_up", index, x, layer.gate_up(x)).chunk(2, dim=-1)
+            act = self.act(gate) * up
+            hidden = hidden + slots.apply(lora, "down", index, act, layer.down(act))
         return hidden
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
@@ -228,7 +258,7 @@ class PagedLlama:
             self.arena.store(index, batch.slot_mapping, k, v)
             return self.arena.attend(index, q, batch.groups, layer.sliding_window, self.scaling)
 
-        hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention)
+        hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention, batch.lora)
         last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)
         return self.lm_head(last).float()
 

@@ -64,6 +64,7 @@ class NativeBackend(ModelBackend):
 
     paged = True
     supports_released_kv = True
+    supports_lora = True
 
     @staticmethod
     def supports_model_type(model_type: str) -> bool:
@@ -109,6 +110,25 @@ class NativeBackend(ModelBackend):
         kernels = kernel_variant("native", self.model.linear_kernel, self.attention.forced, self.dtype, kv_dtype)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
+        self.max_lora_rank = model.max_lora_rank
+        self.lora = self.model.enable_lora(model.max_loras, model.max_lora_rank) if model.max_loras else None
+
+    def load_lora(self, name: str, path: str) -> dict[str, object]:
+        from tierserve.core.errors import RequestError
+        from tierserve.plugins.backends.lora import read_adapter
+
+        if self.lora is None:
+            raise RequestError(
+                "lora_name: LoRA is off for this model; set model.max_loras (adapter slots) to load adapters",
+                param="lora_name",
+            )
+        adapter = read_adapter(name, path, max_rank=self.max_lora_rank, num_layers=len(self.model.layers))
+        self.lora.add(adapter)
+        return {"path": adapter.path, "rank": adapter.rank, "modules": adapter.modules, "fingerprint": adapter.fingerprint}
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is not None and name in self.lora.slot_of:
+            self.lora.remove(name)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_bytes_per_block(block_size)
@@ -152,6 +172,8 @@ class NativeBackend(ModelBackend):
 
         batch = build_paged_batch(chunks, self.block_size, self.model.windows, self.dtype, self.device)
         self.model.ensure_positions(batch.max_position + 1)
+        if self.lora is not None:
+            batch.lora = self.lora.batch(batch.order)
         return batch
 
     def close(self) -> None:

@@ -23,7 +23,8 @@ own part by log-sum-exp (cascade attention, as in FlashInfer and vLLM).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,8 @@ class PagedBatch:
     groups: list[AttentionGroup]
     sample_rows: torch.Tensor  # rows whose logits are returned
     max_position: int
+    order: list[ScheduledChunk] = field(default_factory=list)  # the chunks in row order (each one's rows are consecutive)
+    lora: Any = None  # the backend's per-row adapter segments (native: lora.LoraBatch), None without adapters
 
 
 def window_layout(per_layer: Seq[int | None]) -> tuple[list[int | None], int | None]:
@@ -176,6 +179,7 @@ def build_paged_batch(
         groups=groups,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         max_position=max(positions),
+        order=short + long,
     )
 
 

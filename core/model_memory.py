@@ -1,0 +1,67 @@
+"""How much memory a model will take before it is loaded: its weights and its live KV pool.
+
+The model registry refuses a load that would take the loaded models past
+``[registry] memory_budget_bytes`` with this figure, so it must not need the
+model in memory: it reads the checkpoint's config and safetensors headers only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierserve.core.sections import Settings
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    weight_bytes: int
+    kv_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+def _weight_elements(directory: Path) -> tuple[int, int]:
+    """(elements, bytes) of every tensor in the checkpoint's safetensors files, from their headers."""
+    elements = stored = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in tensor["shape"]:
+                count *= dim
+            elements += count
+            stored += count * _DTYPE_BYTES.get(tensor["dtype"], 4)
+    return elements, stored
+
+
+def estimate_memory(settings: Settings) -> MemoryEstimate:
+    """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
+    from tierserve.core.devices import resolve_placement
+
+    model, kv = settings.model, settings.kv_cache
+    directory, _, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype)
+    elements, stored = _weight_elements(Path(directory))
+    per_weight = 1 if model.quantization == "int8" else dtype.itemsize
+    weight_bytes = elements * per_weight if elements else stored
+    config = json.loads((Path(directory) / "config.json").read_text())
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
+    layers = config.get("num_hidden_layers", 0)
+    block_bytes = layers * 2 * kv.block_size * kv_heads * head_dim * kv_dtype.itemsize
+    blocks = kv.l1_capacity
+    if kv.l1_max_bytes is not None and block_bytes:
+        blocks = max(1, kv.l1_max_bytes // block_bytes)
+    return MemoryEstimate(weight_bytes, blocks * block_bytes)
