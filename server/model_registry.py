@@ -89,20 +89,28 @@ class Target:
             self.served.admitting -= 1
 
 
+LOCAL_BOUNDS = ("capacity", "max_bytes")  # a local tier's bounds, split between the versions by kv_share
+
+
 def entry_settings(base: Settings, entry: ModelEntry, share: float) -> Settings:
     """The settings one ``[[models]]`` version runs with: its [model] keys, its scheduler keys,
-    ``share`` of the L1 pool, and its own folder in every disk tier."""
+    ``share`` of the L1 pool and of each local tier's bounds, and its own folder in every disk tier."""
     model = ModelSettings(**entry.model_dump(include=set(ModelSettings.model_fields), exclude={"served_model_name"}))
     scheduler = SchedulerSettings(**{**base.scheduler.model_dump(), **entry.scheduler})
     kv = base.kv_cache.model_copy(deep=True)
     kv.l1_capacity = max(1, int(kv.l1_capacity * share))
     if kv.l1_max_bytes is not None:
         kv.l1_max_bytes = max(1, int(kv.l1_max_bytes * share))
-    for tier in kv.tiers:  # two engines never share a disk tier's index: each version gets a folder
+    for tier in kv.tiers:
+        bounds = {
+            key: max(1, int(value * share))
+            for key in LOCAL_BOUNDS
+            if isinstance(value := getattr(tier.options, key, None), int) and value > 0
+        }
         path = getattr(tier.options, "path", None)
-        if tier.plugin == "disk" and path:
-            folder = entry.id.replace("/", "_").replace("@", "-")
-            tier.options = tier.options.model_copy(update={"path": f"{path.rstrip('/')}/model-{folder}"})
+        if tier.plugin == "disk" and path:  # two engines never share a disk tier's index: each version gets a folder
+            bounds["path"] = f"{path.rstrip('/')}/model-{entry.id.replace('/', '_').replace('@', '-')}"
+        tier.options = tier.options.model_copy(update=bounds)
     settings = base.model_copy(update={"model": model, "scheduler": scheduler, "kv_cache": kv, "models": []})
     for name, options in base._plugin_options.items():
         settings.set_plugin_options(name, options)

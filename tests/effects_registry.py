@@ -117,6 +117,8 @@ def models_kv_share(lab: Lab) -> None:
         models = client.app.state.tierserve.registry.models
         assert models["a@1"].engine.info.kv_blocks == 16  # a quarter of l1_capacity = 64
         assert models["b@1"].engine.info.kv_blocks == 32  # unset: an equal share of two
+        l2 = lab.settings().settings.kv_cache.tiers[0].options.max_bytes
+        assert [models[m].settings.kv_cache.tiers[0].options.max_bytes for m in ("a@1", "b@1")] == [l2 // 4, l2 // 2]
 
 
 def models_scheduler(lab: Lab) -> None:
