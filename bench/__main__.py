@@ -12,6 +12,7 @@ into ``report.md`` and PNG plots):
     cache-store  put/get speed of the memory and disk tiers, zstd levels
     fleet        tierserve fleet on Ray: cache-aware vs default routing, prefill/decode disaggregation
     lora         one batch over 4 LoRA adapters vs the base model alone (output tokens/s)
+    grammar      per-token mask cost of llguidance and xgrammar, 2k and 150k vocabularies
     report       markdown table and plots from the JSON results
     all          every scenario, then the report
 
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--rank", type=int, default=16)
     lr.add_argument("--repeats", type=int, default=3)
 
+    gr = commands.add_parser("grammar", help="constrained decoding: mask cost per token, llguidance vs xgrammar")
+    gr.add_argument("--steps", type=int, default=120)
+
     commands.add_parser("report", help="write report.md and the plots from the results folder")
     commands.add_parser("all", help="every scenario with its defaults, then the report")
     return parser
@@ -162,6 +166,10 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         from bench import lora
 
         payload = lora.run(ctx, args.requests, args.prompt_len, args.output_len, args.adapters, args.rank, args.repeats)
+    elif name == "grammar":
+        from bench import grammar
+
+        payload = grammar.run(ctx, args.steps)
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:

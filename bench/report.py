@@ -322,7 +322,23 @@ def lora_section(payload: dict) -> str:
     ])
 
 
+def grammar_section(payload: dict) -> str:
+    lines = [
+        f"A greedy walk of {payload['config']['steps']} tokens through one JSON schema on random logits; "
+        "mask time per token (filling the next-token bitmask).",
+        "",
+        "| vocabulary | engine | compile (ms) | mask median (us) | p90 (us) | mean (us) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for vocab, engines in payload["results"].items():
+        for engine, row in engines.items():
+            lines.append(f"| {vocab} | {engine} | {row['compile_ms']:.1f} | {row['mask_us_median']:.0f} | "
+                         f"{row['mask_us_p90']:.0f} | {row['mask_us_mean']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 SECTIONS = {
+    "grammar": ("Constrained decoding: grammar mask cost", grammar_section),
     "lora": ("LoRA adapters mixed in one batch", lora_section),
     "fleet": ("Fleet: cache-aware routing and prefill/decode disaggregation", fleet_section),
     "throughput": ("Throughput vs concurrency", throughput_section),

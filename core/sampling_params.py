@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from tierserve.core.errors import RequestError
+from tierserve.core.grammar import GrammarSpec
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # the output must match it (constrained decoding)
 
     MAX_LOGPROBS = 20
     # every list is walked on the engine's step thread, which all running requests share
@@ -104,6 +106,16 @@ class SamplingParams:
             raise bad("stop_token_ids", "non-negative token ids")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"0 to max_tokens ({self.max_tokens})")
+        if self.grammar is not None and self.ignore_eos:
+            raise RequestError(
+                f"ignore_eos: a constrained output ({self.grammar.param}) ends where its grammar does; "
+                "send it without ignore_eos", param="ignore_eos",
+            )  # fmt: skip
+        if self.grammar is not None and self.min_tokens:
+            raise RequestError(
+                f"min_tokens: a constrained output ({self.grammar.param}) ends where its grammar does; "
+                "send it without min_tokens", param="min_tokens",
+            )  # fmt: skip
         if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
             message = f"logit_bias: {len(self.logit_bias)} entries, allowed: at most {self.MAX_LOGIT_BIAS}"
             raise RequestError(message, param="logit_bias")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierserve.core.sampling_params import SamplingParams
 
@@ -57,6 +57,7 @@ class Sequence:
     first_token_time: float | None = None
     cache_salt: str | None = None  # the tenant's salt, with the LoRA adapter's fingerprint when one runs
     lora_name: str | None = None  # the LoRA adapter this sequence runs with (None: the base model)
+    grammar: Any = None  # its llguidance matcher when params.grammar constrains the output
     use_prefix_cache: bool = True  # False: neither reuse cached blocks nor publish this sequence's
     first_scheduled_time: float | None = None
     cache_lookup_seconds: float = 0.0

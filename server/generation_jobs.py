@@ -148,6 +148,9 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
     temperature = body.temperature if body.temperature is not None else (defaults.temperature if defaults else 1.0)
     top_p = body.top_p if body.top_p is not None else (defaults.top_p if defaults else 1.0)
     top_k = body.top_k if body.top_k is not None else (defaults.top_k if defaults else 0)
+    grammar = body.grammar()
+    if grammar is not None:
+        await asyncio.to_thread(grammar.check)  # a 400 naming the field, once for every choice
     params: list[SamplingParams] = []
     for ids in prompts:
         room = min(output_room(len(ids), limit, param="messages" if chat else "prompt"), server.max_tokens_limit)
@@ -173,6 +176,7 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
                     min_tokens=body.min_tokens,
                     logit_bias=body.logit_bias or {},
                     logprobs=logprobs,
+                    grammar=grammar,
                 )
             )
     if getattr(body, "cache_key", None) is not None and len(prompts) > 1:

@@ -70,6 +70,10 @@ async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job)
     if getattr(body, "cache_key", None) is not None:
         raise APIError(400, "cache_key: beam search neither reads nor keeps cached prefixes; send it without beams",
                        param="cache_key", code="unsupported")
+    if job.params[0].grammar is not None:
+        param = job.params[0].grammar.param
+        raise APIError(400, f"{param}: beam search ranks whole beams and takes no output constraint; send it without "
+                       "beam_width", param=param, code="unsupported")  # fmt: skip
     if job.target is not None and job.target.lora_name is not None:
         raise APIError(400, f"model: beam search runs the base model only, not the LoRA adapter "
                        f"{job.target.lora_name!r}; send it without beam_width", param="model", code="unsupported")

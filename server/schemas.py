@@ -2,17 +2,21 @@
 
 Every list is bounded, with a 400 naming the field and the limit: the engine
 walks some of them for every token, on the step that all requests share.
-Fields tierserve does not implement (``best_of`` other than ``n``,
-``response_format`` other than text, tool calling) are refused, never ignored.
+Fields tierserve does not implement (``best_of`` other than ``n``, tool
+calling) are refused, never ignored. ``response_format`` and vLLM's
+``guided_*`` fields constrain the output with a grammar (``core.grammar``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from tierserve.core.errors import RequestError
+from tierserve.core.grammar import GrammarSpec, spec_from_schema
 from tierserve.core.sampling_params import SamplingParams
 
 MAX_PROMPTS = 2048  # prompts, embedding inputs or warmed conversations per request (OpenAI's embeddings limit)
@@ -20,6 +24,8 @@ MAX_TOKEN_IDS = 1 << 20  # token ids in one prompt: more than any context
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024
 MAX_TIERS = 16
+MAX_GRAMMAR_CHARS = 65536  # a regex or grammar compiled per request
+MAX_CHOICES = 1024
 MAX_SEED = 2**64 - 1  # what a torch generator takes; negative seeds down to -2**63 are taken as their unsigned twin
 PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of token id lists"
 
@@ -94,6 +100,11 @@ class SamplingFields(Body):
     repetition_penalty: float = Field(1.0, ge=0.01, le=10)
     logit_bias: dict[TokenKey, Bias] | None = Field(None, max_length=SamplingParams.MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
+    # vLLM's structured-output fields (one constraint per request, response_format included)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -145,10 +156,48 @@ class SamplingFields(Body):
 
     @field_validator("response_format")
     @classmethod
-    def text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise invalid('allowed: {"type": "text"}; JSON mode and structured output are not implemented')
+    def known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise invalid(f'type {kind!r}; allowed: "text", "json_object", "json_schema"')
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if (
+                not isinstance(spec, dict)
+                or not isinstance(spec.get("name"), str)
+                or not isinstance(spec.get("schema", {}), dict)
+            ):
+                raise invalid('json_schema: allowed: {"name": "...", "schema": {a JSON schema object}, "strict": true}')
         return value
+
+    def grammar(self) -> GrammarSpec | None:
+        """The constraint the request asks for (at most one), as a grammar; None for free text."""
+        asked: list[GrammarSpec] = []
+        fmt = self.response_format
+        if fmt is not None and fmt["type"] == "json_object":
+            asked.append(GrammarSpec("json_object", "", "response_format"))
+        elif fmt is not None and fmt["type"] == "json_schema":
+            asked.append(spec_from_schema(fmt["json_schema"].get("schema", {}), "response_format"))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise RequestError(f"guided_json: not JSON: {exc}", param="guided_json") from None
+            asked.append(spec_from_schema(schema, "guided_json"))
+        if self.guided_regex is not None:
+            asked.append(GrammarSpec("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            asked.append(GrammarSpec("choice", json.dumps(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            asked.append(GrammarSpec("grammar", self.guided_grammar, "guided_grammar"))
+        if len(asked) > 1:
+            names = ", ".join(spec.param for spec in asked)
+            raise RequestError(f"{asked[1].param}: one output constraint per request, got {names}", param=asked[1].param)
+        return asked[0] if asked else None
 
 
 class CompletionRequest(SamplingFields):

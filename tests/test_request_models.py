@@ -125,7 +125,7 @@ def test_what_is_accepted_stays_inside_the_limits_and_the_engine_takes_it(extra,
     assert body.seed is None or -(2**63) <= body.seed <= MAX_SEED
     assert -10 <= body.length_penalty <= 10
     assert body.best_of in (None, 1, body.n)
-    assert body.response_format in (None,) or body.response_format.get("type") == "text"
+    assert body.response_format in (None,) or body.response_format.get("type") in ("text", "json_object", "json_schema")
     assert not getattr(body, "tools", None) and not getattr(body, "functions", None)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     max_tokens = body.max_tokens or 16

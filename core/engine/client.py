@@ -37,9 +37,12 @@ from tierserve.core.engine.requests import (
 )
 from tierserve.core.engine.stats import EngineSnapshot, empty_snapshot
 from tierserve.core.errors import RequestTimeoutError
+from tierserve.core.grammar import GrammarSpec
 from tierserve.core.outputs import CompletedRequest, RequestOutput, TokenLogprob
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
+
+CHECKED_GRAMMARS = 256  # compiled output constraints remembered (a repeated schema compiles once)
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +75,7 @@ class EngineClient:
         self._rng = random.Random()
         self._lock = threading.Lock()
         self.loras: dict[str, dict[str, object]] = dict(info.loras)  # LoRA adapters requests may name
+        self._checked_grammars: set[GrammarSpec] = set()  # output constraints already compiled once
 
     @classmethod
     def from_settings(
@@ -152,6 +156,11 @@ class EngineClient:
             QueueFullError: the waiting queue is full (back-pressure).
         """
         ids = list(prompt_token_ids)
+        if params.grammar is not None and params.grammar not in self._checked_grammars:
+            params.grammar.check()  # RequestError naming the field, before anything is queued
+            if len(self._checked_grammars) >= CHECKED_GRAMMARS:
+                self._checked_grammars.clear()
+            self._checked_grammars.add(params.grammar)
         streaming = window_mode(self.settings.sliding_window, sliding_window)
         spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
         if cache_key is not None:

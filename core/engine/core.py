@@ -117,6 +117,12 @@ class EngineCore:
             spec_k=self.runner.max_draft_tokens,
             streaming=request.streaming,
         )
+        if request.params.grammar is not None:
+            try:
+                seq.grammar = self.runner.grammar.matcher(request.params.grammar)
+            except Exception as exc:  # the client compiled it already; a tokenizer-specific failure ends it here
+                log.warning("grammar_refused", request_id=request.request_id, error=str(exc))
+                return [CoreOutput(request.request_id, [], FinishReason.ABORT.value)]
         if request.warm is not None and self.store is not None:
             timeout = self.settings.kv_cache.warm_write_timeout_seconds
             seq.warm_writes = self._warms.setdefault(request.warm, WarmWrites(timeout))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from tierserve.core.backend import ModelBackend
     from tierserve.core.engine.profiling import PhaseClock
+    from tierserve.core.grammar import GrammarRuntime
     from tierserve.core.sequence import Sequence
 
 
@@ -66,6 +67,17 @@ class ModelRunner:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
         self.clock = clock
+        self._grammar: GrammarRuntime | None = None
+
+    @property
+    def grammar(self) -> GrammarRuntime:
+        """Token masks for constrained sequences (built on the first request that needs them)."""
+        if self._grammar is None:
+            from tierserve.core.grammar import GrammarRuntime
+
+            backend = self.backend
+            self._grammar = GrammarRuntime(backend.tokenizer, backend.vocab_size, self.eos_token_ids)
+        return self._grammar
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Compute every chunk's KV and the tokens of every chunk that samples."""
@@ -94,8 +106,13 @@ class ModelRunner:
         if plain:
             rows_of = [sampling_row(chunk.seq, self.eos_token_ids) for chunk, _ in plain]
             picked = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
+            constrained = [i for i, (chunk, _) in enumerate(plain) if chunk.seq.grammar is not None]
+            if constrained:
+                picked = self._masked(picked, constrained, [plain[i][0].seq.grammar for i in constrained])
             for (chunk, _), sampled in zip(plain, self.sampler(picked, rows_of)):
                 output.sampled[chunk.seq.seq_id] = [sampled]
+                if chunk.seq.grammar is not None:
+                    chunk.seq.grammar.consume_token(sampled.token_id)
         for chunk, first in speculative:
             output.sampled[chunk.seq.seq_id] = self._verify(chunk, logits[first : first + chunk.num_draft + 1])
         if self.speculators:
@@ -104,15 +121,31 @@ class ModelRunner:
             clock.observe("sample", time.perf_counter() - forwarded)
         return output
 
+    def _masked(self, logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
+        """A copy of ``logits`` with each of ``rows`` limited to what its grammar matcher allows next."""
+        logits = logits.clone()
+        block = logits[rows]
+        self.grammar.apply(block, self.grammar.masks(matchers))
+        logits[rows] = block
+        return logits
+
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> list[SampledToken]:
         seq = chunk.seq
         k = chunk.num_draft
         drafted = seq.spec_proposal
         probs = drafted.probs[:k] if drafted is not None and drafted.probs is not None else None
-        proposal = Proposal(seq.spec_token_ids[:k], probs)
-        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in range(k + 1)]
-        emitted = verify(logits, proposal, rows, seq.params.greedy)
+        drafts = seq.spec_token_ids[:k]
+        matcher = seq.grammar
+        valid = k
+        if matcher is not None:  # drafts past the first the grammar refuses are never verified
+            logits, valid = self._grammar_rows(matcher, drafts, logits)
+        proposal = Proposal(drafts[:valid], probs[:valid] if probs is not None else None)
+        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in range(valid + 1)]
+        emitted = verify(logits[: valid + 1], proposal, rows, seq.params.greedy)
         accepted = len(emitted) - 1
+        if matcher is not None:  # keep the accepted drafts, then the target's own token
+            matcher.rollback(valid - accepted)
+            matcher.consume_token(emitted[-1])
         stats = self.spec_stats
         stats.verifications += 1
         stats.proposed += k
@@ -121,6 +154,22 @@ class ModelRunner:
         if self.adaptive:
             seq.spec_k = min(self.max_draft_tokens, seq.spec_k + 1) if accepted == k else max(1, accepted)
         return [SampledToken(token, None, None) for token in emitted]
+
+    def _grammar_rows(self, matcher, drafts: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Mask each verification row with the grammar's state after the drafts before it. Returns the
+        masked rows and how many leading drafts the grammar allows; the matcher ends after those drafts."""
+        valid = 0
+        matchers_masks = []
+        for draft in [*drafts, None]:
+            matchers_masks.append(self.grammar.masks([matcher])[0])
+            if draft is None or not matchers_masks[-1][draft] or not matcher.consume_token(draft):
+                break
+            valid += 1
+        logits = logits[: valid + 1].clone()
+        import torch
+
+        self.grammar.apply(logits, torch.stack(matchers_masks))
+        return logits, valid
 
     def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput) -> None:
         """Drafts for the next step of every speculating sequence this step sampled for."""

@@ -1,0 +1,160 @@
+"""Constrained decoding: response_format and guided_* force valid output even from random weights."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
+from tests.server_helpers import running_server
+from tierserve.core.config import load_settings
+from tierserve.core.grammar import GrammarSpec
+from tierserve.core.sampling_params import SamplingParams
+
+
+class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as OpenAI's strict mode requires
+
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=120)
+    mood: Literal["happy", "sad", "calm"]
+    tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
+
+
+PERSON_SCHEMA = Person.model_json_schema()
+EMAIL = r"[a-z]{3,8}@example\.(com|org)"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("structured"), "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    overrides = {
+        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
+        ("server", "engine_process"): False, ("logging", "level"): "warning",
+    }  # fmt: skip
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, plugins=loaded.plugins) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_parse_returns_the_pydantic_object(server, temperature):
+    for prompt in ("Who is this?", "Describe someone."):
+        answer = server.chat.completions.parse(
+            model="tiny", messages=[{"role": "user", "content": prompt}], response_format=Person,
+            max_tokens=120, temperature=temperature, seed=7,
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+
+
+def test_streamed_json_schema_output_parses(server):
+    stream = server.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=120, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    Person.model_validate_json(text)
+
+
+def test_guided_regex_choice_and_gbnf_grammar(server):
+    def complete(**extra):
+        answer = server.completions.create(model="tiny", prompt="x", max_tokens=40, n=3, temperature=1.0, extra_body=extra)
+        return [c.text for c in answer.choices]
+
+    assert all(re.fullmatch(EMAIL, text) for text in complete(guided_regex=EMAIL))
+    assert all(text in ("red", "green", "blue") for text in complete(guided_choice=["red", "green", "blue"]))
+    gbnf = 'root ::= answer " " digit\nanswer ::= "yes" | "no"\ndigit ::= [0-9]'
+    assert all(re.fullmatch(r"(yes|no) [0-9]", text) for text in complete(guided_grammar=gbnf))
+    lark = 'start: "(" NUMBER ")"\nNUMBER: /[1-9][0-9]?/'
+    assert all(re.fullmatch(r"\([1-9][0-9]?\)", text) for text in complete(guided_grammar=lark))
+    objects = complete(guided_json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                    "additionalProperties": False})  # fmt: skip
+    assert all(json.loads(text).keys() == {"ok"} for text in objects)
+
+
+def test_json_object_mode_starts_an_object(server):
+    answer = server.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=30, response_format={"type": "json_object"}
+    )
+    content = answer.choices[0].message.content
+    assert content.startswith("{")
+    if answer.choices[0].finish_reason == "stop":  # random weights may still be inside a string at max_tokens
+        assert isinstance(json.loads(content), dict)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "phrase"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format", "nonsense"),
+        ({"response_format": {"type": "xml"}}, "response_format", '"json_schema"'),
+        ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+        ({"guided_grammar": 'root ::= "a" ('}, "guided_grammar", "not a Lark or GBNF grammar"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint per request"),
+        ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "ends where its grammar does"),
+        ({"guided_regex": "a", "beam_width": 2}, "guided_regex", "beam search"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_400s_naming_the_field(server, extra, param, phrase):
+    with pytest.raises(openai.BadRequestError) as failure:
+        server.completions.create(model="tiny", prompt="x", max_tokens=8, extra_body=extra)
+    error = failure.value.body
+    assert error["param"] == param and phrase in error["message"]
+
+
+def test_speculative_drafts_and_preemption_keep_constrained_output_exact(checkpoint):
+    """ngram drafts a refused token sometimes: it is rejected, and greedy output is unchanged; a tiny KV pool
+    preempts sequences mid-grammar: recomputed, they go on from the same grammar state."""
+    plain = make_engine(checkpoint, backend="native")
+    drafting = make_engine(checkpoint, backend="native", speculative__method="ngram", speculative__num_speculative_tokens=4)
+    squeezed = make_engine(checkpoint, backend="native", kv_cache__block_size=4, kv_cache__l1_capacity=40,
+                           scheduler__max_num_batched_tokens=16)  # fmt: skip
+    specs = [
+        GrammarSpec("regex", r"(abc ){2,40}"),
+        GrammarSpec("json_schema", json.dumps(PERSON_SCHEMA)),
+        GrammarSpec("grammar", 'start: ("ab" | "abc" | " ")+ "."'),
+    ]
+    prompts = ["abc abc abc abc abc abc", PROMPTS[1], PROMPTS[4]]
+    try:
+        for spec in specs:
+            params = SamplingParams(max_tokens=60, temperature=0, grammar=spec)
+            reference = [r.token_ids for r in plain.generate(prompts, params)]
+            assert [r.token_ids for r in drafting.generate(prompts, params)] == reference
+            assert [r.token_ids for r in squeezed.generate(prompts, params)] == reference
+        assert drafting.stats().speculation.accepted > 0
+        assert squeezed.stats().counters.preemptions > 0
+        for engine in (plain, drafting, squeezed):
+            assert_pool_released(engine)
+    finally:
+        for engine in (plain, drafting, squeezed):
+            engine.close()
+
+
+def test_constrained_and_free_requests_share_a_batch(checkpoint):
+    engine = make_engine(checkpoint, backend="native")
+    try:
+        email = GrammarSpec("regex", EMAIL)
+        person = GrammarSpec("json_schema", json.dumps(PERSON_SCHEMA))
+        params = [SamplingParams(max_tokens=80, temperature=1.0, seed=i, grammar=[email, person, None][i % 3])
+                  for i in range(12)]  # fmt: skip
+        results = engine.generate(["Hello"] * 12, params)
+        for index, result in enumerate(results):
+            if index % 3 == 0:
+                assert re.fullmatch(EMAIL, result.text)
+            elif index % 3 == 1:
+                Person.model_validate_json(result.text)
+            else:
+                assert len(result.token_ids) == 80 or result.finish_reason == "stop"
+    finally:
+        engine.close()
