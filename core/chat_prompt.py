@@ -21,15 +21,19 @@ PLACEHOLDER = "\ue000tierserve-text-{}\ue001"  # private-use code points: no tem
 PLACEHOLDER_PATTERN = re.compile("\ue000tierserve-text-(\\d+)\ue001")
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """Token ids of ``messages`` under the tokenizer's chat template, with a generation prompt."""
+def encode_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template, with a generation prompt; ``tools``
+    (OpenAI's function tools) go to the template, which renders them where the model expects them."""
+    options: dict[str, Any] = {"tools": tools} if tools else {}
     texts = list(_texts(messages))
     specials = _special_spellings(tokenizer)
     if not any(special in text for text in texts for special in specials):
-        rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **options)
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     masked = _with_placeholders(messages)
-    rendered = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False, **options)
     trims = _template_trims(tokenizer)
     ids: list[int] = []
     position = 0

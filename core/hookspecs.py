@@ -232,6 +232,24 @@ def register_routes(register: Register) -> None:
 
 
 @hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call formats (``tools`` on chat completions).
+
+    ``register("name", parser)`` where ``parser`` is a
+    ``tierserve.core.tool_calls.ToolParser`` instance: ``matches(chat_template)``
+    says whether a model writes its format, ``parse(text)`` turns output into
+    OpenAI tool calls, ``grammar(tools, parallel)`` forces a valid call
+    (``tool_choice`` ``required`` or a named function), ``render_call`` writes
+    an earlier call back for templates that do not render ``tool_calls``.
+    A model uses the first registered parser that matches its template.
+
+    Built-in: ``"hermes"`` (``<tool_call>{...}</tool_call>``: Hermes, Qwen2.5,
+    Qwen3; also the default for templates without tool support) and
+    ``"llama3_json"`` (Llama 3.1+).
+    """
+
+
+@hookspec
 def on_startup(engine: Any) -> None:
     """Called once after the engine is built and before the first request.
 

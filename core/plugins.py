@@ -46,6 +46,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierserve.plugins.tiers.redis_tier",
     "tierserve.plugins.speculation.ngram",
     "tierserve.plugins.speculation.draft_model",
+    "tierserve.plugins.tool_parsers.hermes",
+    "tierserve.plugins.tool_parsers.llama3_json",
 )
 
 # registry kind -> (register hook, human name used in messages)
@@ -56,6 +58,7 @@ COMPONENT_KINDS: dict[str, tuple[str, str]] = {
     "speculators": ("register_speculators", "speculator"),
     "cache_tiers": ("register_cache_tiers", "cache tier"),
     "routes": ("register_routes", "route"),
+    "tool_parsers": ("register_tool_parsers", "tool parser"),
 }
 # a tier's settings are per [[kv_cache.tiers]] entry, not a [plugins.NAME] table
 TIER_KIND = "cache_tiers"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from tierserve.core.engine.requests import output_room
 from tierserve.core.errors import RequestError, RequestTimeoutError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.tool_calls import ToolParser, choose_tool_parser
 from tierserve.server.errors import APIError
 from tierserve.server.schemas import SamplingFields
 from tierserve.server.model_registry import Target
@@ -56,6 +58,7 @@ class Job:
     id: str = ""
     tenant: str = OPEN_TENANT  # the caller's tenant: its cache scope and its own request ids
     target: Target | None = None  # the model version (and LoRA adapter) it runs on
+    tool_parser: ToolParser | None = None  # set when the model may call the request's tools
 
     @property
     def engine(self) -> EngineClient:
@@ -107,8 +110,57 @@ def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
     return [engine.encode_prompt(item) for item in items]
 
 
-def chat_prompt(engine: EngineClient, messages: list[dict[str, Any]]) -> list[list[int]]:
-    return [engine.encode_prompt(messages=messages)]
+def chat_prompt(engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[list[int]]:
+    return [engine.encode_prompt(messages=messages, tools=tools or None)]
+
+
+def tool_parser_for(state: Any, engine: EngineClient) -> ToolParser:
+    """The tool-call format of the model: the first registered parser that matches its chat template."""
+    parsers = [component.factory for component in state.plugins.registry("tool_parsers")]
+    if not parsers:
+        raise APIError(400, "tools: no tool parser plugin is loaded", param="tools", code="unsupported")
+    return choose_tool_parser(parsers, engine.chat_template)
+
+
+def messages_for_template(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]], parser: ToolParser | None, template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages (and the tools) as the chat template takes them. A template that renders tools gets
+    them, and earlier calls with their arguments as objects; for one that does not, the parser writes
+    the tools into the system message and earlier calls into the assistant's text."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        if calls:
+            for call in calls:
+                arguments = call["function"].get("arguments", "{}")
+                if isinstance(arguments, str):
+                    try:
+                        call["function"]["arguments"] = json.loads(arguments)
+                    except ValueError:
+                        pass  # the template gets the text as it came
+            message["tool_calls"] = calls
+        out.append(message)
+    if not tools and not any("tool_calls" in m for m in out):
+        return out, None
+    if template is not None and "tools" in template and "tool_calls" in template:
+        return out, tools or None
+    assert parser is not None  # the caller picks one whenever tools or earlier calls are present
+    for message in out:
+        calls = message.pop("tool_calls", None)
+        if calls:
+            written = "\n".join(parser.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+            message["content"] = f"{message.get('content') or ''}{written}"
+        if message.get("content") is None:
+            message["content"] = ""
+    if tools:
+        prompt = parser.system_prompt(tools)
+        if out and out[0]["role"] in ("system", "developer") and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
 
 
 async def build_job(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Job:
@@ -132,8 +184,15 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
     check_max_tokens(requested, server.max_tokens_limit, sent_as)
     text: Any = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
     check_prompt_bytes(text, server.max_prompt_bytes, "messages" if chat else "prompt")
+    tools, tool_mode = body.tools_in_use() if chat else ([], None)
+    earlier_calls = chat and any(m.get("tool_calls") for m in text)
+    parser = tool_parser_for(state, engine) if tools or earlier_calls else None
     # off the event loop: a long prompt (or chat template) must not stall every other route meanwhile
-    prompts = await asyncio.to_thread(chat_prompt if chat else completion_prompts, engine, text)
+    if chat:
+        messages, template_tools = messages_for_template(text, tools, parser, engine.chat_template)
+        prompts = await asyncio.to_thread(chat_prompt, engine, messages, template_tools)
+    else:
+        prompts = await asyncio.to_thread(completion_prompts, engine, text)
     limit = engine.info.max_model_len
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if chat:
@@ -149,6 +208,11 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
     top_p = body.top_p if body.top_p is not None else (defaults.top_p if defaults else 1.0)
     top_k = body.top_k if body.top_k is not None else (defaults.top_k if defaults else 0)
     grammar = body.grammar()
+    if parser is not None and tool_mode != "auto":  # required, or a named function: only a valid call
+        if grammar is not None:
+            raise APIError(400, f"{grammar.param}: the output is a tool call (tool_choice {body.tool_choice!r}); "
+                           "send one of them", param=grammar.param, code="invalid_value")  # fmt: skip
+        grammar = parser.grammar(tools, parallel=body.parallel_tool_calls and tool_mode == "required")
     if grammar is not None:
         await asyncio.to_thread(grammar.check)  # a 400 naming the field, once for every choice
     params: list[SamplingParams] = []
@@ -193,6 +257,7 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
     return Job(
         prompts, params, body.n, chat, cached, body, model, deadline,
         id=request_id or f"{prefix}-{uuid.uuid4().hex}", tenant=caller_of(request.scope).tenant, target=target,
+        tool_parser=parser if tools else None,
     )  # fmt: skip
 
 

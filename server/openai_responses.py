@@ -10,6 +10,7 @@ from tierserve.core.engine import EngineClient, TokenLogprob
 from tierserve.server.generation_jobs import Choice, Job
 from tierserve.server.state import ServerState
 from tierserve.server.tenant_usage import UsageTable
+from tierserve.server.tool_streaming import finish_with_calls
 
 
 def usage_of(job: Job, choices: list[Choice]) -> dict[str, Any]:
@@ -91,15 +92,20 @@ def cache_report(job: Job, choices: list[Choice]) -> dict[str, Any]:
 def full_response(engine: EngineClient, state: ServerState, job: Job, choices: list[Choice]) -> dict[str, Any]:
     created = int(time.time())
     if job.chat:
-        body_choices = [
-            {
+        body_choices = []
+        for c in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+            finish_reason = c.finish_reason
+            if job.tool_parser is not None:
+                content, calls, finish_reason = finish_with_calls(job.tool_parser, message["content"], finish_reason)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
+            body_choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": message,
                 "logprobs": chat_logprobs(engine, c.logprobs) if job.params[c.index].logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]
+                "finish_reason": finish_reason,
+            })  # fmt: skip
         kind = "chat.completion"
     else:
         body_choices = [

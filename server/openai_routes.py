@@ -25,6 +25,7 @@ from tierserve.server.schemas import (
     SamplingFields,
 )
 from tierserve.server.state import ServerState, state_of
+from tierserve.server.tool_streaming import ToolStream
 
 
 async def respond(request: Request, body: SamplingFields, *, chat: bool, cached: bool) -> Response | Stream:
@@ -108,6 +109,7 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
     kind = "chat.completion.chunk" if job.chat else "text_completion"
     first_token_at = None
     started_roles: set[int] = set()
+    tool_streams: dict[int, ToolStream] = {}
     offsets = [0] * len(choices)
     completed = timed_out = False
     try:
@@ -128,11 +130,17 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
                 if index not in started_roles:
                     delta["role"] = "assistant"
                     started_roles.add(index)
-                if output.text or not output.finished:
-                    delta["content"] = output.text
+                text, finish_reason = output.text, output.finish_reason
+                if job.tool_parser is not None:  # calls leave as tool-call deltas, not as text
+                    tools = tool_streams.setdefault(index, ToolStream(job.tool_parser))
+                    text, calls, finish_reason = tools.feed(output.text, output.finish_reason)
+                    if calls:
+                        delta["tool_calls"] = calls
+                if text or (not output.finished and "tool_calls" not in delta):
+                    delta["content"] = text
                 if wants and output.logprobs:
                     logprobs = chat_logprobs(engine, output.logprobs)
-                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": output.finish_reason}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
                 if wants and output.logprobs:
                     logprobs = completion_logprobs(engine, output.logprobs, offsets[index])

@@ -10,6 +10,7 @@ calling) are refused, never ignored. ``response_format`` and vLLM's
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
@@ -26,6 +27,8 @@ MAX_CONTENT_PARTS = 1024
 MAX_TIERS = 16
 MAX_GRAMMAR_CHARS = 65536  # a regex or grammar compiled per request
 MAX_CHOICES = 1024
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_SEED = 2**64 - 1  # what a torch generator takes; negative seeds down to -2**63 are taken as their unsigned twin
 PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of token id lists"
 
@@ -216,10 +219,23 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallItem(Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -238,25 +254,66 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # tool calling is not implemented: asking for it is a 400, never silently plain text
-    tools: list[dict[str, Any]] | None = None
-    functions: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # the legacy function-calling fields: a 400 pointing at tools, never silently plain text
+    functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise invalid("tool calling is not implemented; send the request without tools")
+    def function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for index, tool in enumerate(value or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+                raise invalid(f'tool {index}: allowed: {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}')
+            if not isinstance(function.get("name"), str) or not TOOL_NAME.fullmatch(function["name"]):
+                raise invalid(f"tool {index}: function.name must be 1-64 letters, digits, _ or -")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise invalid(f"tool {index}: function.parameters must be a JSON schema object")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("functions")
     @classmethod
-    def no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is not None and value not in ("none", "auto"):
-            raise invalid('allowed: "none" or "auto" (tool calling is not implemented)')
+    def no_functions(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise invalid("the legacy function-calling API is not implemented; send tools (and tool_choice) instead")
         return value
+
+    @field_validator("function_call")
+    @classmethod
+    def no_function_call(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is not None and value not in ("none", "auto"):
+            raise invalid('allowed: "none" or "auto"; send tools and tool_choice instead')
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def known_tool_choice(cls, value: str | dict[str, Any] | None, info: ValidationInfo) -> str | dict[str, Any] | None:
+        names = [t["function"]["name"] for t in info.data.get("tools") or []]
+        if value is None or value in ("none", "auto"):
+            return value
+        if value == "required":
+            if not names:
+                raise invalid('"required" makes the model call one of the tools; the request sends none')
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if not isinstance(function, dict) or value.get("type") != "function":
+            raise invalid('allowed: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        if function.get("name") not in names:
+            raise invalid(f"names function {function.get('name')!r}; the request's tools are: {', '.join(names) or 'none'}")
+        return value
+
+    def tools_in_use(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The tools the model may call and how: ``("auto" | "required" | a function name)``; ``([], None)``
+        when it calls none (no tools, or ``tool_choice: "none"``)."""
+        if not self.tools or self.tool_choice == "none":
+            return [], None
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            return [t for t in self.tools if t["function"]["name"] == name], name
+        return self.tools, self.tool_choice or "auto"
 
 
 class CachedFields(Body):

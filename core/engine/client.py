@@ -93,12 +93,23 @@ class EngineClient:
     def max_model_len(self) -> int:
         return self.info.max_model_len
 
-    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: Seq[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids for a text prompt, token ids, or chat messages (the checkpoint's chat template)."""
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (tool calling picks its parser by it)."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def encode_prompt(
+        self,
+        prompt: str | Seq[int] | None = None,
+        messages: Seq[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids for a text prompt, token ids, or chat messages (the checkpoint's chat template, with ``tools``)."""
         if messages is not None:
             if not getattr(self._tokenizer, "chat_template", None):
                 raise RequestError("messages: this model's tokenizer has no chat template; send a prompt instead", param="messages")
-            return encode_chat(self._tokenizer, messages)  # a message's text never becomes a control token
+            return encode_chat(self._tokenizer, messages, tools)  # a message's text never becomes a control token
         if isinstance(prompt, str):
             return list(self._tokenizer(prompt)["input_ids"])
         if prompt is None:

@@ -1,0 +1,1 @@
+"""Built-in tool-call formats (``register_tool_parsers``)."""
