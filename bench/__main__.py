@@ -13,6 +13,7 @@ into ``report.md`` and PNG plots):
     fleet        tierserve fleet on Ray: cache-aware vs default routing, prefill/decode disaggregation
     lora         one batch over 4 LoRA adapters vs the base model alone (output tokens/s)
     grammar      per-token mask cost of llguidance and xgrammar, 2k and 150k vocabularies
+    responses    TTFT of turn 5: previous_response_id vs the history resent vs cold
     report       markdown table and plots from the JSON results
     all          every scenario, then the report
 
@@ -132,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     gr = commands.add_parser("grammar", help="constrained decoding: mask cost per token, llguidance vs xgrammar")
     gr.add_argument("--steps", type=int, default=120)
 
+    rs = commands.add_parser("responses", help="Responses API: turn-5 TTFT with previous_response_id")
+    rs.add_argument("--turns", type=int, default=5)
+    rs.add_argument("--turn-len", type=int, default=200, help="words of new user text per turn (default: 200)")
+    rs.add_argument("--output-len", type=int, default=32)
+    rs.add_argument("--repeats", type=int, default=3)
+
     commands.add_parser("report", help="write report.md and the plots from the results folder")
     commands.add_parser("all", help="every scenario with its defaults, then the report")
     return parser
@@ -170,6 +177,10 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         from bench import grammar
 
         payload = grammar.run(ctx, args.steps)
+    elif name == "responses":
+        from bench import responses
+
+        payload = responses.run(ctx, args.turns, args.turn_len, args.output_len, args.repeats)
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:

@@ -337,7 +337,22 @@ def grammar_section(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def responses_section(payload: dict) -> str:
+    config = payload["config"]
+    lines = [
+        f"A {config['turns']}-turn conversation ({config['turn_len']} words of new user text and {config['output_len']} "
+        f"output tokens per turn), greedy; TTFT of the last turn, median of {config['repeats']}.",
+        "",
+        "| turn 5 sent as | TTFT (ms) | cached tokens |",
+        "|---|---:|---:|",
+    ]
+    for name, row in payload["summary"].items():
+        lines.append(f"| {name} | {_ms(row['ttft_s'])} | {row['cached_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
 SECTIONS = {
+    "responses": ("Responses API: a follow-up turn from the cache", responses_section),
     "grammar": ("Constrained decoding: grammar mask cost", grammar_section),
     "lora": ("LoRA adapters mixed in one batch", lora_section),
     "fleet": ("Fleet: cache-aware routing and prefill/decode disaggregation", fleet_section),

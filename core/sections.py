@@ -54,6 +54,12 @@ class ServerSettings(Section):
     public_health: bool = True
     public_metrics: bool = True
     retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
+    responses_max_stored: int = Field(
+        1024, ge=0, description="/v1/responses kept for GET and previous_response_id (store: true); the oldest go first"
+    )
+    responses_ttl_seconds: float | None = Field(
+        3600.0, gt=0, description="how long a stored /v1/responses response is kept; unset: until pushed out"
+    )
     timeout_seconds: float | None = Field(
         600.0,
         gt=0,

@@ -29,6 +29,7 @@ from tierserve.server.tenants import bearer_token
 ROUTE_MODULES: tuple[str, ...] = (
     "tierserve.server.openai_routes",
     "tierserve.server.model_routes",
+    "tierserve.server.responses_routes",
     "tierserve.server.embedding_routes",
     "tierserve.server.cache_routes",
     "tierserve.server.health_routes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -175,7 +176,30 @@ def registry_warm_prompts_on_switch(lab: Lab) -> None:
             assert (cached > 0) == (expected > 0)
 
 
+# ---- [server] responses_* (the Responses API's store) ----------------------------------------------
+
+
+def stored_responses(lab: Lab, values: dict[str, Any], count: int, wait: float = 0.0) -> list[int]:
+    """Statuses of ``GET /v1/responses/{id}`` for ``count`` responses created in turn, ``wait`` seconds later."""
+    with lab.http(values) as client:
+        ids = [client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()["id"] for _ in range(count)]
+        time.sleep(wait)
+        return [client.get(f"/v1/responses/{i}").status_code for i in ids]
+
+
+def server_responses_max_stored(lab: Lab) -> None:
+    assert stored_responses(lab, {"server.responses_max_stored": 1}, 2) == [404, 200]
+    assert stored_responses(lab, {}, 2) == [200, 200]
+
+
+def server_responses_ttl_seconds(lab: Lab) -> None:
+    assert stored_responses(lab, {"server.responses_ttl_seconds": 0.2}, 1, wait=0.4) == [404]
+    assert stored_responses(lab, {}, 1, wait=0.4) == [200]
+
+
 PROBES = {
+    "server.responses_max_stored": server_responses_max_stored,
+    "server.responses_ttl_seconds": server_responses_ttl_seconds,
     "model.max_loras": model_max_loras,
     "model.max_lora_rank": model_max_lora_rank,
     "model.lora_adapters": model_lora_adapters,

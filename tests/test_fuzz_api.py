@@ -38,13 +38,16 @@ V1_OPERATIONS = [
     "POST /v1/models/aliases",
     "POST /v1/load_lora_adapter",
     "POST /v1/unload_lora_adapter",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
 ]
 NO_INPUT = {"POST /v1/cache/offload"}  # nothing a negative case could break
 # a valid body loads a model (the builtin one when it names no path): test_model_registry.py covers it
 NOT_FUZZED = {"POST /v1/models"}
 EXAMPLES_PER_MODE = 25
 MAX_TOKENS = 4  # the tiny model answers at once; the schema sets no upper bound on these fields
-BOUNDED_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+BOUNDED_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens")
 TRACEBACK_MARKS = ("Traceback", 'File "')
 PATH_MARKS = ("/work/", "/tmp/")  # /v1/models names model.path by design; errors must not show paths
 CASES_TRIED: dict[str, dict[int, int]] = {}  # "label [mode]" -> {status: cases}
@@ -157,7 +160,7 @@ EDGE_BODIES: list[Any] = [
     {"max_tokens": 10**6},
     {"best_of": 5},
     {"response_format": {"type": "json_schema", "json_schema": {"a": [[[[1]]]]}}},
-    {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"tools": [{"type": "function", "function": {"name": "f g"}}]},
     {"tool_choice": {"type": "function", "function": {"name": "f"}}},
     b'{"prompt": DEEP, "messages": [{"role": "user", "content": DEEP}], "max_tokens": 2}',
     b'{"prompt": [true, false], "messages": [{"role": "user", "content": [{"type": "text", "text": true}]}]}',

@@ -1,0 +1,110 @@
+"""The Responses API through the official client: turns chained by previous_response_id hit the prefix cache."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from tests.engine_helpers import build_checkpoint
+from tests.server_helpers import running_server
+from tierserve.core.config import load_settings
+
+ADD = {"type": "function", "name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+    "additionalProperties": False}}  # fmt: skip
+
+
+class Digit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(ge=0, le=9)
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("responses"), "llama", "llama", max_position_embeddings=2048)
+    overrides = {
+        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
+        ("server", "engine_process"): False, ("logging", "level"): "warning",
+    }  # fmt: skip
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, plugins=loaded.plugins) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+
+
+def test_follow_up_turns_reuse_the_earlier_turns_kv(client):
+    first = client.responses.create(model="tiny", input="Tell me a story about a dragon by the sea.", max_output_tokens=24)
+    assert first.object == "response" and first.output_text and first.usage.output_tokens == 24
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    previous, cached = first, []
+    for turn in range(4):
+        answer = client.responses.create(model="tiny", input=f"What happened next, part {turn}?",
+                                         previous_response_id=previous.id, max_output_tokens=24)  # fmt: skip
+        assert answer.previous_response_id == previous.id
+        assert answer.usage.input_tokens > previous.usage.input_tokens + previous.usage.output_tokens
+        cached.append(answer.usage.input_tokens_details.cached_tokens)
+        previous = answer
+    # every earlier turn's full blocks come from the cache: the cached part grows with the conversation
+    assert all(c > 0 for c in cached) and cached == sorted(cached) and cached[-1] > cached[0]
+    assert client.responses.retrieve(previous.id).output_text == previous.output_text
+
+
+def test_store_false_keeps_nothing_and_delete_forgets(client):
+    kept = client.responses.create(model="tiny", input="Hi", max_output_tokens=4)
+    transient = client.responses.create(model="tiny", input="Hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(transient.id)
+    with pytest.raises(openai.BadRequestError) as failure:
+        client.responses.create(model="tiny", input="x", previous_response_id=transient.id, max_output_tokens=4)
+    assert failure.value.body["param"] == "previous_response_id"
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+def test_streamed_events_in_order(client):
+    events = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=12, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text and text
+
+
+def test_function_calls_and_their_outputs(client):
+    answer = client.responses.create(model="tiny", input="Add it", tools=[ADD], tool_choice="required", max_output_tokens=100)
+    (call,) = [item for item in answer.output if item.type == "function_call"]
+    assert call.name == "add" and 0 <= int(__import__("json").loads(call.arguments)["a"]) <= 9
+    follow = client.responses.create(
+        model="tiny", previous_response_id=answer.id, tools=[ADD], max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "7"}],
+    )  # fmt: skip
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+    streamed = list(client.responses.create(model="tiny", input="Add", tools=[ADD], tool_choice="required",
+                                            max_output_tokens=100, stream=True))  # fmt: skip
+    kinds = [e.type for e in streamed]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+
+
+def test_text_format_parses(client):
+    answer = client.responses.parse(model="tiny", input="A digit?", text_format=Digit, max_output_tokens=40)
+    assert isinstance(answer.output_parsed, Digit)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ],
+)  # fmt: skip
+def test_what_is_not_implemented_is_a_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as failure:
+        client.responses.create(**{"model": "tiny", "input": "Hi", "max_output_tokens": 4, **extra})
+    assert failure.value.body["param"] == param or failure.value.body["param"].startswith(param)
