@@ -1,15 +1,16 @@
 """The Responses API: TTFT of a conversation's 5th turn, chained by previous_response_id or resent whole.
 
 One ``tierserve serve --preset production`` on the bench checkpoint. Each
-repeat runs a fresh 5-turn conversation (``--turn-len`` tokens of new user
-text per turn, ``--output-len`` tokens out) three ways, and times the first
-output_text delta of turn 5:
+repeat runs two fresh 5-turn conversations (``--turn-len`` words of new user
+text per turn, ``--output-len`` tokens out) and times the first output_text
+delta of turn 5:
 
 - ``previous_response_id``: each turn names the one before (the server renders
   the stored conversation again: the earlier turns are a prefix-cache hit);
-- ``history resent``: turn 5 sends all earlier turns as input items (what a
-  client without ``previous_response_id`` does; the same tokens, so also a hit);
-- ``cold``: the same history resent after ``POST /v1/cache/clear`` (nothing cached).
+- ``history resent``: the other conversation, each turn sending all earlier
+  turns as input items with ``store: false`` (what a client without
+  ``previous_response_id`` does; the same tokens, so also a hit);
+- ``cold``: that conversation's turn 5 again after ``POST /v1/cache/clear``.
 """
 
 from __future__ import annotations
@@ -59,26 +60,28 @@ def run(ctx: BenchContext, turns: int, turn_len: int, output_len: int, repeats: 
             client = httpx.Client(base_url=server.base_url, timeout=600)
             for repeat in range(repeats):
                 rng = random.Random(repeat)
-                inputs = [words(rng, turn_len) for _ in range(turns)]
-                history: list[dict] = []
                 previous = None
-                for turn, text in enumerate(inputs):
-                    body = {"model": server.model, "input": text, "max_output_tokens": output_len, "temperature": 0}
+                for turn in range(turns):
+                    body = {"model": server.model, "input": words(rng, turn_len), "max_output_tokens": output_len,
+                            "temperature": 0}  # fmt: skip
                     if previous is not None:
                         body["previous_response_id"] = previous["id"]
                     seconds, previous = first_delta_seconds(client, body)
-                    history += [{"role": "user", "content": text},
-                                {"role": "assistant", "content": previous["output"][0]["content"][0]["text"]}]  # fmt: skip
                 rows["previous_response_id"].append(seconds)
                 cached["previous_response_id"].append(previous["usage"]["input_tokens_details"]["cached_tokens"])
-                resend = {"model": server.model, "input": history[:-1], "max_output_tokens": output_len,
-                          "temperature": 0, "store": False}  # fmt: skip
-                for name in ("history resent", "cold"):
-                    if name == "cold":
-                        client.post("/v1/cache/clear", json={"tiers": "all"}).raise_for_status()
+                history: list[dict] = []
+                for turn in range(turns):
+                    history.append({"role": "user", "content": words(rng, turn_len)})
+                    resend = {"model": server.model, "input": history, "max_output_tokens": output_len,
+                              "temperature": 0, "store": False}  # fmt: skip
                     seconds, final = first_delta_seconds(client, resend)
-                    rows[name].append(seconds)
-                    cached[name].append(final["usage"]["input_tokens_details"]["cached_tokens"])
+                    history.append({"role": "assistant", "content": final["output"][0]["content"][0]["text"]})
+                rows["history resent"].append(seconds)
+                cached["history resent"].append(final["usage"]["input_tokens_details"]["cached_tokens"])
+                client.post("/v1/cache/clear", json={"tiers": "all"}).raise_for_status()
+                seconds, final = first_delta_seconds(client, {**resend, "input": history[:-1]})
+                rows["cold"].append(seconds)
+                cached["cold"].append(final["usage"]["input_tokens_details"]["cached_tokens"])
                 print({name: round(values[-1], 4) for name, values in rows.items()}, flush=True)
         finally:
             server.stop()
