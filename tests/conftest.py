@@ -21,6 +21,14 @@ if os.environ.get("CI"):
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# pytest-xdist runs one worker per core: each computes on one thread (engine child processes and
+# servers inherit it), so the workers share the cores instead of fighting over them
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def restore_logging():
