@@ -14,7 +14,7 @@ from litestar import Request
 
 from tierserve.core.engine import EngineClient, RequestOutput, RequestTimings, TokenLogprob
 from tierserve.core.engine.requests import output_room
-from tierserve.core.errors import RequestError, RequestTimeoutError
+from tierserve.core.errors import RequestError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.tool_calls import ToolParser, choose_tool_parser

@@ -74,3 +74,19 @@ def server_starter(checkpoint) -> Iterator[Callable[..., object]]:
     finally:
         for engine in engines:
             engine.close()
+
+
+@contextmanager
+def openai_client(checkpoint, served_name: str = "tiny") -> Iterator[object]:
+    """The official ``openai`` client against a server on ``checkpoint`` (engine on a thread), named ``served_name``."""
+    import openai
+
+    from tierserve.core.config import load_settings
+
+    overrides = {
+        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): served_name,
+        ("server", "engine_process"): False, ("logging", "level"): "warning",
+    }  # fmt: skip
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, plugins=loaded.plugins) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")

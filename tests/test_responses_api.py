@@ -7,8 +7,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.engine_helpers import build_checkpoint
-from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tests.server_helpers import openai_client
 
 ADD = {"type": "function", "name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
@@ -24,13 +23,8 @@ class Digit(BaseModel):
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     checkpoint = build_checkpoint(tmp_path_factory.mktemp("responses"), "llama", "llama", max_position_embeddings=2048)
-    overrides = {
-        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
-        ("server", "engine_process"): False, ("logging", "level"): "warning",
-    }  # fmt: skip
-    loaded = load_settings(None, environ={}, overrides=overrides)
-    with running_server(loaded.settings, plugins=loaded.plugins) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    with openai_client(checkpoint) as client:
+        yield client
 
 
 def test_follow_up_turns_reuse_the_earlier_turns_kv(client):

@@ -11,8 +11,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
-from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tests.server_helpers import openai_client
 from tierserve.core.grammar import GrammarSpec
 from tierserve.core.sampling_params import SamplingParams
 
@@ -37,13 +36,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    overrides = {
-        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
-        ("server", "engine_process"): False, ("logging", "level"): "warning",
-    }  # fmt: skip
-    loaded = load_settings(None, environ={}, overrides=overrides)
-    with running_server(loaded.settings, plugins=loaded.plugins) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    with openai_client(checkpoint) as client:
+        yield client
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

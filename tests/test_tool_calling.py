@@ -8,8 +8,7 @@ import openai
 import pytest
 
 from tests.engine_helpers import build_checkpoint
-from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tests.server_helpers import openai_client
 from tierserve.core.plugins import load_plugins
 from tierserve.core.tool_calls import choose_tool_parser
 from tierserve.server.tool_streaming import ToolStream
@@ -42,13 +41,8 @@ def check_call(call) -> dict:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     checkpoint = build_checkpoint(tmp_path_factory.mktemp("tools"), "llama", "llama", max_position_embeddings=2048)
-    overrides = {
-        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
-        ("server", "engine_process"): False, ("logging", "level"): "warning",
-    }  # fmt: skip
-    loaded = load_settings(None, environ={}, overrides=overrides)
-    with running_server(loaded.settings, plugins=loaded.plugins) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    with openai_client(checkpoint) as client:
+        yield client
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
