@@ -3,16 +3,23 @@
 A stored response keeps the whole conversation that led to it (the messages
 its prompt was rendered from, its own output last), so a follow-up with
 ``previous_response_id`` renders the same tokens again and its earlier turns
-are a prefix-cache hit.
+are a prefix-cache hit. With a ``directory`` (the persistent L3 folder's
+``responses/``) they survive restarts, as the KV of their turns does in L3.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -26,19 +33,54 @@ class StoredResponse:
 class ResponseStore:
     """At most ``max_entries`` responses, each for ``ttl_seconds`` (the least recently stored go first)."""
 
-    def __init__(self, max_entries: int, ttl_seconds: float | None) -> None:
+    def __init__(self, max_entries: int, ttl_seconds: float | None, directory: Path | None = None) -> None:
         self.max_entries = max_entries
         self.ttl_seconds = ttl_seconds
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
+        self._disk = None
+        if directory is not None:
+            import diskcache
+
+            self._disk = diskcache.Cache(str(directory))
+            self._load()
+
+    def _load(self) -> None:
+        """Take the responses a previous run kept; an unreadable one is deleted and logged."""
+        found = []
+        for key in list(self._disk):
+            try:
+                found.append((key, StoredResponse(**json.loads(self._disk.get(key)))))
+            except (TypeError, ValueError) as exc:
+                log.warning("stored_response_unreadable", response_id=str(key), error=str(exc))
+                self._disk.delete(key)
+        for key, entry in sorted(found, key=lambda item: item[1].stored_at):
+            self._entries[key] = entry
+        with self._lock:
+            self._expire()
+            self._bound()
+        if found:
+            log.info("stored_responses_loaded", responses=len(self._entries))
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         with self._lock:
             self._expire()
             self._entries[response_id] = entry
             self._entries.move_to_end(response_id)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            if self._disk is not None:
+                expire = self.ttl_seconds - (time.time() - entry.stored_at) if self.ttl_seconds else None
+                self._disk.set(response_id, json.dumps(asdict(entry)), expire=expire)
+            self._bound()
+
+    def _bound(self) -> None:
+        while len(self._entries) > self.max_entries:
+            key, _ = self._entries.popitem(last=False)
+            if self._disk is not None:
+                self._disk.delete(key)
+
+    def close(self) -> None:
+        if self._disk is not None:
+            self._disk.close()
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The response, if it is stored, not expired and the caller's tenant's."""
@@ -53,6 +95,8 @@ class ResponseStore:
             if entry is None or entry.tenant != tenant:
                 return False
             del self._entries[response_id]
+            if self._disk is not None:
+                self._disk.delete(response_id)
             return True
 
     def __len__(self) -> int:
@@ -68,4 +112,6 @@ class ResponseStore:
             oldest = next(iter(self._entries.values()))
             if oldest.stored_at >= cutoff:
                 break
-            self._entries.popitem(last=False)
+            key, _ = self._entries.popitem(last=False)
+            if self._disk is not None:
+                self._disk.delete(key)

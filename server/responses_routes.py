@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Literal
 
 from litestar import Request, Response, delete, get, post
@@ -82,12 +83,32 @@ class ResponsesRequest(Body):
         return value
 
 
+def persistent_folder(state: ServerState) -> Path | None:
+    """``responses/`` in the first persistent disk tier's folder: stored responses outlive a restart there."""
+    for tier in state.settings.kv_cache.tiers:
+        path = getattr(tier.options, "path", None)
+        if tier.plugin == "disk" and path and getattr(tier.options, "persistent", False):
+            return Path(path).expanduser() / "responses"
+    return None
+
+
 def response_store(state: ServerState) -> ResponseStore:
     store = state.extras.get("responses")
     if store is None:
         server = state.settings.server
-        store = state.extras["responses"] = ResponseStore(server.responses_max_stored, server.responses_ttl_seconds)
+        store = ResponseStore(server.responses_max_stored, server.responses_ttl_seconds, persistent_folder(state))
+        state.extras["responses"] = store
     return store  # type: ignore[return-value]
+
+
+def setup(state: ServerState) -> None:
+    response_store(state)  # a persistent store loads what the previous run kept before the first request
+
+
+def teardown(state: ServerState) -> None:
+    store = state.extras.pop("responses", None)
+    if store is not None:
+        store.close()
 
 
 def bad(message: str, param: str) -> APIError:
@@ -273,9 +294,10 @@ async def create_response(request: Request, data: JSONBody[ResponsesRequest]) ->
     created = time.time()
     choice = Choice(index=0, prompt_index=0)
 
-    def finish() -> dict[str, Any]:
+    def finish(streamed_output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The final Response (with the items as streamed, if given), stored when ``store`` asks."""
         output, message = output_items(job, choice)
-        final = response_object(data, job, response_id, created, "completed", output, choice)
+        final = response_object(data, job, response_id, created, "completed", streamed_output or output, choice)
         if data.store:
             response_store(state).put(response_id, StoredResponse(final, [*messages, message], tenant, time.time()))
         return final
@@ -331,7 +353,6 @@ async def stream_response(data, job, submitted, choice, response_id, created, fi
     except RequestTimeoutError:
         yield event("error", code="timeout", message="the response ran past server.timeout_seconds", param=None)
         return
-    final = finish()
     index = 0
     if opened:
         full = "".join(sent)
@@ -341,7 +362,7 @@ async def stream_response(data, job, submitted, choice, response_id, created, fi
         done = message_item(full, "completed", message_id)
         yield event("response.output_item.done", output_index=0, item=done)
         index = 1
-    output = [done] if opened else []
+    output: list[dict[str, Any]] = [done] if opened else []
     for call in calls:
         item = function_item(call, "completed")
         yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""})
@@ -351,7 +372,7 @@ async def stream_response(data, job, submitted, choice, response_id, created, fi
         yield event("response.output_item.done", output_index=index, item=item)
         output.append(item)
         index += 1
-    final["output"] = output  # the items as streamed (their ids); the stored response is this object
+    final = finish(output)  # stored with the items as streamed (their ids)
     observe(state, job, [choice], first_token_at)
     yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 

@@ -102,3 +102,35 @@ def test_what_is_not_implemented_is_a_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as failure:
         client.responses.create(**{"model": "tiny", "input": "Hi", "max_output_tokens": 4, **extra})
     assert failure.value.body["param"] == param or failure.value.body["param"].startswith(param)
+
+
+def test_stored_conversations_survive_a_restart_with_their_kv_in_l3(tmp_path):
+    """With a persistent disk tier, stored responses live in its folder too: after a restart a follow-up
+    finds its conversation and the KV of its earlier turns (from L3)."""
+    import openai as client_library
+
+    from tests.server_helpers import running_server
+    from tierserve.core.config import load_settings
+
+    checkpoint = build_checkpoint(tmp_path, "llama", "llama", max_position_embeddings=2048)
+    overrides = {
+        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
+        ("server", "engine_process"): False, ("logging", "level"): "warning",
+        ("kv_cache", "tiers"): [{"name": "l3", "plugin": "disk", "path": str(tmp_path / "l3"), "persistent": True,
+                                "write_through": True}],
+    }  # fmt: skip
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, plugins=loaded.plugins) as base:
+        first = client_library.OpenAI(base_url=f"{base}/v1", api_key="unused").responses.create(
+            model="tiny", input="Tell me a long story about a dragon who lived by the sea. " * 4, max_output_tokens=16
+        )
+        streamed = list(client_library.OpenAI(base_url=f"{base}/v1", api_key="unused").responses.create(
+            model="tiny", input="Hi", max_output_tokens=4, stream=True))[-1].response  # fmt: skip
+    assert (tmp_path / "l3" / "responses").is_dir()
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, plugins=loaded.plugins) as base:
+        client = client_library.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        assert [item.id for item in client.responses.retrieve(streamed.id).output] == [item.id for item in streamed.output]
+        follow = client.responses.create(model="tiny", input="And then?", previous_response_id=first.id, max_output_tokens=4)
+        assert follow.usage.input_tokens_details.cached_tokens >= 64  # the first turn's blocks, read back from L3
