@@ -134,3 +134,29 @@ def test_stored_conversations_survive_a_restart_with_their_kv_in_l3(tmp_path):
         assert [item.id for item in client.responses.retrieve(streamed.id).output] == [item.id for item in streamed.output]
         follow = client.responses.create(model="tiny", input="And then?", previous_response_id=first.id, max_output_tokens=4)
         assert follow.usage.input_tokens_details.cached_tokens >= 64  # the first turn's blocks, read back from L3
+
+
+def test_a_stored_response_is_its_tenants_only(tmp_path):
+    import openai as client_library
+
+    from tests.server_helpers import running_server
+    from tierserve.core.config import load_settings
+
+    checkpoint = build_checkpoint(tmp_path, "llama", "llama")
+    overrides = {
+        ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): "tiny",
+        ("server", "engine_process"): False, ("logging", "level"): "warning",
+        ("auth", "tenants"): {"acme": ["key-acme"], "globex": ["key-globex"]},
+    }  # fmt: skip
+    loaded = load_settings(None, environ={}, overrides=overrides)
+    with running_server(loaded.settings, plugins=loaded.plugins) as base:
+        acme = client_library.OpenAI(base_url=f"{base}/v1", api_key="key-acme")
+        globex = client_library.OpenAI(base_url=f"{base}/v1", api_key="key-globex")
+        kept = acme.responses.create(model="tiny", input="A secret plan", max_output_tokens=4)
+        with pytest.raises(client_library.NotFoundError):
+            globex.responses.retrieve(kept.id)
+        with pytest.raises(client_library.BadRequestError):
+            globex.responses.create(model="tiny", input="x", previous_response_id=kept.id, max_output_tokens=2)
+        with pytest.raises(client_library.NotFoundError):
+            globex.responses.delete(kept.id)
+        assert acme.responses.retrieve(kept.id).id == kept.id
