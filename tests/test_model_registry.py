@@ -134,6 +134,7 @@ def test_unloading_drains_running_requests_then_frees_the_model(tmp_path, checkp
         assert finished[0].json()["usage"]["completion_tokens"] == 200  # it ran to its end, not aborted
         assert ask(base, "b").status_code == 404
         assert "b@1" not in {m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]}
+        assert httpx.get(f"{base}/health").json()["components"]["models"] == {"a@1": "ready"}
         assert ask(base, "a").json()["choices"][0]["text"] == expected["llama"]
         assert httpx.delete(f"{base}/v1/models/b@1").status_code == 404
 

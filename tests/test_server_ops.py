@@ -143,6 +143,7 @@ def test_health_probes_when_ready(server, engine):
         "scheduler": "fcfs",
         "cache_tiers": ["l1", "l2", "l3"],
         "load_error": None,
+        "models": {engine.settings.model.path: "ready"},
     }
     assert httpx.get(f"{server}/health/ready").json() == {"status": "ready"}
     assert httpx.get(f"{server}/health/live").json() == {"status": "alive"}
