@@ -13,6 +13,7 @@ path (render, then tokenize the whole string), which gives exactly the ids
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ def encode_chat(
     options: dict[str, Any] = {"tools": tools} if tools else {}
     texts = list(_texts(messages))
     specials = _special_spellings(tokenizer)
+    _refuse_specials_in_tools(tools, messages, specials)
     if not any(special in text for text in texts for special in specials):
         rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **options)
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -44,6 +46,25 @@ def encode_chat(
         position = match.end()
     ids += _encode(tokenizer, rendered[position:], split_special=False)
     return ids
+
+
+def _refuse_specials_in_tools(
+    tools: list[dict[str, Any]] | None, messages: Sequence[dict[str, Any]], specials: list[str]
+) -> None:
+    """Tool definitions and earlier calls' arguments are rendered by the template as they are: a control
+    token's spelling in them would become the control token, so it is a 400."""
+    from tierserve.core.errors import RequestError
+
+    for param, value in (("tools", tools), ("messages", [m.get("tool_calls") for m in messages if m.get("tool_calls")])):
+        if not value:
+            continue
+        text = json.dumps(value, ensure_ascii=False)
+        found = next((special for special in specials if special in text), None)
+        if found is not None:
+            raise RequestError(
+                f"{param}: the tool definitions or calls contain {found!r}, a control token of this model's "
+                "tokenizer; remove it", param=param,
+            )  # fmt: skip
 
 
 def _encode(tokenizer: Any, text: str, *, split_special: bool) -> list[int]:

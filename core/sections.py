@@ -219,7 +219,8 @@ class RegistrySettings(Section):
     unload_idle: bool = Field(
         False,
         description="instead of refusing a load past max_loaded_models or memory_budget_bytes, unload the least "
-        "recently used idle models that no alias points at (as Ollama's keep-alive does)",
+        "recently used idle versions; their names keep answering and load them again on the next request "
+        "(as Ollama's keep-alive does)",
     )
     warm_prompts_on_switch: int = Field(
         16, ge=0, description="an alias switch with warm=true replays the old version's this many most used prompts"

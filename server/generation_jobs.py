@@ -147,7 +147,9 @@ def messages_for_template(
     if template is not None and "tools" in template and "tool_calls" in template:
         return out, tools or None
     assert parser is not None  # the caller picks one whenever tools or earlier calls are present
-    for message in out:
+    for index, message in enumerate(out):
+        if message["role"] == "tool":  # templates without tools know no tool role: a user turn, as Hermes writes it
+            out[index] = message = {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
         calls = message.pop("tool_calls", None)
         if calls:
             written = "\n".join(parser.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls)
@@ -208,7 +210,7 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
     top_p = body.top_p if body.top_p is not None else (defaults.top_p if defaults else 1.0)
     top_k = body.top_k if body.top_k is not None else (defaults.top_k if defaults else 0)
     grammar = body.grammar()
-    if parser is not None and tool_mode != "auto":  # required, or a named function: only a valid call
+    if tools and tool_mode != "auto":  # required, or a named function: only a valid call
         if grammar is not None:
             raise APIError(400, f"{grammar.param}: the output is a tool call (tool_choice {body.tool_choice!r}); "
                            "send one of them", param=grammar.param, code="invalid_value")  # fmt: skip

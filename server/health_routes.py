@@ -58,7 +58,7 @@ def components(state: ServerState) -> dict[str, Any]:
         "cache_tiers": tiers,
         "load_error": error,
         # every loaded version's status (the figures above are the default model's)
-        "models": {model_id: served.status for model_id, served in sorted(state.registry.models.items())},
+        "models": state.registry.statuses(),
     }
 
 

@@ -132,6 +132,7 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
         self.aliases: dict[str, str] = {}  # name -> model id
         self._unlisted: dict[str, str] = {}  # names accepted but not listed -> model id
+        self._configured: set[str] = set()  # aliases the settings give (kept when a version is removed)
         self.default_id = ""
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()  # one load at a time: the budget check sees every loaded model
@@ -139,6 +140,7 @@ class ModelRegistry:
             share = 1.0 / len(settings.models)
             for entry in settings.models:
                 self._add(entry, entry_settings(settings, entry, entry.kv_share or share))
+            self._configured = set(self.aliases)
         else:
             names = settings.model.model_names or [settings.model.path]
             served = ServedModel(names[0], settings, names[0], engine=engine, owns_engine=engine is None)
@@ -276,8 +278,17 @@ class ModelRegistry:
             served = self._add(entry, entry_settings(self.settings, entry, share))
         try:
             self._load(served)
-        except TierserveError as exc:
-            raise APIError(400, f"model {entry.id!r} failed to load: {exc}", param="path", code="load_failed") from None
+        except BaseException as exc:
+            with self._lock:  # nothing may point at a version that is not there
+                if self.models.get(served.id) is served:
+                    del self.models[served.id]
+                self.aliases = {a: t for a, t in self.aliases.items() if t != served.id or a in self._configured}
+                if self.default_id == served.id:
+                    ready = [m for m in self.models.values() if m.status == "ready"]
+                    self.default_id = ready[0].id if ready else ""
+            if isinstance(exc, TierserveError):
+                raise APIError(400, f"model {entry.id!r} failed to load: {exc}", param="path", code="load_failed") from None
+            raise
         return served
 
     def _load(self, served: ServedModel) -> None:
@@ -293,10 +304,13 @@ class ModelRegistry:
                     served.owns_engine = True
                 served.engine.start()
             except BaseException as exc:
-                served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
                 if served.engine is not None and served.owns_engine:
                     served.engine.close()
                     served.engine = None
+                if isinstance(exc, APIError):  # refused by [registry] limits: nothing failed, it is just not loaded
+                    served.status = "unloaded"
+                else:
+                    served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
                 raise
             served.status = "ready"
             served.last_used = time.monotonic()
@@ -324,10 +338,12 @@ class ModelRegistry:
 
         reason = over()
         while reason is not None and policy.unload_idle:
-            idle = [m for m in self._loaded() if m is not incoming and m.status == "ready" and not m.busy]
-            if not idle:
-                break
-            victim = min(idle, key=lambda m: m.last_used)
+            with self._lock:  # no request is admitted to the victim between the check and the unload
+                idle = [m for m in self._loaded() if m is not incoming and m.status == "ready" and not m.busy]
+                if not idle:
+                    break
+                victim = min(idle, key=lambda m: m.last_used)
+                victim.status = "draining"
             log.info("model_unloaded_idle", model=victim.id, reason=reason, for_model=incoming.id)
             self._free(victim, status="unloaded")
             reason = over()
@@ -348,6 +364,9 @@ class ModelRegistry:
                 raise APIError(404, f"model {model_id!r} is not loaded; loaded: "
                                f"{', '.join(sorted(m.id for m in self._loaded())) or 'none'}", param="model_id",
                                code="model_not_found")  # fmt: skip
+            if served.status == "loading":
+                raise APIError(409, f"model {served.id!r} is still loading; unload it once it is ready",
+                               param="model_id", code="model_loading")  # fmt: skip
             pointing = sorted(a for a, target in self.aliases.items() if target == served.id and a != served.name)
             named = self.aliases.get(served.name) == served.id and any(
                 m.name == served.name and m is not served and m.engine is not None for m in self.models.values()
@@ -404,17 +423,27 @@ class ModelRegistry:
         log.info("model_alias_switched", alias=alias, model=model_id, previous=before)
         return before
 
-    def warm_from(self, source_id: str | None, target: ServedModel, limit: int) -> int:
-        """Replay the most used prompts of ``source_id`` on ``target`` (prefill only); returns prompts warmed."""
+    def top_prompts(self, source_id: str | None, limit: int) -> list[list[int]]:
+        """The most used prompts of a version (call it on the event loop, which counts them)."""
         source = self.models.get(source_id or "")
-        if source is None or target.engine is None or limit <= 0:
+        if source is None or limit <= 0:
+            return []
+        return [list(ids) for ids, _ in source.prompts.most_common(limit)]
+
+    def warm_with(self, prompts: list[list[int]], target: ServedModel) -> int:
+        """Replay ``prompts`` on ``target`` (prefill only; off the event loop); returns prompts warmed."""
+        if target.engine is None:
             return 0
-        prompts = [list(ids) for ids, _ in source.prompts.most_common(limit)]
         limit_len = target.engine.max_model_len - 1
         prompts = [p for p in prompts if len(p) <= limit_len and all(t < target.engine.info.vocab_size for t in p)]
         if prompts:
             target.engine.warm(prompts)
         return len(prompts)
+
+    def statuses(self) -> dict[str, str]:
+        """Every version's status, by id."""
+        with self._lock:
+            return {model_id: served.status for model_id, served in sorted(self.models.items())}
 
     def describe(self, served: ServedModel) -> dict[str, Any]:
         """What ``/v1/models`` shows of a version beyond OpenAI's fields."""

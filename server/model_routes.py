@@ -75,9 +75,8 @@ async def switch_alias(request: Request, data: JSONBody[AliasRequest]) -> dict[s
     warmed = 0
     if data.warm:
         target = registry.lookup(data.model).served
-        source = registry.aliases.get(data.alias)
-        limit = registry.settings.registry.warm_prompts_on_switch
-        warmed = await asyncio.to_thread(registry.warm_from, source, target, limit)
+        prompts = registry.top_prompts(registry.aliases.get(data.alias), registry.settings.registry.warm_prompts_on_switch)
+        warmed = await asyncio.to_thread(registry.warm_with, prompts, target)
     previous = registry.switch_alias(data.alias, data.model)
     return {"alias": data.alias, "model": data.model, "previous": previous, "warmed_prompts": warmed}
 

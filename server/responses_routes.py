@@ -294,10 +294,11 @@ async def create_response(request: Request, data: JSONBody[ResponsesRequest]) ->
     created = time.time()
     choice = Choice(index=0, prompt_index=0)
 
-    def finish(streamed_output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The final Response (with the items as streamed, if given), stored when ``store`` asks."""
-        output, message = output_items(job, choice)
-        final = response_object(data, job, response_id, created, "completed", streamed_output or output, choice)
+    def finish(streamed: tuple[list[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The final Response, stored when ``store`` asks; ``streamed``: its items and assistant message as
+        they were streamed (their ids, which a follow-up's function_call_output names)."""
+        output, message = streamed or output_items(job, choice)
+        final = response_object(data, job, response_id, created, "completed", output, choice)
         if data.store:
             response_store(state).put(response_id, StoredResponse(final, [*messages, message], tenant, time.time()))
         return final
@@ -372,7 +373,10 @@ async def stream_response(data, job, submitted, choice, response_id, created, fi
         yield event("response.output_item.done", output_index=index, item=item)
         output.append(item)
         index += 1
-    final = finish(output)  # stored with the items as streamed (their ids)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(sent) or None}
+    if calls:
+        message["tool_calls"] = [{k: call[k] for k in ("id", "type", "function")} for call in calls]
+    final = finish((output, message))
     observe(state, job, [choice], first_token_at)
     yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 

@@ -140,6 +140,8 @@ def registry_max_loaded_models(lab: Lab) -> None:
     with models_app(lab, entries, {"registry.max_loaded_models": 1}) as client:
         refused = client.post("/v1/models", json=load_body(lab, "b"))
         assert refused.status_code == 409 and "registry.max_loaded_models is 1" in refused.json()["error"]["message"]
+        assert {"b", "b@1"}.isdisjoint(listed(client))  # a refused version leaves no name behind
+        assert completion(client, "a").status_code == 200
     with models_app(lab, entries, {"registry.max_loaded_models": 2}) as client:
         assert client.post("/v1/models", json=load_body(lab, "b")).status_code == 201
 

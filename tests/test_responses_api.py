@@ -80,6 +80,19 @@ def test_function_calls_and_their_outputs(client):
                                             max_output_tokens=100, stream=True))  # fmt: skip
     kinds = [e.type for e in streamed]
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    (sent,) = [e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    stored = client.responses.retrieve(streamed[-1].response.id)
+    assert [item.call_id for item in stored.output if item.type == "function_call"] == [sent.call_id]
+    answered = client.responses.create(
+        model="tiny", previous_response_id=stored.id, max_output_tokens=4, tools=[ADD],
+        input=[{"type": "function_call_output", "call_id": sent.call_id, "output": "3"}],
+    )  # fmt: skip
+    assert answered.usage.input_tokens_details.cached_tokens > 0  # the same tools: the same prefix
+    without_tools = client.responses.create(
+        model="tiny", previous_response_id=stored.id, max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": sent.call_id, "output": "3"}],
+    )  # fmt: skip
+    assert without_tools.output_text is not None
 
 
 def test_text_format_parses(client):

@@ -109,7 +109,12 @@ class EngineClient:
         if messages is not None:
             if not getattr(self._tokenizer, "chat_template", None):
                 raise RequestError("messages: this model's tokenizer has no chat template; send a prompt instead", param="messages")
-            return encode_chat(self._tokenizer, messages, tools)  # a message's text never becomes a control token
+            try:
+                return encode_chat(self._tokenizer, messages, tools)  # a message's text never becomes a control token
+            except Exception as exc:
+                if type(exc).__name__ != "TemplateError":  # jinja2's: the template refused this conversation
+                    raise
+                raise RequestError(f"messages: the model's chat template refused them: {exc}", param="messages") from None
         if isinstance(prompt, str):
             return list(self._tokenizer(prompt)["input_ids"])
         if prompt is None:

@@ -136,12 +136,15 @@ class ModelRunner:
         probs = drafted.probs[:k] if drafted is not None and drafted.probs is not None else None
         drafts = seq.spec_token_ids[:k]
         matcher = seq.grammar
-        valid = k
-        if matcher is not None:  # drafts past the first the grammar refuses are never verified
+        valid = used = k
+        if matcher is not None:
+            # the first draft the grammar refuses is verified against its masked row (probability 0: rejected,
+            # and a sampled replacement comes from the residual, so sampling stays exact); none after it is
             logits, valid = self._grammar_rows(matcher, drafts, logits)
-        proposal = Proposal(drafts[:valid], probs[:valid] if probs is not None else None)
-        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in range(valid + 1)]
-        emitted = verify(logits[: valid + 1], proposal, rows, seq.params.greedy)
+            used = min(k, valid + 1)
+        proposal = Proposal(drafts[:used], probs[:used] if probs is not None else None)
+        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in range(used + 1)]
+        emitted = verify(logits[: used + 1], proposal, rows, seq.params.greedy)
         accepted = len(emitted) - 1
         if matcher is not None:  # keep the accepted drafts, then the target's own token
             matcher.rollback(valid - accepted)
@@ -156,8 +159,9 @@ class ModelRunner:
         return [SampledToken(token, None, None) for token in emitted]
 
     def _grammar_rows(self, matcher, drafts: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Mask each verification row with the grammar's state after the drafts before it. Returns the
-        masked rows and how many leading drafts the grammar allows; the matcher ends after those drafts."""
+        """Mask each verification row with the grammar's state after the drafts before it, up to the row of
+        the first refused draft. Returns the rows (the one after a refused draft stays unmasked: it is never
+        reached) and how many leading drafts the grammar allows; the matcher ends after those drafts."""
         valid = 0
         matchers_masks = []
         for draft in [*drafts, None]:
@@ -165,10 +169,12 @@ class ModelRunner:
             if draft is None or not matchers_masks[-1][draft] or not matcher.consume_token(draft):
                 break
             valid += 1
-        logits = logits[: valid + 1].clone()
         import torch
 
-        self.grammar.apply(logits, torch.stack(matchers_masks))
+        logits = logits[: min(len(drafts), valid + 1) + 1].clone()
+        masked = logits[: valid + 1]
+        self.grammar.apply(masked, torch.stack(matchers_masks))
+        logits[: valid + 1] = masked
         return logits, valid
 
     def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput) -> None:
