@@ -94,7 +94,7 @@ def run_llguidance(tokenizer: Any, steps: int) -> tuple[float, list[float]]:
     import llguidance.hf
     import llguidance.torch
 
-    from tierserve.core.grammar import JSON_OPTIONS, GrammarRuntime
+    from tierserve.core.grammar import JSON_OPTIONS, GrammarRuntime, unpack_bitmask
 
     llg_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
     start = time.perf_counter()
@@ -111,8 +111,7 @@ def run_llguidance(tokenizer: Any, steps: int) -> tuple[float, list[float]]:
         return True
 
     def allowed(logits: torch.Tensor) -> torch.Tensor:
-        bits = (mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        GrammarRuntime.apply(logits, bits.reshape(1, -1)[:, :vocab].bool())
+        GrammarRuntime.apply(logits, unpack_bitmask(mask, vocab))
         return logits
 
     return compile_seconds, walk(fill, allowed, matcher.consume_token, steps, vocab, 1)

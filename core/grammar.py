@@ -92,6 +92,14 @@ def spec_from_schema(schema: Any, param: str) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(schema), param)
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's int32 bitmask ``[rows, ceil(vocab/32)]`` as booleans ``[rows, vocab_size]`` (True: allowed)."""
+    import torch
+
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 class GrammarRuntime:
     """The core's side: the tokenizer as llguidance sees it, a matcher per sequence, batched masks.
 
@@ -109,7 +117,6 @@ class GrammarRuntime:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
         self.executor = self._llg.LLExecutor()
-        self._bit = None
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """A fresh matcher for one sequence; ``RequestError`` when the grammar does not fit this tokenizer."""
@@ -121,14 +128,10 @@ class GrammarRuntime:
     def masks(self, matchers: list[Any]) -> torch.Tensor:
         """Boolean ``[len(matchers), vocab_size]``: the tokens each matcher allows next, computed in parallel."""
         import llguidance.torch
-        import torch
 
         bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
         llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-        if self._bit is None:
-            self._bit = torch.arange(32, dtype=torch.int32)
-        bits = (bitmask.unsqueeze(-1) >> self._bit) & 1
-        return bits.reshape(len(matchers), -1)[:, : self.vocab_size].bool()
+        return unpack_bitmask(bitmask, self.vocab_size)
 
     @staticmethod
     def apply(logits: torch.Tensor, allowed: torch.Tensor) -> None:

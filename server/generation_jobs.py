@@ -216,7 +216,7 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
                            "send one of them", param=grammar.param, code="invalid_value")  # fmt: skip
         grammar = parser.grammar(tools, parallel=body.parallel_tool_calls and tool_mode == "required")
     if grammar is not None:
-        await asyncio.to_thread(grammar.check)  # a 400 naming the field, once for every choice
+        await asyncio.to_thread(engine.check_grammar, grammar)  # compiled off the loop; submit finds it checked
     params: list[SamplingParams] = []
     for ids in prompts:
         room = min(output_room(len(ids), limit, param="messages" if chat else "prompt"), server.max_tokens_limit)

@@ -188,7 +188,7 @@ class ModelRegistry:
                 if served is None:
                     raise APIError(404, "no model is loaded; load one with POST /v1/models", param="model",
                                    code="model_not_found")  # fmt: skip
-                target = Target(served.id if served.version else self._first_name(served), served)
+                target = Target(served.id, served)
             else:
                 target = self._lookup(name)
             self._check_servable(target.served)
@@ -216,10 +216,6 @@ class ModelRegistry:
         except TierserveError:
             return False
         return True
-
-    def _first_name(self, served: ServedModel) -> str:
-        names = self.settings.model.model_names or [self.settings.model.path]
-        return names[0] if served.version is None else served.id
 
     def lookup(self, name: str) -> Target:
         """What ``name`` names, whatever its status (404 for an unknown name)."""
@@ -284,8 +280,7 @@ class ModelRegistry:
                     del self.models[served.id]
                 self.aliases = {a: t for a, t in self.aliases.items() if t != served.id or a in self._configured}
                 if self.default_id == served.id:
-                    ready = [m for m in self.models.values() if m.status == "ready"]
-                    self.default_id = ready[0].id if ready else ""
+                    self._pick_default()
             if isinstance(exc, TierserveError):
                 raise APIError(400, f"model {entry.id!r} failed to load: {exc}", param="path", code="load_failed") from None
             raise
@@ -389,10 +384,14 @@ class ModelRegistry:
                 del self.models[served.id]
                 self.aliases = {a: t for a, t in self.aliases.items() if t != served.id}
             if self.default_id == served.id:
-                ready = [m for m in self.models.values() if m.status == "ready"]
-                self.default_id = ready[0].id if ready else ""
+                self._pick_default()
         log.info("model_unloaded", model=served.id, drained_requests=running)
         return running
+
+    def _pick_default(self) -> None:
+        """The first ready version becomes the default (the one before it is gone)."""
+        ready = [m for m in self.models.values() if m.status == "ready"]
+        self.default_id = ready[0].id if ready else ""
 
     def _free(self, served: ServedModel, *, status: str) -> None:
         engine, served.engine = served.engine, None

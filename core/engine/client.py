@@ -172,11 +172,8 @@ class EngineClient:
             QueueFullError: the waiting queue is full (back-pressure).
         """
         ids = list(prompt_token_ids)
-        if params.grammar is not None and params.grammar not in self._checked_grammars:
-            params.grammar.check()  # RequestError naming the field, before anything is queued
-            if len(self._checked_grammars) >= CHECKED_GRAMMARS:
-                self._checked_grammars.clear()
-            self._checked_grammars.add(params.grammar)
+        if params.grammar is not None:
+            self.check_grammar(params.grammar)  # RequestError naming the field, before anything is queued
         streaming = window_mode(self.settings.sliding_window, sliding_window)
         spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
         if cache_key is not None:
@@ -219,6 +216,15 @@ class EngineClient:
                 self._unacknowledged -= 1
             raise
         return request_id, stream
+
+    def check_grammar(self, grammar: GrammarSpec) -> None:
+        """Raise ``RequestError`` naming the field unless ``grammar`` compiles; one already checked is not compiled again."""
+        if grammar in self._checked_grammars:
+            return
+        grammar.check()
+        if len(self._checked_grammars) >= CHECKED_GRAMMARS:
+            self._checked_grammars.clear()
+        self._checked_grammars.add(grammar)
 
     def check_cache_key(self, num_prompt_tokens: int, use_prefix_cache: bool = True) -> None:
         """Raise ``RequestError`` (param ``cache_key``) unless a prompt this long can be named:

@@ -172,9 +172,7 @@ class ModelRunner:
         import torch
 
         logits = logits[: min(len(drafts), valid + 1) + 1].clone()
-        masked = logits[: valid + 1]
-        self.grammar.apply(masked, torch.stack(matchers_masks))
-        logits[: valid + 1] = masked
+        self.grammar.apply(logits[: valid + 1], torch.stack(matchers_masks))  # a view: masked in place
         return logits, valid
 
     def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput) -> None:

@@ -168,6 +168,7 @@ class LoraSlots:
         self.max_rank = max_rank
         self.num_layers = num_layers
         self.dtype = dtype
+        self.device = device
         self.shapes = layer_shapes
         # a[proj][layer]: [slots, parts*R, in]; b[proj][layer]: [slots, out, parts*R]
         self.a: dict[str, list[torch.Tensor]] = {}
@@ -237,7 +238,7 @@ class LoraSlots:
         if not rows:
             return None
         segments: list[tuple[int, slice | torch.Tensor]] = []
-        device = next(iter(self.a.values()))[0].device
+        device = self.device
         for slot, ranges in rows.items():
             if all(end == start for (_, end), (start, _) in zip(ranges, ranges[1:])):
                 segments.append((slot, slice(ranges[0][0], ranges[-1][1])))
