@@ -45,6 +45,10 @@ class ModelBackend(ABC):
         kv_dtype: how the KV arena holds keys and values (``kv_cache.dtype``; the model's dtype by default).
         backend_name: the name the backend was registered under; the engine builder sets it
             (with ``model.backend = "auto"`` it is the backend auto chose).
+        supports_token_trees: ``forward`` honours ``chunk.tree_parents`` (tree attention) and ``move_kv``
+            works, so tree speculators may run.
+        supports_hidden_states: with ``keep_hidden_states`` set, ``forward`` leaves the final hidden
+            states (after the last norm) of its logits rows in ``last_hidden_states`` (Medusa heads read them).
     """
 
     tokenizer: object
@@ -62,6 +66,10 @@ class ModelBackend(ABC):
     kv_dtype: torch.dtype | None = None
     backend_name: str = "unnamed"  # the registered name it was built under (set by the engine builder)
     supports_lora: bool = False  # load_lora works (model.max_loras > 0 is refused at load otherwise)
+    supports_token_trees: bool = False
+    supports_hidden_states: bool = False
+    keep_hidden_states: bool = False  # set by the engine builder when a speculator reads hidden states
+    last_hidden_states: torch.Tensor | None = None
 
     def kv_spec(self, block_size: int) -> KVSpec:
         """The KV layout the engine's KV manager needs: bytes per block, and a trained sliding
@@ -101,6 +109,11 @@ class ModelBackend(ABC):
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Copy ``data`` (as ``read_blocks`` returns it) into arena blocks (paged backends)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no paged KV arena")
+
+    def move_kv(self, block_table: list[int], sources: list[int], targets: list[int]) -> None:
+        """Copy every layer's keys and values at token positions ``sources`` of a sequence (through its
+        ``block_table``) to positions ``targets`` (a tree's accepted path into consecutive slots)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move KV between slots (no token trees)")
 
     def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Embedding vectors: each input's final hidden states (after the model's final norm),

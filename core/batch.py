@@ -57,6 +57,14 @@ class ScheduledChunk:
         return ids
 
     @property
+    def tree_parents(self) -> list[int] | None:
+        """The drafts' parents when they form a token tree (``Proposal.parents``), else None (a linear run)."""
+        proposal = self.seq.spec_proposal
+        if not self.num_draft or proposal is None or proposal.parents is None:
+            return None
+        return proposal.parents[: self.num_draft]
+
+    @property
     def samples(self) -> bool:
         """Whether this chunk brings the sequence up to date, so the step samples its next token."""
         return self.start + self.num_tokens - self.num_draft == self.seq.num_tokens

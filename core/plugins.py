@@ -45,6 +45,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierserve.plugins.tiers.disk",
     "tierserve.plugins.tiers.redis_tier",
     "tierserve.plugins.speculation.ngram",
+    "tierserve.plugins.speculation.ngram_tree",
+    "tierserve.plugins.speculation.medusa",
     "tierserve.plugins.speculation.draft_model",
     "tierserve.plugins.tool_parsers.hermes",
     "tierserve.plugins.tool_parsers.llama3_json",

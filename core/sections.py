@@ -325,6 +325,15 @@ class SpeculativeSettings(Section):
     method: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
     adaptive: bool = True  # shrink k when drafts are rejected, grow it back when they are accepted
+    max_tree_nodes: int = Field(
+        16, ge=1, le=128,
+        description="tree speculators (ngram_tree, medusa): the most nodes of one sequence's token tree",
+    )
+    step_tree_nodes: int = Field(
+        64, ge=1, le=4096,
+        description="tree speculators: the tree nodes one step verifies, shared among its sequences "
+        "(each gets min(max_tree_nodes, step_tree_nodes // sequences)): a big batch gets smaller trees",
+    )
     beam_width: int = Field(4, ge=1, le=16)
     temperature: float = Field(0.8, ge=0)
     top_k: int = Field(40, ge=-1)

@@ -20,6 +20,10 @@ one token from the target:
 ``q`` the draft's, or a point mass on the draft for deterministic proposers
 (n-gram lookup). KV written for rejected drafts is rolled back: the sequence
 forgets those positions, trailing blocks are freed, nothing is published.
+
+A speculator may also propose a token tree (``Proposal.parents``): several
+continuations verified in the same forward under a tree attention mask
+(``core/token_tree.py``), of which the longest accepted path is kept.
 """
 
 from __future__ import annotations
@@ -39,20 +43,38 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class DraftRequest:
-    """One sequence to draft for: its history (the tokens just sampled included) and how many drafts at most."""
+    """One sequence to draft for: its history (the tokens just sampled included) and how many drafts at most.
+
+    Attributes:
+        num_tokens: the most draft tokens (tree nodes, for a tree speculator) to propose.
+        max_depth: the longest path a proposal may have (the room left before ``max_tokens`` and the
+            context length); equals ``num_tokens`` for linear speculators.
+        hidden: the target's final hidden state (after the last norm) at the position that produced the
+            newest token, ``[hidden_size]``, for speculators that set ``needs_hidden_states``; else None.
+    """
 
     seq: Sequence
     token_ids: list[int]
     num_tokens: int
+    max_depth: int = 0
+    hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_depth <= 0:
+            self.max_depth = self.num_tokens
 
 
 @dataclass(slots=True)
 class Proposal:
     """Draft tokens for one sequence; ``probs[i]`` is the distribution draft ``i`` was drawn from
-    (``None``: proposed deterministically, a point mass)."""
+    (``None``: proposed deterministically, a point mass).
+
+    ``parents`` (tree proposals, deterministic only): node ``i``'s parent, ``-1`` for the sequence's last
+    real token or the index of an earlier node (``core/token_tree.py``); ``None``: one linear run."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
 
 class Speculator(ABC):
@@ -62,6 +84,9 @@ class Speculator(ABC):
         settings: all settings (``[speculative]`` holds this speculator's knobs).
         target: the target model's backend (its tokenizer, vocab, device).
     """
+
+    proposes_trees: bool = False  # proposals carry ``parents``: the runner gives it a node budget per sequence
+    needs_hidden_states: bool = False  # DraftRequest.hidden is filled (backends with supports_hidden_states)
 
     def __init__(self, settings: Settings, target: ModelBackend) -> None:
         self.settings = settings
@@ -91,6 +116,9 @@ class SpeculationStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0  # accepted drafts + the target's own token
+    tree_verifications: int = 0  # of the verifications, those of token trees
+    tree_nodes: int = 0  # nodes those trees held
+    tree_accepted: int = 0  # nodes accepted on the trees' kept paths (their depth)
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, rows: list[SamplingRow], greedy: bool) -> list[int]:

@@ -29,6 +29,12 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
         "tierserve/configs/development.toml",
     ):
         assert required in names, required
+    packages = {  # every package folder of the checkout, as the wheel must name it
+        "tierserve/" + str(init.parent.relative_to(REPO_ROOT))
+        for folder in ("core", "cache", "plugins", "server", "configs", "fleet")
+        for init in (REPO_ROOT / folder).rglob("__init__.py")
+    }
+    assert {p + "/__init__.py" for p in packages} <= names, sorted({p + "/__init__.py" for p in packages} - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "tierserve = tierserve.core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

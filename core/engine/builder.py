@@ -63,6 +63,8 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         build_speculators(settings, plugins, backend),
         max_draft_tokens=settings.speculative.num_speculative_tokens,
         adaptive=settings.speculative.adaptive,
+        max_tree_nodes=settings.speculative.max_tree_nodes,
+        step_tree_nodes=settings.speculative.step_tree_nodes,
         clock=clock,
     )
     keys = build_named_prefixes(settings, store, spec.block_bytes, num_blocks)
@@ -168,7 +170,21 @@ def build_speculators(settings: Settings, plugins: PluginManager, backend: Model
         return {}
     registry = plugins.registry("speculators")
     names = [name for name in (method, FALLBACK_SPECULATOR) if name and name in registry]
-    return {name: registry.get(name).factory(settings, backend) for name in dict.fromkeys(names)}
+    speculators = {name: registry.get(name).factory(settings, backend) for name in dict.fromkeys(names)}
+    for name, speculator in speculators.items():
+        if speculator.proposes_trees and not backend.supports_token_trees:
+            raise ConfigError(
+                f"speculative.method = {name!r} proposes token trees, which the {settings.model.backend!r} "
+                "backend cannot verify; use model.backend = \"native\" or \"transformers\""
+            )
+        if speculator.needs_hidden_states:
+            if not backend.supports_hidden_states:
+                raise ConfigError(
+                    f"speculative.method = {name!r} reads the model's hidden states, which only the native "
+                    f"backend hands out, not {settings.model.backend!r}"
+                )
+            backend.keep_hidden_states = True
+    return speculators
 
 
 def build_tier(tier: TierSettings, plugins: PluginManager, fingerprint: str) -> CacheTier:

@@ -2,8 +2,10 @@
 
     SchedulerOutput ─► backend.forward(chunks) ─► logits
                                                    ├─ plain chunks ─► Sampler (penalties, greedy/filtered draws)
-                                                   └─ chunks with drafts ─► verify (keep the longest valid run + 1)
-                        speculating sequences ─► speculator.propose ─► drafts for the next step
+                                                   ├─ chunks with drafts ─► verify (keep the longest valid run + 1)
+                                                   └─ chunks with token trees ─► verify_tree (keep the longest
+                                                      accepted path + 1; its KV moves to consecutive slots)
+                        speculating sequences ─► speculator.propose ─► drafts (or trees) for the next step
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 from tierserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
 from tierserve.core.speculation import DraftRequest, Proposal, SpeculationStats, Speculator, verify
+from tierserve.core.token_tree import ROOT, check_tree, tree_children, tree_depths, verify_tree, within_depth
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +50,9 @@ class ModelRunner:
             request may ask for).
         max_draft_tokens: the most drafts per step (``speculative.num_speculative_tokens``).
         adaptive: shrink a sequence's draft count after rejections, grow it after full acceptance.
+        max_tree_nodes: the most nodes of one sequence's token tree (tree speculators).
+        step_tree_nodes: the tree nodes of one step, shared among the sequences it drafts trees for: a big
+            batch gets smaller trees, as its step is bound by compute rather than by reading the weights.
         clock: times the ``forward`` and ``sample`` phases (``[monitoring] detailed_profiling``), or ``None``.
     """
 
@@ -57,6 +63,8 @@ class ModelRunner:
         *,
         max_draft_tokens: int = 4,
         adaptive: bool = True,
+        max_tree_nodes: int = 16,
+        step_tree_nodes: int = 64,
         clock: PhaseClock | None = None,
     ) -> None:
         self.backend = backend
@@ -66,6 +74,8 @@ class ModelRunner:
         self.spec_stats = SpeculationStats()
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
+        self.max_tree_nodes = max_tree_nodes
+        self.step_tree_nodes = step_tree_nodes
         self.clock = clock
         self._grammar: GrammarRuntime | None = None
 
@@ -113,10 +123,19 @@ class ModelRunner:
                 output.sampled[chunk.seq.seq_id] = [sampled]
                 if chunk.seq.grammar is not None:
                     chunk.seq.grammar.consume_token(sampled.token_id)
+        hidden_rows: dict[int, int] = {}  # seq_id -> the logits row that produced its newest token
         for chunk, first in speculative:
-            output.sampled[chunk.seq.seq_id] = self._verify(chunk, logits[first : first + chunk.num_draft + 1])
+            rows = logits[first : first + chunk.num_draft + 1]
+            if chunk.tree_parents is not None:
+                output.sampled[chunk.seq.seq_id], last = self._verify_tree(chunk, rows)
+            else:
+                output.sampled[chunk.seq.seq_id] = self._verify(chunk, rows)
+                last = len(output.sampled[chunk.seq.seq_id]) - 1
+            hidden_rows[chunk.seq.seq_id] = first + last
         if self.speculators:
-            self._propose(batch.chunks, output)
+            for chunk, row in plain:
+                hidden_rows[chunk.seq.seq_id] = row
+            self._propose(batch.chunks, output, hidden_rows)
         if clock is not None:
             clock.observe("sample", time.perf_counter() - forwarded)
         return output
@@ -158,6 +177,28 @@ class ModelRunner:
             seq.spec_k = min(self.max_draft_tokens, seq.spec_k + 1) if accepted == k else max(1, accepted)
         return [SampledToken(token, None, None) for token in emitted]
 
+    def _verify_tree(self, chunk: ScheduledChunk, logits: torch.Tensor) -> tuple[list[SampledToken], int]:
+        """Tokens of a token tree's longest accepted path plus the target's own; the path's KV is moved to the
+        slots right after the real tokens. Returns the tokens and the logits row of the path's last node."""
+        seq = chunk.seq
+        parents = chunk.tree_parents
+        nodes = seq.spec_token_ids[: chunk.num_draft]
+        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in (0, *tree_depths(parents))]
+        emitted, path = verify_tree(logits, nodes, parents, rows, seq.params.greedy)
+        base = chunk.start + chunk.num_real_tokens  # the slot of node 0, and where the path's KV must lie
+        moves = [(base + node, base + depth) for depth, node in enumerate(path) if node != depth]
+        if moves:
+            self.backend.move_kv(seq.block_table, [m[0] for m in moves], [m[1] for m in moves])
+        stats = self.spec_stats
+        stats.verifications += 1
+        stats.tree_verifications += 1
+        stats.proposed += len(nodes)
+        stats.tree_nodes += len(nodes)
+        stats.accepted += len(path)
+        stats.tree_accepted += len(path)
+        stats.emitted += len(emitted)
+        return [SampledToken(token, None, None) for token in emitted], (path[-1] + 1 if path else 0)
+
     def _grammar_rows(self, matcher, drafts: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Mask each verification row with the grammar's state after the drafts before it, up to the row of
         the first refused draft. Returns the rows (the one after a refused draft stays unmasked: it is never
@@ -175,9 +216,9 @@ class ModelRunner:
         self.grammar.apply(logits[: valid + 1], torch.stack(matchers_masks))  # a view: masked in place
         return logits, valid
 
-    def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput) -> None:
-        """Drafts for the next step of every speculating sequence this step sampled for."""
-        by_method: dict[str, list[DraftRequest]] = {}
+    def _propose(self, chunks: list[ScheduledChunk], output: RunnerOutput, hidden_rows: dict[int, int]) -> None:
+        """Drafts (or token trees) for the next step of every speculating sequence this step sampled for."""
+        by_method: dict[str, list[tuple[Sequence, list[int], int]]] = {}
         limit = self.backend.max_model_len
         for chunk in chunks:
             seq = chunk.seq
@@ -187,13 +228,32 @@ class ModelRunner:
             history = seq.token_ids + [s.token_id for s in sampled]
             generated = len(history) - seq.num_prompt_tokens
             room = min(seq.params.max_tokens - generated - 1, limit - len(history) - 1)
-            k = min(seq.spec_k, room)
-            if k > 0:
-                by_method.setdefault(seq.spec_method, []).append(DraftRequest(seq, history, k))
-        for method, requests in by_method.items():
-            for request, proposal in zip(requests, self.speculators[method].propose(requests)):
-                if proposal.token_ids:
-                    output.proposals[request.seq.seq_id] = proposal
+            if room > 0:
+                by_method.setdefault(seq.spec_method, []).append((seq, history, room))
+        trees = sum(len(asked) for method, asked in by_method.items() if self.speculators[method].proposes_trees)
+        nodes = min(self.max_tree_nodes, max(1, self.step_tree_nodes // trees)) if trees else 0
+        hidden = self.backend.last_hidden_states
+        for method, asked in by_method.items():
+            speculator = self.speculators[method]
+            requests = []
+            for seq, history, room in asked:
+                budget = nodes if speculator.proposes_trees else min(seq.spec_k, room)
+                state = hidden[hidden_rows[seq.seq_id]] if speculator.needs_hidden_states else None
+                requests.append(DraftRequest(seq, history, budget, room, state))
+            for request, proposal in zip(requests, speculator.propose(requests)):
+                if not proposal.token_ids:
+                    continue
+                if proposal.parents is not None:
+                    check_tree(proposal.token_ids, proposal.parents)
+                    if max(tree_depths(proposal.parents)) > request.max_depth:  # past max_tokens or the context
+                        tokens, parents = within_depth(proposal.token_ids, proposal.parents, request.max_depth)
+                        proposal = Proposal(tokens, parents=parents)
+                    if len(proposal.token_ids) > request.num_tokens:  # over the node budget: the first nodes
+                        keep = request.num_tokens
+                        proposal = Proposal(proposal.token_ids[:keep], parents=proposal.parents[:keep])
+                    if request.seq.grammar is not None:  # the grammar checks one run of drafts: keep the first
+                        proposal = first_branch(proposal)
+                output.proposals[request.seq.seq_id] = proposal
 
     def release(self, seq: Sequence) -> None:
         """Forget what the backend and the speculator keep for a sequence (finished or preempted)."""
@@ -205,3 +265,14 @@ class ModelRunner:
         for speculator in self.speculators.values():
             speculator.close()
         self.backend.close()
+
+
+def first_branch(tree: Proposal) -> Proposal:
+    """The tree's first path (the root's first child, then each node's first child) as a linear proposal."""
+    children = tree_children(tree.parents)
+    path: list[int] = []
+    node = ROOT
+    while children[node + 1]:
+        node = children[node + 1][0]
+        path.append(node)
+    return Proposal([tree.token_ids[i] for i in path])

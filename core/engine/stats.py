@@ -41,10 +41,16 @@ class SpeculationSnapshot:
     accepted: int = 0
     emitted: int = 0
     early_stops: int = 0
+    tree_verifications: int = 0
+    tree_nodes: int = 0
+    tree_accepted: int = 0
 
     @classmethod
     def of(cls, enabled: bool, method: str | None, stats: SpeculationStats, early_stops: int) -> SpeculationSnapshot:
-        return cls(enabled, method, stats.verifications, stats.proposed, stats.accepted, stats.emitted, early_stops)
+        return cls(
+            enabled, method, stats.verifications, stats.proposed, stats.accepted, stats.emitted, early_stops,
+            stats.tree_verifications, stats.tree_nodes, stats.tree_accepted,
+        )  # fmt: skip
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,6 +59,16 @@ class SpeculationSnapshot:
     @property
     def mean_accepted_length(self) -> float:
         return round(self.accepted / self.verifications, 4) if self.verifications else 0.0
+
+    @property
+    def avg_depth(self) -> float:
+        """Token trees: the mean depth of the accepted path (accepted nodes per tree verification)."""
+        return round(self.tree_accepted / self.tree_verifications, 4) if self.tree_verifications else 0.0
+
+    @property
+    def tree_nodes_per_step(self) -> float:
+        """Token trees: the mean number of nodes one verification checked."""
+        return round(self.tree_nodes / self.tree_verifications, 4) if self.tree_verifications else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +81,9 @@ class SpeculationSnapshot:
             "early_stops": self.early_stops,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "tree_verifications": self.tree_verifications,
+            "tree_nodes_per_step": self.tree_nodes_per_step,
+            "avg_depth": self.avg_depth,
         }
 
 

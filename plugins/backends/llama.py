@@ -251,8 +251,9 @@ class PagedLlama:
             hidden = hidden + slots.apply(lora, "down", index, act, layer.down(act))
         return hidden
 
-    def forward(self, batch: PagedBatch) -> torch.Tensor:
-        """Logits (float32) for ``batch.sample_rows``; KV of every token is written to the arena."""
+    def forward(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (float32) for ``batch.sample_rows`` and the final hidden states (after the last norm) they
+        came from; KV of every token is written to the arena."""
 
         def paged_attention(index, layer, q, k, v):
             self.arena.store(index, batch.slot_mapping, k, v)
@@ -260,7 +261,7 @@ class PagedLlama:
 
         hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention, batch.lora)
         last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)
-        return self.lm_head(last).float()
+        return self.lm_head(last).float(), last
 
     def final_hidden_states(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Hidden states after the final norm, ``[len, hidden]`` per token id sequence.

@@ -65,6 +65,8 @@ class NativeBackend(ModelBackend):
     paged = True
     supports_released_kv = True
     supports_lora = True
+    supports_token_trees = True
+    supports_hidden_states = True
 
     @staticmethod
     def supports_model_type(model_type: str) -> bool:
@@ -156,7 +158,15 @@ class NativeBackend(ModelBackend):
         import torch
 
         with torch.inference_mode(), self.attention.scope():
-            return self.model.forward(self._build_batch(chunks))
+            logits, hidden = self.model.forward(self._build_batch(chunks))
+        self.last_hidden_states = hidden if self.keep_hidden_states else None
+        return logits
+
+    def move_kv(self, block_table: list[int], sources: list[int], targets: list[int]) -> None:
+        import torch
+
+        with torch.inference_mode():
+            self.model.arena.move(block_table, sources, targets)
 
     def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
         import torch

@@ -18,6 +18,12 @@ rows (K and V are never repeated for grouped-query attention), and leading
 blocks all sequences share (a system prompt, the prompt of parallel samples)
 are read once for the whole batch, their result merged with each sequence's
 own part by log-sum-exp (cascade attention, as in FlashInfer and vLLM).
+
+A chunk whose drafts form a token tree (``ScheduledChunk.tree_parents``)
+joins the padded short group whatever its length: its nodes keep their
+storage slots (one after another past the real tokens) but are positioned
+at the last real token's position plus their depth, and each node's row
+sees the context and its own ancestors only (``core/token_tree.py``).
 """
 
 from __future__ import annotations
@@ -91,19 +97,29 @@ def build_paged_batch(
 ) -> PagedBatch:
     """Flatten a step's chunks; ``windows`` are the sliding windows the model's layers use
     (``None`` for full attention), ``dtype`` the model's (additive masks are built in it)."""
+    from tierserve.core.token_tree import tree_depths, tree_visibility
+
     bs = block_size
-    short = [c for c in chunks if c.num_tokens <= SHORT_CHUNK_TOKENS]
+    short = [c for c in chunks if c.num_tokens <= SHORT_CHUNK_TOKENS or c.tree_parents is not None]
     short_ids = {id(c) for c in short}
     long = [c for c in chunks if id(c) not in short_ids]
 
     input_ids: list[int] = []
     positions: list[int] = []
     first_row: dict[int, int] = {}
+    depths: dict[int, list[int]] = {}  # tree chunks: each node's depth
     for chunk in short + long:
         start = chunk.start
         first_row[id(chunk)] = len(input_ids)
         input_ids.extend(chunk.token_ids)
-        positions.extend(range(start, start + chunk.num_tokens))
+        parents = chunk.tree_parents
+        if parents is None:
+            positions.extend(range(start, start + chunk.num_tokens))
+            continue
+        root = start + chunk.num_real_tokens - 1
+        depths[id(chunk)] = tree_depths(parents)
+        positions.extend(range(start, root + 1))
+        positions.extend(root + d for d in depths[id(chunk)])
     groups: list[AttentionGroup] = []
     slot_parts: list[torch.Tensor] = []
 
@@ -126,8 +142,23 @@ def build_paged_batch(
         released = torch.tensor([c.released for c in short])
         drop_start, drop_end = released[:, 0, None, None], released[:, 1, None, None]
         causal &= (pos[None, None, :] < drop_start) | (pos[None, None, :] >= drop_end)  # released by a window
+        # windows compare token positions, which tree nodes take from their depth, not their slot
+        key_at = pos[None, :].expand(len(short), -1)
+        query_at = q_pos
+        if depths:
+            key_at, query_at = key_at.clone(), q_pos.clone()
+            for b, chunk in enumerate(short):
+                depth = depths.get(id(chunk))
+                if depth is None:
+                    continue
+                real, nodes = chunk.num_real_tokens, len(depth)
+                base = chunk.start + real
+                at = torch.tensor(depth) + (base - 1)
+                key_at[b, base : base + nodes] = at
+                query_at[b, real : real + nodes] = at
+                causal[b, real : real + nodes, base : base + nodes] &= tree_visibility(chunk.tree_parents)
         keeps = {
-            window: causal if window is None else causal & (pos[None, None, :] > q_pos[:, :, None] - window)
+            window: causal if window is None else causal & (key_at[:, None, :] > query_at[:, :, None] - window)
             for window in windows
         }
         masks: dict[int | None, torch.Tensor | None] = {}
@@ -350,6 +381,17 @@ class KVArena:
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             k.view(shape).index_copy_(0, block_ids, data[:, layer, 0])
             v.view(shape).index_copy_(0, block_ids, data[:, layer, 1])
+
+    def move(self, block_table: list[int], sources: list[int], targets: list[int]) -> None:
+        """Copy every layer's KV at token positions ``sources`` to ``targets`` of one sequence's table."""
+        bs = self.block_size
+        table = torch.tensor(block_table, dtype=torch.long)
+        at = torch.tensor([*sources, *targets], dtype=torch.long)
+        slots = (table[at // bs] * bs + at % bs).to(self.device)
+        src, dst = slots[: len(sources)], slots[len(sources) :]
+        for k, v in zip(self.k, self.v):
+            k.index_copy_(0, dst, k.index_select(0, src))  # gathered first: a target may be a later source's slot
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer's new keys and values ``[T, kv_heads, head_dim]`` to arena rows ``slots``."""

@@ -139,6 +139,7 @@ class PagedTransformersBackend(ModelBackend):
 
     paged = True
     supports_released_kv = True
+    supports_token_trees = True
 
     @staticmethod
     def supports_model_type(model_type: str) -> bool:
@@ -271,6 +272,12 @@ class PagedTransformersBackend(ModelBackend):
         import torch
 
         self.arena.write_blocks(torch.tensor(block_ids, dtype=torch.long, device=self.device), data)
+
+    def move_kv(self, block_table: list[int], sources: list[int], targets: list[int]) -> None:
+        import torch
+
+        with torch.inference_mode():
+            self.arena.move(block_table, sources, targets)
 
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
