@@ -172,6 +172,14 @@ def register_speculators(register: Register) -> None:
     Its own knobs go in ``[plugins.NAME]`` (``settings=Model``), read with
     ``settings.plugin_options("NAME", Model)``; ``ngram`` has ``min_n`` and
     ``max_n``, ``draft_model`` has ``path``.
+
+    A speculator that sets ``proposes_trees = True`` may return token trees
+    (``Proposal(tokens, parents=...)``: each node's parent, ``-1`` for the
+    last real token); it is then asked for up to ``request.num_tokens`` nodes
+    (the step's node budget) and paths of at most ``request.max_depth``. One
+    with ``needs_hidden_states = True`` gets the target's final hidden state
+    in ``request.hidden`` (backends with ``supports_hidden_states``). Built-in
+    tree speculators: ``ngram_tree`` and ``medusa``.
     """
 
 

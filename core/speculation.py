@@ -116,9 +116,9 @@ class SpeculationStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0  # accepted drafts + the target's own token
+    depth: int = 0  # summed over verifications: the drafts' depth (k for a linear run, a tree's deepest path)
     tree_verifications: int = 0  # of the verifications, those of token trees
     tree_nodes: int = 0  # nodes those trees held
-    tree_accepted: int = 0  # nodes accepted on the trees' kept paths (their depth)
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, rows: list[SamplingRow], greedy: bool) -> list[int]:

@@ -177,6 +177,26 @@ def speculative_adaptive(lab: Lab) -> None:
     assert adaptive < 2 * adaptive_checks  # down to one after each rejection
 
 
+def tree_speculation(lab: Lab, values: dict) -> object:
+    """The speculation snapshot after one greedy request drafted by token trees (ngram_tree unless ``values``
+    names another method), on a prompt that repeats itself."""
+    with lab.engine({"speculative.method": "ngram_tree", **values}) as engine:
+        assert run(engine, LONG + " " + LONG, greedy(24)).token_ids == run(lab.shared, LONG + " " + LONG, greedy(24)).token_ids
+        return engine.stats().speculation
+
+
+def speculative_max_tree_nodes(lab: Lab) -> None:
+    wide = lab.once("trees-default", lambda: tree_speculation(lab, {}))
+    assert wide.tree_nodes_per_step > 2
+    assert tree_speculation(lab, {"speculative.max_tree_nodes": 2}).tree_nodes_per_step <= 2
+
+
+def speculative_step_tree_nodes(lab: Lab) -> None:
+    wide = lab.once("trees-default", lambda: tree_speculation(lab, {}))
+    assert wide.tree_nodes_per_step > 1
+    assert tree_speculation(lab, {"speculative.step_tree_nodes": 1}).tree_nodes_per_step == 1
+
+
 # ---- [sliding_window] ------------------------------------------------------------------------
 
 SMALL_WINDOW = {"kv_cache.block_size": 4, "sliding_window.window_size": 16, "sliding_window.window_overlap": 4}
@@ -284,6 +304,64 @@ def plugins_ngram_max_n(lab: Lab) -> None:
     assert ngram_drafts(lab, {"plugins.ngram.max_n": 2}, history) == [5, 9, 2]
 
 
+def tree_drafts(lab: Lab, values: dict, history: list[int], nodes: int = 16) -> list[tuple[int, int]]:
+    """(token, parent's token or None) of each node the ngram_tree speculator the settings build proposes."""
+    from tierserve.core.sequence import Sequence
+    from tierserve.core.speculation import DraftRequest
+
+    loaded = lab.settings({"speculative.method": "ngram_tree", **values})
+    speculator = loaded.plugins.registry("speculators").get("ngram_tree").factory(loaded.settings, None)
+    seq = Sequence(seq_id=0, request_id="r", token_ids=list(history), num_prompt_tokens=len(history), params=greedy())
+    [tree] = speculator.propose([DraftRequest(seq, history, nodes, 16)])
+    return [(t, tree.token_ids[p] if p >= 0 else None) for t, p in zip(tree.token_ids, tree.parents or [])]
+
+
+def plugins_ngram_tree_min_n(lab: Lab) -> None:
+    history = [5, 6, 9, 9, 7, 6]  # only the last token, 6, occurred before (followed by 9)
+    assert tree_drafts(lab, {}, history)[0] == (9, None)
+    assert tree_drafts(lab, {"plugins.ngram_tree.min_n": 2}, history) == []
+
+
+def plugins_ngram_tree_max_n(lab: Lab) -> None:
+    history = [1, 2, 3, 4, 8, 3, 4, 5, 9, 2, 3, 4]  # "2 3 4" was followed by 8, the later "3 4" by 5
+    assert tree_drafts(lab, {}, history)[0] == (8, None)  # the longer match weighs more
+    assert tree_drafts(lab, {"plugins.ngram_tree.max_n": 2}, history)[0] == (5, None)
+
+
+def plugins_ngram_tree_max_matches(lab: Lab) -> None:
+    history = [7, 1, 7, 2, 7, 3, 7]  # 7 was followed by 1, 2 and 3
+    roots = lambda values: {t for t, parent in tree_drafts(lab, values, history) if parent is None}  # noqa: E731
+    assert roots({}) == {1, 2, 3}
+    assert roots({"plugins.ngram_tree.max_matches": 1}) == {3}  # the most recent match only
+
+
+def plugins_ngram_tree_max_depth(lab: Lab) -> None:
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
+    assert len(tree_drafts(lab, {}, history)) == 8  # one path, as deep as the default max_depth
+    assert tree_drafts(lab, {"plugins.ngram_tree.max_depth": 2}, history) == [(2, None), (3, 2)]
+
+
+def medusa_heads(lab: Lab) -> Path:
+    from tests.tree_helpers import write_medusa_heads
+
+    return lab.once("medusa-heads", lambda: write_medusa_heads(lab.tmp / "medusa", lab.checkpoint))
+
+
+def plugins_medusa_path(lab: Lab) -> None:
+    with pytest.raises(ConfigError, match=r"plugins.medusa.path: set it to a Medusa checkpoint"):
+        with lab.engine({"speculative.method": "medusa"}):
+            pass
+    speculation = tree_speculation(lab, {"speculative.method": "medusa", "plugins.medusa.path": str(medusa_heads(lab))})
+    assert speculation.method == "medusa" and speculation.tree_verifications > 0
+
+
+def plugins_medusa_choices(lab: Lab) -> None:
+    values = {"speculative.method": "medusa", "plugins.medusa.path": str(medusa_heads(lab))}
+    assert tree_speculation(lab, values).tree_nodes_per_step > 4
+    chain = tree_speculation(lab, {**values, "plugins.medusa.choices": [[0], [0, 0]]})
+    assert chain.tree_nodes_per_step <= 2 and chain.avg_depth <= 2
+
+
 def plugins_draft_model_path(lab: Lab) -> None:
     with pytest.raises(ConfigError, match=r"plugins.draft_model.path .*set it to a checkpoint directory"):
         with lab.engine({"speculative.method": "draft_model"}):
@@ -333,6 +411,8 @@ PROBES = {
     "speculative.method": speculative_method,
     "speculative.num_speculative_tokens": speculative_num_speculative_tokens,
     "speculative.adaptive": speculative_adaptive,
+    "speculative.max_tree_nodes": speculative_max_tree_nodes,
+    "speculative.step_tree_nodes": speculative_step_tree_nodes,
     "sliding_window.enabled": sliding_window_enabled,
     "sliding_window.allow_per_request": sliding_window_allow_per_request,
     "sliding_window.window_size": sliding_window_window_size,
@@ -341,6 +421,12 @@ PROBES = {
     "sliding_window.use_flash_attention": sliding_window_use_flash_attention,
     "server.engine_process": server_engine_process,
     "plugins.ngram.min_n": plugins_ngram_min_n,
+    "plugins.ngram_tree.min_n": plugins_ngram_tree_min_n,
+    "plugins.ngram_tree.max_n": plugins_ngram_tree_max_n,
+    "plugins.ngram_tree.max_matches": plugins_ngram_tree_max_matches,
+    "plugins.ngram_tree.max_depth": plugins_ngram_tree_max_depth,
+    "plugins.medusa.path": plugins_medusa_path,
+    "plugins.medusa.choices": plugins_medusa_choices,
     "plugins.ngram.max_n": plugins_ngram_max_n,
     "plugins.draft_model.path": plugins_draft_model_path,
     "plugins.native.linear_kernel": plugins_native_linear_kernel,

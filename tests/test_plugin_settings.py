@@ -80,7 +80,7 @@ def test_unknown_plugin_table_names_the_components_that_declare_settings(toml_fi
     path = toml_file("[plugins.ngarm]\nmax_n = 3\n")
     message = error_of(path)
     assert f"unknown plugin table [plugins.ngarm] in config file {path}" in message
-    assert "components with settings: draft_model, native, ngram" in message
+    assert "components with settings: draft_model, medusa, native, ngram, ngram_tree" in message
     assert "did you mean 'ngram'?" in message
     message = error_of(toml_file("[plugins.disk]\npath = '/tmp/x'\n", "disk.toml"))
     assert "[[kv_cache.tiers]] entry (plugin = 'disk')" in message

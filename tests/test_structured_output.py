@@ -108,10 +108,12 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param, phrase)
 
 
 def test_speculative_drafts_and_preemption_keep_constrained_output_exact(checkpoint):
-    """ngram drafts a refused token sometimes: it is rejected, and greedy output is unchanged; a tiny KV pool
-    preempts sequences mid-grammar: recomputed, they go on from the same grammar state."""
+    """ngram drafts a refused token sometimes: it is rejected, and greedy output is unchanged; ngram_tree's trees
+    are cut to their first branch for a constrained sequence, with the same result; a tiny KV pool preempts
+    sequences mid-grammar: recomputed, they go on from the same grammar state."""
     plain = make_engine(checkpoint, backend="native")
     drafting = make_engine(checkpoint, backend="native", speculative__method="ngram", speculative__num_speculative_tokens=4)
+    trees = make_engine(checkpoint, backend="native", speculative__method="ngram_tree")
     squeezed = make_engine(checkpoint, backend="native", kv_cache__block_size=4, kv_cache__l1_capacity=40,
                            scheduler__max_num_batched_tokens=16)  # fmt: skip
     specs = [
@@ -125,13 +127,16 @@ def test_speculative_drafts_and_preemption_keep_constrained_output_exact(checkpo
             params = SamplingParams(max_tokens=60, temperature=0, grammar=spec)
             reference = [r.token_ids for r in plain.generate(prompts, params)]
             assert [r.token_ids for r in drafting.generate(prompts, params)] == reference
+            assert [r.token_ids for r in trees.generate(prompts, params)] == reference
             assert [r.token_ids for r in squeezed.generate(prompts, params)] == reference
         assert drafting.stats().speculation.accepted > 0
+        tree_stats = trees.stats().speculation
+        assert tree_stats.accepted > 0 and tree_stats.tree_verifications == 0  # linear runs only
         assert squeezed.stats().counters.preemptions > 0
-        for engine in (plain, drafting, squeezed):
+        for engine in (plain, drafting, trees, squeezed):
             assert_pool_released(engine)
     finally:
-        for engine in (plain, drafting, squeezed):
+        for engine in (plain, drafting, trees, squeezed):
             engine.close()
 
 

@@ -171,6 +171,7 @@ class ModelRunner:
         stats = self.spec_stats
         stats.verifications += 1
         stats.proposed += k
+        stats.depth += k
         stats.accepted += accepted
         stats.emitted += len(emitted)
         if self.adaptive:
@@ -194,8 +195,8 @@ class ModelRunner:
         stats.tree_verifications += 1
         stats.proposed += len(nodes)
         stats.tree_nodes += len(nodes)
+        stats.depth += max(tree_depths(parents))
         stats.accepted += len(path)
-        stats.tree_accepted += len(path)
         stats.emitted += len(emitted)
         return [SampledToken(token, None, None) for token in emitted], (path[-1] + 1 if path else 0)
 

@@ -41,15 +41,15 @@ class SpeculationSnapshot:
     accepted: int = 0
     emitted: int = 0
     early_stops: int = 0
+    depth: int = 0
     tree_verifications: int = 0
     tree_nodes: int = 0
-    tree_accepted: int = 0
 
     @classmethod
     def of(cls, enabled: bool, method: str | None, stats: SpeculationStats, early_stops: int) -> SpeculationSnapshot:
         return cls(
             enabled, method, stats.verifications, stats.proposed, stats.accepted, stats.emitted, early_stops,
-            stats.tree_verifications, stats.tree_nodes, stats.tree_accepted,
+            stats.depth, stats.tree_verifications, stats.tree_nodes,
         )  # fmt: skip
 
     @property
@@ -62,8 +62,9 @@ class SpeculationSnapshot:
 
     @property
     def avg_depth(self) -> float:
-        """Token trees: the mean depth of the accepted path (accepted nodes per tree verification)."""
-        return round(self.tree_accepted / self.tree_verifications, 4) if self.tree_verifications else 0.0
+        """The mean depth of what one verification checked: k drafts for a linear run, a token tree's deepest
+        path (``mean_accepted_length`` is how deep it was accepted)."""
+        return round(self.depth / self.verifications, 4) if self.verifications else 0.0
 
     @property
     def tree_nodes_per_step(self) -> float:

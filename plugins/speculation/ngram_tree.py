@@ -66,7 +66,8 @@ def continuations(tokens: list[int], min_n: int, max_n: int, max_matches: int, d
 
 def build_tree(found: list[tuple[int, list[int]]], budget: int) -> Proposal:
     """The ``budget`` best nodes of the trie of ``found``: each node scores the summed ``n`` of the continuations
-    through it, so a parent always scores at least as high as its child and is taken first."""
+    through it (an estimate of how likely the output reaches it), so a parent always scores at least as high
+    as its child and is taken first."""
     children: list[dict[int, int]] = [{}]  # trie: node id -> {token: child id}; id 0 is the root
     score: list[int] = [0]
     token_of: list[int] = [-1]
@@ -85,15 +86,16 @@ def build_tree(found: list[tuple[int, list[int]]], budget: int) -> Proposal:
     tokens: list[int] = []
     parents: list[int] = []
     index_of = {0: ROOT}
-    frontier = [(-score[c], c, 0) for c in children[0].values()]  # ties: the earlier-made node (more recent match)
+    # ties: the shallower node (a guess further ahead is less sure), then the earlier-made (a more recent match)
+    frontier = [(-score[c], 1, c, 0) for c in children[0].values()]
     heapq.heapify(frontier)
     while frontier and len(tokens) < budget:
-        _, node, parent = heapq.heappop(frontier)
+        _, depth, node, parent = heapq.heappop(frontier)
         index_of[node] = len(tokens)
         tokens.append(token_of[node])
         parents.append(index_of[parent])
         for child in children[node].values():
-            heapq.heappush(frontier, (-score[child], child, node))
+            heapq.heappush(frontier, (-score[child], depth + 1, child, node))
     return Proposal(tokens, parents=parents)
 
 
