@@ -64,7 +64,7 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
             state[name] = _q8_0(tensor.data, rows, order)
             continue
         if kind.name == "BF16":
-            values = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.int16)).view(torch.bfloat16)
+            values = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
         elif kind.name in ("F32", "F16"):
             values = torch.from_numpy(np.array(tensor.data))
         else:
