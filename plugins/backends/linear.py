@@ -31,10 +31,11 @@ weight-only do, with a row instead of a 32-block). Kernels, fastest first:
 Group-wise int8 (``GroupedInt8``: one scale per 32 input columns of a row) is
 llama.cpp's Q8_0 layout, and a GGUF file's Q8_0 tensors load into it as they
 are. None of the ops above takes more than one scale per row, so these layers
-run ``int8-g32``: the weight is converted back to float one tile of rows at a
-time (the tile stays in cache) and multiplied by the activations unrounded, so
-the output is the dequantized weight's up to summation order, at 1.1 bytes per
-weight held. It is slower than the per-row kernels (see the README's GGUF section).
+run ``int8-g32``: per tile of output columns the int8 values are converted to
+float and multiplied by the unrounded activations group by group (one bmm),
+and the per-group sums scaled and added, so the output is the dequantized
+weight's up to float summation order, at 1.125 bytes per weight held. It is
+slower than the per-row kernels (see the README's GGUF section).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ KERNELS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
 GROUP_SIZE = 32  # llama.cpp's Q8_0 block
 GROUPED_KERNEL = "int8-g32"
-_TILE_BYTES = 1 << 20  # float32 bytes of one dequantized tile of rows: about an L2 cache
+_TILE_BYTES = 4 << 20  # float bytes of one converted column tile of a group-wise matrix
 
 
 @dataclass(slots=True)
@@ -188,9 +189,12 @@ class Int8Linear:
         self.bias = bias
         self.op = self.span = None
         self.out_features = weight.shape[0]
-        if isinstance(weight, GroupedInt8):
-            self.kernel, self.weight, self.scale = "grouped", weight, None
-            self.tile = max(1, _TILE_BYTES // (4 * weight.shape[1]))
+        if isinstance(weight, GroupedInt8):  # stored [groups, 32, out]: each group's block is one bmm operand
+            rows, columns = weight.shape
+            self.kernel = "grouped"
+            self.weight = weight.q.view(rows, -1, GROUP_SIZE).permute(1, 2, 0).contiguous()
+            self.scale = weight.scale.T.contiguous()  # [groups, out]
+            self.tile = max(1, _TILE_BYTES // (4 * columns))
             return
         q, scale = quantize_rows(weight.cpu())
         device = weight.device
@@ -222,11 +226,22 @@ class Int8Linear:
         return out.view(*x.shape[:-1], self.out_features)
 
     def _grouped(self, rows: torch.Tensor) -> torch.Tensor:
-        weight: GroupedInt8 = self.weight
-        out = rows.new_empty(rows.shape[0], self.out_features)
+        """Column tiles of the output. A few rows (decode): per-group partial products of the int8 values
+        converted to float, then scaled and summed, so the weight is never scaled. Many rows (prefill):
+        the tile's weight dequantized once, then one matmul."""
+        groups = self.weight.shape[0]
+        tokens = rows.shape[0]
+        out = rows.new_empty(tokens, self.out_features)
+        by_group = rows.view(tokens, groups, GROUP_SIZE).transpose(0, 1)  # [groups, tokens, 32]
         for start in range(0, self.out_features, self.tile):
             part = slice(start, start + self.tile)
-            torch.mm(rows, weight.dequantize(self.dtype, part).T, out=out[:, part])
+            values = self.weight[:, :, part].to(self.dtype)  # [groups, 32, cols]
+            if tokens <= GROUP_SIZE:
+                partial = torch.bmm(by_group, values)  # [groups, tokens, cols]
+                out[:, part] = (partial * self.scale[:, None, part]).sum(0)
+            else:
+                values.mul_(self.scale[:, None, part])
+                out[:, part] = rows @ values.view(-1, values.shape[-1])
         return out
 
 
