@@ -132,8 +132,9 @@ def test_q8_0_weights_stay_int8(files):
     assert len(grouped) == 2 + 7 * config.num_hidden_layers
     model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="int8")
     layers = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    weights = sum(layer.weight.q.numel() for layer in layers) + model.embed.weight.numel()
-    held = sum(layer.weight.q.nbytes + layer.weight.scale.nbytes for layer in layers)
+    assert all(layer.weight.dtype == torch.int8 and layer.kernel == "grouped" for layer in layers)
+    weights = sum(layer.weight.numel() for layer in layers) + model.embed.weight.numel()
+    held = sum(layer.weight.nbytes + layer.scale.nbytes for layer in layers)
     held += model.embed.weight.nbytes + model.embed.scale.nbytes
     print(f"Q8_0 matrices held: {held} bytes for {weights} weights, {held / weights:.3f} bytes per weight")
     assert model.embed.weight.dtype == torch.int8
