@@ -176,10 +176,15 @@ def checkpoint_fingerprint(directory, *extra: str) -> str:
     Hashes config.json, each weight file's name and size, its safetensors
     header (tensor names, shapes, offsets) and up to 1 MiB from its start and
     end: cheap even for large checkpoints, and any retrained or re-quantised
-    weights change it.
+    weights change it. A GGUF file's names its quantization types
+    (``core.gguf.gguf_fingerprint``).
     """
-    digest = hashlib.sha256()
+    from tierserve.core.gguf import gguf_fingerprint, is_gguf
+
     root = Path(directory)
+    if is_gguf(root):
+        return gguf_fingerprint(root, *extra)
+    digest = hashlib.sha256()
     config = root / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())

@@ -25,11 +25,16 @@ class UnsupportedModel(TierserveError, ValueError):
     """A backend cannot run this checkpoint's architecture; the message says why and what to set instead."""
 
 
-def checkpoint_model_type(path: str) -> str:
-    """``model_type`` from the checkpoint's ``config.json`` (``model.path``, builtin names included)."""
-    from tierserve.core.checkpoints import resolve_model_path
+def checkpoint_model_type(path: str, gguf_file: str | None = None) -> str:
+    """``model_type`` from the checkpoint's ``config.json`` (``model.path``, builtin names included),
+    or from a GGUF file's metadata (through transformers, which maps its architecture names)."""
+    from tierserve.core.checkpoints import load_config, resolve_model_path
+    from tierserve.core.gguf import is_gguf
 
-    config = resolve_model_path(path) / "config.json"
+    resolved = resolve_model_path(path, gguf_file)
+    if is_gguf(resolved):
+        return str(load_config(resolved).model_type)
+    config = resolved / "config.json"
     try:
         return str(json.loads(config.read_text())["model_type"])
     except (OSError, ValueError, KeyError) as exc:
@@ -40,7 +45,7 @@ def backend_candidates(settings: Settings, backends: Registry) -> list[str]:
     """The backends to try for ``settings``, first choice first: the one named, or auto's candidates."""
     if settings.model.backend.lower() != AUTO:
         return [settings.model.backend]
-    model_type = checkpoint_model_type(settings.model.path)
+    model_type = checkpoint_model_type(settings.model.path, settings.model.gguf_file)
     names = [name for name in AUTO_ORDER if name in backends]
     for index, name in enumerate(names):
         supports = getattr(backends.get(name).factory, "supports_model_type", None)

@@ -1,4 +1,4 @@
-"""Where ``model.path`` points: builtin names and local Hugging Face checkpoint directories."""
+"""Where ``model.path`` points: builtin names, local Hugging Face checkpoint directories and GGUF files."""
 
 from __future__ import annotations
 
@@ -7,29 +7,39 @@ import os
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from tierserve.core.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 
 _HOW_TO_FIX = (
     "tierserve never downloads model weights: point model.path at a local Hugging Face "
-    "checkpoint directory (with config.json, *.safetensors and tokenizer files), "
-    "or use builtin:tiny"
+    "checkpoint directory (with config.json, *.safetensors and tokenizer files), at a .gguf file "
+    "(or its directory, with model.gguf_file naming it), or use builtin:tiny"
 )
 
 
-def resolve_model_path(path: str | os.PathLike[str]) -> Path:
-    """Turn a ``model.path`` value into a checkpoint directory.
+def resolve_model_path(path: str | os.PathLike[str], gguf_file: str | None = None) -> Path:
+    """Turn a ``model.path`` value into a checkpoint directory or a GGUF file.
 
     ``builtin:NAME`` is written on first use into the cache (see
-    ``tierserve.core.builtin_models.ensure_builtin_checkpoint``); anything else
-    is a local directory (``~`` expanded) that must contain ``config.json``.
+    ``tierserve.core.builtin_models.ensure_builtin_checkpoint``); a ``.gguf``
+    file (or a directory and ``gguf_file``, ``model.gguf_file``, naming one in
+    it) is returned as the file (``core.gguf.is_gguf`` tells); anything else is
+    a local directory (``~`` expanded) that must contain ``config.json``.
 
     Raises:
-        ConfigError: unknown builtin name, missing directory, or a directory
+        ConfigError: unknown builtin name, missing directory or file, or a directory
             without ``config.json``; the message says what to do instead.
     """
+    from tierserve.core.gguf import find_gguf
+
     text = os.fspath(path)
+    if gguf_file is not None and text.startswith(BUILTIN_PREFIX):
+        raise ConfigError(f"model.gguf_file = {gguf_file!r} is set but model.path {text!r} is a builtin checkpoint")
     if text.startswith(BUILTIN_PREFIX):
         from tierserve.core.builtin_models import ensure_builtin_checkpoint
 
@@ -41,6 +51,9 @@ def resolve_model_path(path: str | os.PathLike[str]) -> Path:
     directory = Path(text).expanduser()
     if not directory.exists():
         raise ConfigError(f"model.path {text!r}: {directory} does not exist; {_HOW_TO_FIX}")
+    gguf = find_gguf(directory, gguf_file, text)
+    if gguf is not None:
+        return gguf
     if not directory.is_dir():
         raise ConfigError(f"model.path {text!r}: {directory} is not a directory; {_HOW_TO_FIX}")
     if not (directory / "config.json").is_file():
@@ -49,6 +62,54 @@ def resolve_model_path(path: str | os.PathLike[str]) -> Path:
             f"checkpoint directory; {_HOW_TO_FIX}"
         )
     return directory.absolute()
+
+
+def load_config(path: Path):
+    """The checkpoint's transformers config: ``config.json``, or a GGUF file's metadata."""
+    from tierserve.core.gguf import is_gguf
+
+    if is_gguf(path):
+        from tierserve.core.gguf import load_config as gguf_config
+
+        return gguf_config(path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_causal_lm(path: Path, **kwargs: Any):
+    """``AutoModelForCausalLM.from_pretrained`` on a checkpoint directory or a GGUF file (transformers
+    dequantizes a GGUF file's quantized tensors to ``kwargs["dtype"]``; a log line says so)."""
+    from transformers import AutoModelForCausalLM
+
+    from tierserve.core.gguf import FLOAT_TYPES, check_gguf, is_gguf
+
+    if not is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    info = check_gguf(path)
+    quantized = sorted(set(info.tensor_types) - set(FLOAT_TYPES))
+    if quantized:
+        log.warning(
+            "gguf_dequantized",
+            path=str(path),
+            types=quantized,
+            to=str(kwargs.get("dtype")),
+            why="the transformers backends hold float weights; model.quantization = 'int8' quantizes them again",
+        )
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=load_config(path), **kwargs)
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer, chat template included: its tokenizer files, or a GGUF file's metadata."""
+    from tierserve.core.gguf import is_gguf
+
+    if is_gguf(path):
+        from tierserve.core.gguf import load_tokenizer as gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def context_length(requested: int | None, trained: int, directory: Path) -> int:
@@ -73,8 +134,13 @@ def load_generation_eos_ids(directory: str | os.PathLike[str]) -> set[int]:
     The union of ``eos_token_id`` in ``generation_config.json`` and in
     ``config.json`` (each an int, a list of ints, or absent; for multimodal
     configs also ``text_config.eos_token_id``). Missing files count as empty.
+    A GGUF file's are its eos, eot and eom tokens (llama.cpp's end-of-generation set).
     """
+    from tierserve.core.gguf import end_of_generation_ids, is_gguf
+
     directory = Path(directory)
+    if is_gguf(directory):
+        return end_of_generation_ids(directory)
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         data = _read_json(directory / name)

@@ -29,14 +29,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def resolve_placement(model_path: str, device: str, dtype: str, kv_dtype: str):
-    """What a paged backend loads and where: ``(checkpoint directory, device, weight dtype, KV dtype)``.
+def resolve_placement(model_path: str, device: str, dtype: str, kv_dtype: str, gguf_file: str | None = None):
+    """What a paged backend loads and where: ``(checkpoint directory or GGUF file, device, weight dtype, KV dtype)``.
 
-    ``kv_dtype`` ``"auto"`` is the weights' dtype (``kv_cache.dtype``).
+    ``kv_dtype`` ``"auto"`` is the weights' dtype (``kv_cache.dtype``); ``gguf_file`` is ``model.gguf_file``.
     """
     from tierserve.core.checkpoints import resolve_model_path
 
     where = resolve_device(device)
     weights = resolve_dtype(dtype, where)
     kv = weights if kv_dtype == "auto" else resolve_dtype(kv_dtype, where)
-    return resolve_model_path(model_path), where, weights, kv
+    return resolve_model_path(model_path, gguf_file), where, weights, kv

@@ -2,7 +2,8 @@
 
 The model registry refuses a load that would take the loaded models past
 ``[registry] memory_budget_bytes`` with this figure, so it must not need the
-model in memory: it reads the checkpoint's config and safetensors headers only.
+model in memory: it reads the checkpoint's config and safetensors headers only
+(a GGUF file's header).
 """
 
 from __future__ import annotations
@@ -46,16 +47,28 @@ def _weight_elements(directory: Path) -> tuple[int, int]:
     return elements, stored
 
 
+def _gguf_elements(path: Path) -> tuple[int, int]:
+    """(elements, bytes) of every tensor in a GGUF file, from its header."""
+    from tierserve.core.gguf import open_reader
+
+    tensors = open_reader(path).tensors
+    return sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors)
+
+
 def estimate_memory(settings: Settings) -> MemoryEstimate:
     """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
     from tierserve.core.devices import resolve_placement
 
     model, kv = settings.model, settings.kv_cache
-    directory, _, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype)
-    elements, stored = _weight_elements(Path(directory))
+    from tierserve.core.checkpoints import load_config
+    from tierserve.core.gguf import is_gguf
+
+    directory, _, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype, model.gguf_file)
+    gguf = is_gguf(Path(directory))
+    elements, stored = _gguf_elements(directory) if gguf else _weight_elements(Path(directory))
     per_weight = 1 if model.quantization == "int8" else dtype.itemsize
     weight_bytes = elements * per_weight if elements else stored
-    config = json.loads((Path(directory) / "config.json").read_text())
+    config = load_config(directory).to_dict() if gguf else json.loads((Path(directory) / "config.json").read_text())
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)

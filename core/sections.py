@@ -76,7 +76,16 @@ class ServerSettings(Section):
 class ModelSettings(Section):
     """[model]: which checkpoint, which backend, on which device."""
 
-    path: str = "builtin:tiny"
+    path: str = Field(
+        "builtin:tiny",
+        description="a Hugging Face checkpoint directory, a .gguf file (or its directory with gguf_file), "
+        "or builtin:NAME",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="the GGUF file to load from the directory model.path names (a file name in it, as "
+        "transformers' gguf_file); unset: model.path is a checkpoint directory or a .gguf file itself",
+    )
     served_model_name: str | list[str] | None = Field(
         None,
         description="the names clients may send as 'model' (one or a list, as vLLM's --served-model-name); "

@@ -29,6 +29,20 @@ def model_path(lab: Lab) -> None:
         assert run(engine, LONG, greedy(8)).token_ids != run(lab.shared, LONG, greedy(8)).token_ids
 
 
+def model_gguf_file(lab: Lab) -> None:
+    from tests.gguf_helpers import write_gguf
+
+    folder = lab.tmp / "ggufs"
+    folder.mkdir()
+    write_gguf(lab.checkpoint, folder / "model-f32.gguf", "f32")
+    with lab.engine({"model.path": str(folder), "model.gguf_file": "model-f32.gguf"}) as engine:
+        assert engine.info.path == str(folder / "model-f32.gguf")
+        assert run(engine, LONG, greedy(8)).token_ids == run(lab.shared, LONG, greedy(8)).token_ids
+    with pytest.raises(ConfigError, match=r"model.gguf_file = 'missing.gguf': no such file .* GGUF files there: model-f32.gguf"):
+        with lab.engine({"model.path": str(folder), "model.gguf_file": "missing.gguf"}):
+            pass
+
+
 def model_backend(lab: Lab) -> None:
     assert lab.shared.info.backend == "native"  # auto, for a Llama checkpoint
     with lab.engine({"model.backend": "transformers"}) as engine:
@@ -398,6 +412,7 @@ def plugins_transformers_linear_kernel(lab: Lab) -> None:
 
 PROBES = {
     "model.path": model_path,
+    "model.gguf_file": model_gguf_file,
     "model.backend": model_backend,
     "model.dtype": model_dtype,
     "model.quantization": model_quantization,

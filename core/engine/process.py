@@ -198,7 +198,7 @@ class ProcessDriver:
 
 def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClient:
     """Start a core process for ``settings`` and return a client attached to it (after the model loaded)."""
-    from tierserve.core.checkpoints import resolve_model_path
+    from tierserve.core.checkpoints import load_tokenizer, resolve_model_path
     from tierserve.core.engine.client import EngineClient
 
     if plugins is not None and not plugins.reproducible:
@@ -207,7 +207,7 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
             "the installed entry points the allowlist names), but these plugins were assembled in this process "
             "(a plugin added by hand); install the plugin as a package, or set server.engine_process = false"
         )
-    path = resolve_model_path(settings.model.path)  # a builtin checkpoint is written once, here, before the child reads it
+    path = resolve_model_path(settings.model.path, settings.model.gguf_file)  # a builtin checkpoint is written once, here, before the child reads it
     allowlist = None if plugins is None else plugins.allowlist
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
@@ -217,9 +217,7 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
     process.start()
     child.close()
     try:  # the server's tokenizer loads while the core loads the model (transformers brings torch: seconds)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except Exception:
         process.kill()
         process.join()

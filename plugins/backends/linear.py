@@ -27,12 +27,22 @@ weight-only do, with a row instead of a 32-block). Kernels, fastest first:
   rounding beyond bfloat16, 1.3x float32's speed at batch 1 on that machine.
 - ``dequantize``: ``F.linear`` over the weight converted back per call, for
   devices with neither op (correct, 1 byte per weight held, not fast).
+
+Group-wise int8 (``GroupedInt8``: one scale per 32 input columns of a row) is
+llama.cpp's Q8_0 layout, and a GGUF file's Q8_0 tensors load into it as they
+are. None of the ops above takes more than one scale per row, so these layers
+run ``int8-g32``: per tile of output columns the int8 values are converted to
+float and multiplied by the unrounded activations group by group (one bmm),
+and the per-group sums scaled and added, so the output is the dequantized
+weight's up to float summation order, at 1.125 bytes per weight held. It is
+slower than the per-row kernels (see the README's GGUF section).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +52,51 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
+GROUP_SIZE = 32  # llama.cpp's Q8_0 block
+GROUPED_KERNEL = "int8-g32"
+_TILE_BYTES = 4 << 20  # float bytes of one converted column tile of a group-wise matrix
+
+
+@dataclass(slots=True)
+class GroupedInt8:
+    """An int8 matrix with one float32 scale per ``GROUP_SIZE`` input columns of each row:
+    ``w[n, k] = q[n, k] * scale[n, k // GROUP_SIZE]`` (llama.cpp's Q8_0 blocks, scales widened from float16)."""
+
+    q: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # float32 [out, in // GROUP_SIZE]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def to(self, device: torch.device) -> GroupedInt8:
+        return GroupedInt8(self.q.to(device), self.scale.to(device))
+
+    def dequantize(self, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
+        """Rows ``rows`` of the float matrix, computed in float32 (exact) and then cast to ``dtype``."""
+        q = self.q[rows]
+        return (q.view(q.shape[0], -1, GROUP_SIZE) * self.scale[rows, :, None]).view(q.shape).to(dtype)
+
+
+def quantize_groups(weight: torch.Tensor) -> GroupedInt8:
+    """Q8_0's rule (``scale = max|w_group| / 127``, rounded half away from zero) over groups of ``GROUP_SIZE``."""
+    rows, columns = weight.shape
+    if columns % GROUP_SIZE:
+        raise ValueError(f"group-wise int8 needs a multiple of {GROUP_SIZE} input columns, got {columns}")
+    groups = weight.float().reshape(rows, -1, GROUP_SIZE)
+    scale = groups.abs().amax(dim=2) / 127.0
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    scaled = groups * inverse[:, :, None]
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp_(-127, 127).to(torch.int8)
+    return GroupedInt8(q.view(rows, columns), scale)
+
+
+def cat_rows(parts: list[torch.Tensor | GroupedInt8]) -> torch.Tensor | GroupedInt8:
+    """Stack matrices along their output rows (fused q/k/v, gate/up); group-wise if any part is."""
+    if not any(isinstance(part, GroupedInt8) for part in parts):
+        return torch.cat(parts, 0).contiguous()
+    grouped = [part if isinstance(part, GroupedInt8) else quantize_groups(part) for part in parts]
+    return GroupedInt8(torch.cat([g.q for g in grouped], 0), torch.cat([g.scale for g in grouped], 0))
 
 
 def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -119,20 +174,31 @@ def int8_kernels(device: torch.device) -> list[str]:
 class Int8Linear:
     """``y ≈ x @ (q * scale[:, None]).T + bias`` with ``q`` int8 (see the module docstring for the kernels).
 
+    A float weight is quantized per row at construction; a ``GroupedInt8`` weight is kept
+    as it is and runs the ``grouped`` kernel whatever ``kernel`` says.
     For ``fbgemm`` the packed weight holds the scales; its op is kept as an ``OpOverload``, which
     called directly skips the Python dispatch checks (~17 µs a call, 49 calls a step).
     """
 
-    __slots__ = ("kernel", "weight", "scale", "bias", "out_features", "dtype", "op", "span")
+    __slots__ = ("kernel", "weight", "scale", "bias", "out_features", "dtype", "op", "span", "tile")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str, dtype: torch.dtype) -> None:
-        q, scale = quantize_rows(weight.cpu())
-        device = weight.device
-        self.kernel = kernel
-        self.out_features = q.shape[0]
+    def __init__(
+        self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None, kernel: str, dtype: torch.dtype
+    ) -> None:
         self.dtype = dtype
         self.bias = bias
         self.op = self.span = None
+        self.out_features = weight.shape[0]
+        if isinstance(weight, GroupedInt8):  # stored [groups, 32, out]: each group's block is one bmm operand
+            rows, columns = weight.shape
+            self.kernel = "grouped"
+            self.weight = weight.q.view(rows, -1, GROUP_SIZE).permute(1, 2, 0).contiguous()
+            self.scale = weight.scale.T.contiguous()  # [groups, out]
+            self.tile = max(1, _TILE_BYTES // (4 * columns))
+            return
+        q, scale = quantize_rows(weight.cpu())
+        device = weight.device
+        self.kernel = kernel
         if kernel == "fbgemm":
             self.weight, self.scale = _fbgemm_pack(q, scale), None
             self.op = torch.ops.quantized.linear_dynamic.default
@@ -149,6 +215,8 @@ class Int8Linear:
             rows = rows.float()
             norms = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
             out = self.op(torch.cat([rows / norms, self.span]), self.weight, True)[:-1].mul_(norms).to(self.dtype)
+        elif self.kernel == "grouped":
+            out = self._grouped(rows.to(self.dtype))
         elif self.kernel == "weight_only":
             out = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.scale).to(self.dtype)
         else:
@@ -156,6 +224,25 @@ class Int8Linear:
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _grouped(self, rows: torch.Tensor) -> torch.Tensor:
+        """Column tiles of the output. A few rows (decode): per-group partial products of the int8 values
+        converted to float, then scaled and summed, so the weight is never scaled. Many rows (prefill):
+        the tile's weight dequantized once, then one matmul."""
+        groups = self.weight.shape[0]
+        tokens = rows.shape[0]
+        out = rows.new_empty(tokens, self.out_features)
+        by_group = rows.view(tokens, groups, GROUP_SIZE).transpose(0, 1)  # [groups, tokens, 32]
+        for start in range(0, self.out_features, self.tile):
+            part = slice(start, start + self.tile)
+            values = self.weight[:, :, part].to(self.dtype)  # [groups, 32, cols]
+            if tokens <= GROUP_SIZE:
+                partial = torch.bmm(by_group, values)  # [groups, tokens, cols]
+                out[:, part] = (partial * self.scale[:, None, part]).sum(0)
+            else:
+                values.mul_(self.scale[:, None, part])
+                out[:, part] = rows @ values.view(-1, values.shape[-1])
+        return out
 
 
 class LinearFactory:
@@ -180,6 +267,7 @@ class LinearFactory:
             raise ValueError(f"model.quantization: got {quantization!r}, allowed: {', '.join(QUANTIZATIONS)}")
         self.dtype = dtype
         self.quantization = quantization
+        self.grouped_layers = 0
         if quantization == "int8":
             if kernel == "onednn":
                 raise ValueError(
@@ -202,10 +290,21 @@ class LinearFactory:
         self.packed = available and kernel != "torch"
         self.kernel = "onednn" if self.packed else "torch"
 
-    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+    def __call__(self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+        """A layer for ``weight``: group-wise int8 stays so (``int8-g32``), float follows the factory's choice."""
+        if isinstance(weight, GroupedInt8):
+            if self.quantization != "int8":
+                raise ValueError("group-wise int8 weights load with model.quantization = 'int8' only")
+            self.grouped_layers += 1
+            return Int8Linear(weight, bias, "grouped", self.dtype)
         if self.quantization == "int8":
             return Int8Linear(weight, bias, self._int8_kernel, self.dtype)
         return Linear(weight, bias, self.packed)
+
+    @property
+    def kernels(self) -> str:
+        """What runs the layers built so far, in words: ``kernel``, plus ``int8-g32`` when group-wise layers run."""
+        return f"{self.kernel}+{GROUPED_KERNEL}" if self.grouped_layers else self.kernel
 
 
 class KernelLinear(nn.Module):

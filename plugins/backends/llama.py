@@ -1,6 +1,7 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) computed against a paged KV arena.
 
-Weights come from a Hugging Face state dict; q/k/v and gate/up projections are
+Weights come from a Hugging Face state dict (a GGUF file's tensors are renamed
+into one, Q8_0 matrices as ``GroupedInt8``); q/k/v and gate/up projections are
 fused into one matmul each. Attention itself (the batch layout, the arena, the kernels) is
 ``paged_attention``, shared with the ``transformers`` backend.
 """
@@ -16,7 +17,15 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tierserve.plugins.backends.native import NATIVE_MODEL_TYPES
-from tierserve.plugins.backends.linear import Int8Linear, Linear, LinearFactory, quantize_rows
+from tierserve.plugins.backends.linear import (
+    GROUP_SIZE,
+    GroupedInt8,
+    Int8Linear,
+    Linear,
+    LinearFactory,
+    cat_rows,
+    quantize_rows,
+)
 from tierserve.plugins.backends.lora import LoraBatch, LoraSlots
 from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch, window_layout
 
@@ -49,13 +58,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Embedding:
-    """The token embedding table, float or int8 rows with one scale each (``model.quantization``)."""
+    """The token embedding table: float, int8 rows with one scale each (``model.quantization``),
+    or int8 with one scale per 32 columns (a GGUF Q8_0 table)."""
 
     __slots__ = ("weight", "scale", "dtype")
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, quantized: bool) -> None:
+    def __init__(self, weight: torch.Tensor | GroupedInt8, dtype: torch.dtype, quantized: bool) -> None:
         self.dtype = dtype
-        if quantized:
+        if isinstance(weight, GroupedInt8):
+            self.weight, self.scale = weight.q, weight.scale
+        elif quantized:
             q, scale = quantize_rows(weight)
             self.weight, self.scale = q.to(weight.device), scale.to(weight.device, dtype)
         else:
@@ -64,6 +76,9 @@ class Embedding:
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return self.weight[token_ids]
+        if self.scale.dim() == 2:  # group-wise: float32 products (exact), then the model's dtype
+            q = self.weight[token_ids]
+            return (q.view(q.shape[0], -1, GROUP_SIZE) * self.scale[token_ids, :, None]).view(q.shape).to(self.dtype)
         return self.weight[token_ids].to(self.dtype) * self.scale[token_ids, None]
 
 
@@ -98,12 +113,14 @@ class PagedLlama:
         linear = LinearFactory(linear_kernel, device, dtype, quantization)
         self.linear_kernel = linear.kernel
 
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
+        def take(name: str, required: bool = True) -> torch.Tensor | GroupedInt8 | None:
             tensor = state.pop(name, None)
             if tensor is None:
                 if required:
                     raise ValueError(f"checkpoint is missing weight {name!r}")
                 return None
+            if isinstance(tensor, GroupedInt8):
+                return tensor.to(device)
             return tensor.to(device=device, dtype=dtype)
 
         embed = take("model.embed_tokens.weight")
@@ -128,21 +145,20 @@ class PagedLlama:
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
                     qkv=linear(
-                        torch.cat([q, k, v], 0).contiguous(),
+                        cat_rows([q, k, v]),
                         torch.cat(biases, 0) if all(b is not None for b in biases) else None,
                     ),
                     q_norm=take(p + "self_attn.q_norm.weight", required=False),
                     k_norm=take(p + "self_attn.k_norm.weight", required=False),
                     o_proj=linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", required=False)),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(
-                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0).contiguous()
-                    ),
+                    gate_up=linear(cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                     down=linear(take(p + "mlp.down_proj.weight")),
                     sliding_window=window,
                 )
             )
         state.pop("model.rotary_emb.inv_freq", None)
+        self.linear_kernel = linear.kernels
         self.windows, self.trained_window = window_layout([layer.sliding_window for layer in self.layers])
         self._build_rope(config)
         self.arena = KVArena(len(self.layers), self.num_kv_heads, self.head_dim, self.kv_dtype, device)

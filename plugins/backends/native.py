@@ -60,7 +60,7 @@ class NativeSettings(BaseModel):
 
 
 class NativeBackend(ModelBackend):
-    """Loads a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory and runs it paged."""
+    """Loads a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory or GGUF file and runs it paged."""
 
     paged = True
     supports_released_kv = True
@@ -74,29 +74,27 @@ class NativeBackend(ModelBackend):
         return model_type in NATIVE_MODEL_TYPES
 
     def __init__(self, settings: Settings) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, eos_token_ids
+        from tierserve.core.checkpoints import context_length, eos_token_ids, load_config, load_tokenizer
         from tierserve.core.devices import resolve_placement
         from tierserve.plugins.backends.llama import PagedLlama
 
         model = settings.model
         self.path, self.device, self.dtype, kv_dtype = resolve_placement(
-            model.path, model.device, model.dtype, settings.kv_cache.dtype
+            model.path, model.device, model.dtype, settings.kv_cache.dtype, model.gguf_file
         )
         self.attention = attention_kernel(settings.sliding_window.use_flash_attention, self.device)
         self.attention_kernel = self.attention.name
-        self.config = AutoConfig.from_pretrained(self.path)
+        self.config = load_config(self.path)
         if not self.supports_model_type(self.config.model_type):
             raise UnsupportedModel(
                 f"the native backend runs {', '.join(NATIVE_MODEL_TYPES)} checkpoints, not "
                 f"{self.config.model_type!r}; set model.backend = \"auto\" or \"transformers\" for other architectures"
             )
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = load_tokenizer(self.path)
         self.model = PagedLlama(
             self.config,
-            load_safetensors(self.path),
+            self._weights(model.quantization),
             self.device,
             self.dtype,
             linear_kernel=settings.plugin_options("native", NativeSettings).linear_kernel,
@@ -114,6 +112,15 @@ class NativeBackend(ModelBackend):
         self.block_size = settings.kv_cache.block_size
         self.max_lora_rank = model.max_lora_rank
         self.lora = self.model.enable_lora(model.max_loras, model.max_lora_rank) if model.max_loras else None
+
+    def _weights(self, quantization: str) -> dict[str, object]:
+        from tierserve.core.gguf import is_gguf
+
+        if not is_gguf(self.path):
+            return load_safetensors(self.path)
+        from tierserve.plugins.backends.gguf_weights import load_gguf_state
+
+        return load_gguf_state(self.path, self.config, self.dtype, quantization)
 
     def load_lora(self, name: str, path: str) -> dict[str, object]:
         from tierserve.core.errors import RequestError

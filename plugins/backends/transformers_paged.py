@@ -154,19 +154,17 @@ class PagedTransformersBackend(ModelBackend):
         return bool(getattr(model_class, "_supports_attention_backend", False))
 
     def __init__(self, settings: Settings) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, eos_token_ids
+        from tierserve.core.checkpoints import context_length, eos_token_ids, load_causal_lm, load_config, load_tokenizer
         from tierserve.core.devices import resolve_placement
         from tierserve.plugins.backends.linear import LinearFactory, swap_linear_layers
         from tierserve.plugins.backends.paged_attention import KVArena, window_layout
 
         model = settings.model
         self.path, self.device, self.dtype, kv_dtype = resolve_placement(
-            model.path, model.device, model.dtype, settings.kv_cache.dtype
+            model.path, model.device, model.dtype, settings.kv_cache.dtype, model.gguf_file
         )
-        config = AutoConfig.from_pretrained(self.path)
+        config = load_config(self.path)
         if not self.supports_model_type(config.model_type):
             raise UnsupportedModel(
                 f"{config.model_type!r} models do not route attention through transformers' AttentionInterface, "
@@ -174,9 +172,9 @@ class PagedTransformersBackend(ModelBackend):
                 "(no prefix cache) to serve it"
             )
         _register_attention()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = load_tokenizer(self.path)
         self.model = (
-            AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
+            load_causal_lm(self.path, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
             .to(self.device)
             .eval()
         )

@@ -31,10 +31,14 @@ class TransformersBackend(ModelBackend):
     paged = False
 
     def __init__(self, settings: Settings) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, eos_token_ids, resolve_model_path
+        from tierserve.core.checkpoints import (
+            context_length,
+            eos_token_ids,
+            load_causal_lm,
+            load_tokenizer,
+            resolve_model_path,
+        )
         from tierserve.core.devices import resolve_device, resolve_dtype
 
         model = settings.model
@@ -49,11 +53,11 @@ class TransformersBackend(ModelBackend):
                 f"kv_cache.dtype = {settings.kv_cache.dtype!r} is supported by the paged backends only; "
                 "set model.backend = \"auto\" (native or transformers) or leave kv_cache.dtype at its default"
             )
-        self.path = resolve_model_path(model.path)
+        self.path = resolve_model_path(model.path, model.gguf_file)
         self.device = resolve_device(model.device)
         self.dtype = resolve_dtype(model.dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
+        self.tokenizer = load_tokenizer(self.path)
+        self.model = load_causal_lm(self.path, dtype=self.dtype).to(self.device).eval()
         config = self.model.config
         self.vocab_size = config.vocab_size
         positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048

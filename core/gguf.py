@@ -1,0 +1,231 @@
+"""GGUF model files (llama.cpp's format): find the file, check it whole, and read its metadata.
+
+A ``.gguf`` file carries everything a Hugging Face directory splits over
+config.json, tokenizer files and safetensors. Its metadata is read by the
+``gguf`` package (llama.cpp's own reader) and turned into a transformers
+config and tokenizer by transformers' GGUF support; nothing here parses the
+format by hand. ``check_gguf`` runs before any weight is loaded, so a
+truncated or corrupt file, an architecture transformers cannot read or a
+tensor type nothing can dequantize is refused up front, not half-loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tierserve.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+SUFFIX = ".gguf"
+FLOAT_TYPES = ("F32", "F16", "BF16")  # loaded as they are
+INSTALL_HINT = "GGUF model files need the gguf package: pip install 'tierserve[gguf]'"
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFInfo:
+    """What a GGUF file holds, as far as loading it needs to know.
+
+    Attributes:
+        path: the file.
+        architecture: ``general.architecture`` as llama.cpp writes it (``llama``, ``qwen2``, ...).
+        file_type: ``general.file_type`` by name (``MOSTLY_Q8_0``), or ``"unknown"``.
+        tensor_types: how many tensors of each GGML type (``{"Q8_0": 84, "F32": 25}``).
+        scalars: every metadata field that holds one number or string (arrays, the vocabulary, left out).
+    """
+
+    path: Path
+    architecture: str
+    file_type: str
+    tensor_types: dict[str, int]
+    scalars: dict[str, Any]
+
+    @property
+    def quantization(self) -> str:
+        """The tensor types, most common first (``Q8_0+F32``): the fingerprint names it."""
+        return "+".join(name for name, _ in sorted(self.tensor_types.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether a resolved ``model.path`` is a GGUF file (else it is a checkpoint directory)."""
+    return path.suffix.lower() == SUFFIX and path.is_file()
+
+
+def find_gguf(directory: Path, gguf_file: str | None, shown: str) -> Path | None:
+    """The GGUF file ``model.path`` (``shown``) and ``model.gguf_file`` name, or ``None`` for a Hugging Face directory.
+
+    Raises:
+        ConfigError: ``model.gguf_file`` set for a path that is not a directory, or naming no file in it.
+    """
+    if gguf_file is None:
+        return directory.absolute() if directory.is_file() and directory.suffix.lower() == SUFFIX else None
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.gguf_file = {gguf_file!r} names a file inside the directory model.path, but model.path "
+            f"{shown!r} is not a directory; set model.path to the .gguf file itself, or to its directory"
+        )
+    file = directory / gguf_file
+    if not file.is_file():
+        found = sorted(p.name for p in directory.glob(f"*{SUFFIX}"))
+        raise ConfigError(
+            f"model.gguf_file = {gguf_file!r}: no such file in {directory}; "
+            f"GGUF files there: {', '.join(found) or 'none'}"
+        )
+    return file.absolute()
+
+
+def open_reader(path: Path) -> GGUFReader:
+    """llama.cpp's reader over ``path`` (memory-mapped); a file it cannot parse is a ``ConfigError``."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ConfigError(f"model.path {str(path)!r}: {INSTALL_HINT}") from None
+    try:
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError, OSError) as exc:
+        raise ConfigError(
+            f"model.path {str(path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "it may be truncated or corrupt: download or convert it again"
+        ) from None
+
+
+def check_gguf(path: Path) -> GGUFInfo:
+    """Read and check a GGUF file's header: every tensor lies inside the file, every type is loadable,
+    the architecture is one transformers reads from GGUF.
+
+    Raises:
+        ConfigError: naming what was found and what is supported.
+    """
+    return _checked(path, path.stat().st_size, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+
+    reader = open_reader(path)
+    shown = str(path)
+    architecture = _field(reader, "general.architecture")
+    if not isinstance(architecture, str):
+        raise ConfigError(f"model.path {shown!r}: the GGUF file has no general.architecture; it is not a model file")
+    supported = supported_architectures()
+    if architecture not in supported:
+        raise ConfigError(
+            f"model.path {shown!r}: GGUF architecture {architecture!r} cannot be loaded; "
+            f"supported: {', '.join(sorted(supported))}"
+        )
+    loadable = loadable_types()
+    types: Counter[str] = Counter()
+    for tensor in reader.tensors:
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        if kind.name not in loadable:
+            raise ConfigError(
+                f"model.path {shown!r}: tensor {tensor.name!r} has GGML type {kind.name}, which cannot be "
+                f"loaded; supported: {', '.join(loadable)}"
+            )
+        block, type_size = GGML_QUANT_SIZES[kind]
+        expected = int(tensor.n_elements) // block * type_size
+        end = int(tensor.data_offset) + expected
+        if int(tensor.n_bytes) != expected or end > size or tensor.data.size * tensor.data.itemsize != expected:
+            raise ConfigError(
+                f"model.path {shown!r}: tensor {tensor.name!r} ends at byte {end} but the file has {size} bytes; "
+                "the file is truncated or corrupt: download or convert it again"
+            )
+        types[kind.name] += 1
+    if not types:
+        raise ConfigError(f"model.path {shown!r}: the GGUF file holds no tensors")
+    file_type = _field(reader, "general.file_type")
+    try:
+        file_type_name = LlamaFileType(file_type).name if file_type is not None else "unknown"
+    except ValueError:
+        file_type_name = f"type-{file_type}"
+    scalars = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if field.types and field.types[0] != GGUFValueType.ARRAY
+    }
+    return GGUFInfo(path, architecture, file_type_name, dict(types), scalars)
+
+
+def supported_architectures() -> frozenset[str]:
+    """``general.architecture`` values transformers builds a config from."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return frozenset(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+def loadable_types() -> tuple[str, ...]:
+    """GGML tensor types that load: the float ones as they are, the rest through the gguf package's dequantizers."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    names = [kind.name for kind in GGMLQuantizationType if kind.name in FLOAT_TYPES]
+    for kind in GGMLQuantizationType:
+        quant = getattr(gguf.quants, kind.name, None)
+        if kind.name not in FLOAT_TYPES and quant is not None and hasattr(quant, "dequantize_blocks"):
+            names.append(kind.name)
+    return tuple(names)
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def load_config(path: Path):
+    """The transformers config transformers builds from the file's metadata (``AutoConfig``, ``gguf_file=``)."""
+    from transformers import AutoConfig
+
+    info = check_gguf(path)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, TypeError, NotImplementedError) as exc:
+        raise ConfigError(f"model.path {str(path)!r}: transformers cannot build a config from it: {exc}") from None
+    # transformers maps head_dim from rope.dimension_count for llama only; qwen3's (128 by default) is wrong
+    # whenever the file says otherwise, so the key length the file records wins
+    key_length = info.scalars.get(f"{info.architecture}.attention.key_length")
+    if isinstance(key_length, int) and hasattr(config, "head_dim"):
+        config.head_dim = key_length
+    return config
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer (chat template included) transformers builds from the file's metadata."""
+    from transformers import AutoTokenizer
+
+    check_gguf(path)
+    try:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, TypeError, NotImplementedError) as exc:
+        raise ConfigError(f"model.path {str(path)!r}: transformers cannot build its tokenizer: {exc}") from None
+
+
+def end_of_generation_ids(path: Path) -> set[int]:
+    """The token ids llama.cpp ends generation on: the file's eos, eot and eom tokens."""
+    scalars = check_gguf(path).scalars
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return {int(scalars[key]) for key in keys if isinstance(scalars.get(key), int)}
+
+
+def gguf_fingerprint(path: Path, *extra: str) -> str:
+    """A stable id for a GGUF file's weights plus ``extra``: its quantization types by name, its size,
+    its first and last MiB (header, metadata, first and last tensors)."""
+    info = check_gguf(path)
+    digest = hashlib.sha256(f"gguf:{info.architecture}:{info.file_type}:{info.quantization}".encode())
+    size = path.stat().st_size
+    sample = 1 << 20
+    digest.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as handle:
+        digest.update(handle.read(sample))
+        if size > 2 * sample:
+            handle.seek(size - sample)
+            digest.update(handle.read(sample))
+    for item in extra:
+        digest.update(b"\0" + item.encode())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,102 @@
+"""A GGUF file's tensors as the native backend's state dict: Hugging Face names, Q8_0 kept int8.
+
+Names and the q/k row order come from transformers' GGUF loader (its tensor
+name map and its per-architecture tensor processor: llama.cpp's converter
+permutes q/k rows for llama-family RoPE, and the processor undoes it). Here it
+is applied to row indices, so a quantized tensor's rows move with their scales
+and nothing passes through float that need not:
+
+    F32 / F16 / BF16          as they are (then the model's dtype)
+    Q8_0, quantization int8   GroupedInt8: int8 values and one scale per 32, bytes copied
+    Q8_0, quantization none   dequantized to the model's dtype (logged)
+    any other type            dequantized by the gguf package, then the model's dtype
+                              or, with quantization int8, group-wise int8 (logged)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from tierserve.core.errors import ConfigError
+from tierserve.core.gguf import FLOAT_TYPES, check_gguf, open_reader
+from tierserve.plugins.backends.linear import GROUP_SIZE, GroupedInt8, quantize_groups
+
+log = structlog.get_logger(__name__)
+
+
+def hf_name_map(config, architecture: str):
+    """(GGUF tensor name -> Hugging Face parameter name, transformers' tensor processor) for ``config``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):  # the parameter names only; nothing is allocated
+        skeleton = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    return get_gguf_hf_weights_map(skeleton, processor), processor
+
+
+def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -> dict[str, torch.Tensor | GroupedInt8]:
+    """Every tensor of the GGUF file ``path`` under its Hugging Face name (see the module docstring).
+
+    Raises:
+        ConfigError: the file fails ``check_gguf`` (truncated, corrupt, unknown type or architecture).
+    """
+    from gguf import GGMLQuantizationType, dequantize
+
+    info = check_gguf(path)
+    reader = open_reader(path)
+    names, processor = hf_name_map(config, info.architecture)
+    state: dict[str, torch.Tensor | GroupedInt8] = {}
+    converted: dict[str, str] = {}
+    for tensor in reader.tensors:
+        name = names.get(tensor.name)
+        if name is None:  # e.g. llama.cpp's precomputed rope_freqs: the config rebuilds it
+            log.info("gguf_tensor_skipped", tensor=tensor.name, path=str(path))
+            continue
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None  # GGUF lists dims innermost first
+        order = processor.process(weights=np.arange(rows), name=tensor.name).weights if rows else None
+        if kind == GGMLQuantizationType.Q8_0 and quantization == "int8" and rows:
+            state[name] = _q8_0(tensor.data, rows, order)
+            continue
+        if kind.name == "BF16":
+            values = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
+        elif kind.name in ("F32", "F16"):
+            values = torch.from_numpy(np.array(tensor.data))
+        else:
+            values = torch.from_numpy(dequantize(tensor.data, kind))  # the reader shaped it [rows, columns]
+        if order is not None:
+            values = values[torch.from_numpy(np.ascontiguousarray(order))]
+        if kind.name in FLOAT_TYPES:
+            state[name] = values.to(dtype)
+        elif quantization == "int8" and rows and values.shape[-1] % GROUP_SIZE == 0:
+            state[name] = quantize_groups(values)
+            converted[kind.name] = "int8 (groups of 32)"
+        else:
+            state[name] = values.to(dtype)
+            converted[kind.name] = str(dtype).removeprefix("torch.")
+    for kind_name, target in converted.items():
+        log.warning(
+            "gguf_dequantized",
+            path=str(path),
+            type=kind_name,
+            to=target,
+            why="only F32/F16/BF16 load as they are and Q8_0 as int8 (model.quantization = 'int8')",
+        )
+    if not state:
+        raise ConfigError(f"model.path {str(path)!r}: none of its tensors belongs to a {config.model_type} model")
+    return state
+
+
+def _q8_0(data: np.ndarray, rows: int, order: np.ndarray | None) -> GroupedInt8:
+    """Q8_0 blocks (a float16 scale, then 32 int8 values) as int8 values and float32 scales, rows reordered."""
+    blocks = np.asarray(data).reshape(rows, -1, 2 + GROUP_SIZE)
+    if order is not None:
+        blocks = blocks[order]
+    scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].astype(np.float32)
+    values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, -1)
+    return GroupedInt8(torch.from_numpy(values), torch.from_numpy(scale))

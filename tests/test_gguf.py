@@ -1,0 +1,206 @@
+"""GGUF model files: float ones run exactly as their checkpoint, Q8_0 ones exactly as their dequantized
+weights while held at about a byte a weight, and broken ones are refused up front.
+
+The files are written by ``tests/gguf_helpers.py`` with the gguf package's writer (llama.cpp's
+own Python package; its tensors were checked byte for byte against llama.cpp's
+``convert_hf_to_gguf.py`` output for these checkpoints). The Q8_0 reference is transformers'
+GGUF loader, which dequantizes with the gguf package (llama.cpp's reference dequantizer) to
+float32: the ``int8-g32`` kernel multiplies the same weights in float32, so the tolerance is
+that of float32 summation order (measured: every teacher-forced argmax equal, |mean KL| under 4e-9 nats).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.quality import closeness, teacher_forced_logits
+from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
+from tests.gguf_helpers import write_gguf
+from tierserve.core.checkpoints import load_config, load_tokenizer
+from tierserve.core.errors import ConfigError
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.plugins.backends.gguf_weights import load_gguf_state
+from tierserve.plugins.backends.linear import GroupedInt8
+from tierserve.plugins.backends.llama import PagedLlama
+
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+MIN_AGREEMENT, MAX_KL = 1.0, 1e-6  # Q8_0 against its dequantized weights: float32 rounding only
+ARCHITECTURES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "qwen2": ("qwen2", {"tie_word_embeddings": True})}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """architecture -> (checkpoint, {outtype: gguf file})."""
+    root = tmp_path_factory.mktemp("gguf")
+    found = {}
+    for name, (architecture, overrides) in ARCHITECTURES.items():
+        checkpoint = build_checkpoint(root, name, architecture, **overrides)
+        found[name] = (checkpoint, {t: write_gguf(checkpoint, root / f"{name}-{t}.gguf", t) for t in ("f32", "bf16", "q8_0")})
+    return found
+
+
+def bf16_checkpoint(checkpoint, target):
+    """The checkpoint with every weight rounded to bfloat16 and stored as float32 again: what a BF16 file holds."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    model.save_pretrained(target)
+    load_tokenizer(checkpoint).save_pretrained(target)
+    return target
+
+
+def generate(engine) -> list[list[int]]:
+    try:
+        return [result.token_ids for result in engine.generate(PROMPTS, GREEDY)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_f32_file_generates_what_its_checkpoint_does(files, architecture):
+    checkpoint, gguf = files[architecture]
+    engine = make_engine(gguf["f32"])
+    assert (engine.info.backend, engine.info.path) == ("native", str(gguf["f32"]))
+    assert generate(engine) == hf_greedy(checkpoint, PROMPTS, NEW_TOKENS)
+
+
+def test_bf16_file_generates_what_its_bf16_rounded_checkpoint_does(files, tmp_path):
+    checkpoint, gguf = files["llama"]
+    expected = hf_greedy(bf16_checkpoint(checkpoint, tmp_path / "bf16"), PROMPTS, NEW_TOKENS)
+    assert generate(make_engine(gguf["bf16"], model__dtype="float32")) == expected
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(files):
+    checkpoint, gguf = files["qwen3"]
+    original, from_file = load_tokenizer(checkpoint), load_tokenizer(gguf["f32"])
+    for prompt in PROMPTS:
+        assert from_file(prompt)["input_ids"] == original(prompt)["input_ids"]
+    messages = [{"role": "user", "content": "hi there"}]
+    assert from_file.apply_chat_template(messages, tokenize=False) == original.apply_chat_template(messages, tokenize=False)
+
+
+def test_the_paged_transformers_backend_runs_a_gguf_file(files):
+    checkpoint, gguf = files["llama"]
+    engine = make_engine(gguf["f32"], backend="transformers")
+    assert engine.info.backend == "transformers"
+    assert generate(engine) == hf_greedy(checkpoint, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_q8_0_runs_as_its_dequantized_weights(files, architecture):
+    """Teacher-forced logits against transformers' float32 model of the dequantized file, and greedy output."""
+    _, gguf = files[architecture]
+    path = gguf["q8_0"]
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(path)
+    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    with torch.inference_mode():
+        expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
+    config = load_config(path)
+    model = PagedLlama(config, load_gguf_state(path, config, torch.float32, "int8"), torch.device("cpu"),
+                       torch.float32, quantization="int8")  # fmt: skip
+    assert model.linear_kernel.endswith("+int8-g32")
+    found = closeness(expected, teacher_forced_logits(model, ids))
+    print(f"{architecture} Q8_0 vs dequantized reference: {found}")
+    assert found.greedy_agreement >= MIN_AGREEMENT and found.mean_kl <= MAX_KL, found
+
+    engine = make_engine(path, model__quantization="int8")
+    assert engine.info.linear_kernel.endswith("+int8-g32")
+    for seq, output in zip(ids, generate(engine)):
+        assert output == argmax_continuation(reference, seq)
+
+
+def argmax_continuation(model, seq: list[int]) -> list[int]:
+    """``NEW_TOKENS`` argmax tokens, end-of-sequence ones included (as ``ignore_eos``)."""
+    ids = list(seq)
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(seq) :]
+
+
+def test_q8_0_weights_stay_int8(files):
+    """Every matrix (embedding and lm_head included) is held as the file's int8 values and scales."""
+    _, gguf = files["llama"]
+    config = load_config(gguf["q8_0"])
+    state = load_gguf_state(gguf["q8_0"], config, torch.float32, "int8")
+    grouped = [t for t in state.values() if isinstance(t, GroupedInt8)]
+    assert len(grouped) == 2 + 7 * config.num_hidden_layers
+    model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="int8")
+    layers = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    assert all(layer.weight.dtype == torch.int8 and layer.kernel == "grouped" for layer in layers)
+    weights = sum(layer.weight.numel() for layer in layers) + model.embed.weight.numel()
+    held = sum(layer.weight.nbytes + layer.scale.nbytes for layer in layers)
+    held += model.embed.weight.nbytes + model.embed.scale.nbytes
+    print(f"Q8_0 matrices held: {held} bytes for {weights} weights, {held / weights:.3f} bytes per weight")
+    assert model.embed.weight.dtype == torch.int8
+    assert held / weights == pytest.approx(1 + 4 / 32)  # int8 values plus one float32 scale per 32
+
+
+def test_q8_0_without_int8_is_dequantized_to_the_model_dtype(files):
+    checkpoint, gguf = files["llama"]
+    state = load_gguf_state(gguf["q8_0"], load_config(gguf["q8_0"]), torch.float32, "none")
+    assert all(t.dtype == torch.float32 for t in state.values())
+
+
+def test_fingerprint_names_the_quantization(files):
+    _, gguf = files["llama"]
+    prints = {}
+    for outtype, quantization in (("f32", "none"), ("f32", "int8"), ("q8_0", "int8")):
+        engine = make_engine(gguf[outtype], model__quantization=quantization)
+        prints[outtype, quantization] = engine.info.fingerprint
+        engine.close()
+    assert len(set(prints.values())) == 3, prints
+
+
+def test_truncated_file_is_refused(files, tmp_path):
+    _, gguf = files["llama"]
+    data = gguf["f32"].read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 64):
+        broken = tmp_path / f"cut-{cut}.gguf"
+        broken.write_bytes(data[:cut])
+        with pytest.raises(ConfigError, match=r"truncated or corrupt"):
+            make_engine(broken)
+
+
+def test_corrupt_file_is_refused(files, tmp_path):
+    _, gguf = files["llama"]
+    data = bytearray(gguf["f32"].read_bytes())
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(data[4:]))
+    with pytest.raises(ConfigError, match=r"not a readable GGUF file .*magic"):
+        make_engine(not_gguf)
+    garbled = tmp_path / "garbled.gguf"
+    data[16:24] = (2**62).to_bytes(8, "little")  # the metadata count
+    garbled.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"truncated or corrupt"):
+        make_engine(garbled)
+
+
+def test_unknown_architecture_and_tensor_type_are_named(tmp_path):
+    import gguf
+    import numpy as np
+
+    odd = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(odd, "fancyformer")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ConfigError, match=r"GGUF architecture 'fancyformer' cannot be loaded; supported: .*llama.*qwen3"):
+        make_engine(odd)
+
+    typed = tmp_path / "typed.gguf"
+    writer = gguf.GGUFWriter(typed, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float64), raw_dtype=gguf.GGMLQuantizationType.F64)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ConfigError, match=r"'token_embd.weight' has GGML type F64, which cannot be loaded; supported: F32, F16, BF16, .*Q8_0"):
+        make_engine(typed)
+
+
+def test_gguf_file_needs_a_directory(files):
+    _, gguf = files["llama"]
+    with pytest.raises(ConfigError, match=r"model.gguf_file = 'x.gguf' names a file inside the directory model.path"):
+        make_engine(gguf["f32"], model__gguf_file="x.gguf")
