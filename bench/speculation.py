@@ -15,7 +15,9 @@ linear draft follows one continuation and a tree verifies several.
 Strategies: plain decoding; ``ngram`` (linear prompt lookup) at each ``--k``
 drafts per step (the first, 4, is the baseline the speed-ups are against);
 ``ngram_tree`` at each ``--tree-nodes`` budget per sequence (4 and 16: the
-same number of tokens verified per step as linear k=4 and k=16). Every
+same number of tokens verified per step as linear k=4 and k=16), cut to its
+share of ``--step-tree-nodes`` when several requests run (the engine's
+default 64: 8 nodes each at 8 requests). Every
 run is greedy with eos ignored, and every strategy's output must equal plain
 decoding's. Runs alternate between strategies, ``--repeats`` times each;
 medians are reported, with output tokens/s, the speed-up over plain and over
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--k", type=_ints, default=[4, 16],
                         help="linear ngram drafts per step; the first is the baseline (default: 4,16)")
     parser.add_argument("--tree-nodes", type=_ints, default=[4, 16], help="ngram_tree node budgets (default: 4,16)")
+    parser.add_argument("--step-tree-nodes", type=int, default=64,
+                        help="[speculative] step_tree_nodes: tree nodes per step, shared by the batch (default: 64)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = parser.parse_args()
@@ -78,9 +82,9 @@ def main() -> None:
     for k in args.k:
         strategies[f"ngram k={k}"] = engine_for(args.model, "ngram", num_speculative_tokens=k, adaptive=False)
     for nodes in args.tree_nodes:
-        # the whole step's budget: each of c sequences gets nodes (the per-step share is not what is compared here)
+        # each sequence gets min(nodes, step_tree_nodes // sequences): at 8 requests the default 64 leaves 8
         strategies[f"ngram_tree nodes={nodes}"] = engine_for(
-            args.model, "ngram_tree", max_tree_nodes=nodes, step_tree_nodes=nodes * max(args.concurrency)
+            args.model, "ngram_tree", max_tree_nodes=nodes, step_tree_nodes=args.step_tree_nodes
         )
     plain = strategies["plain"]
     seed = plain.encode_prompt(SEED)
@@ -134,6 +138,7 @@ def main() -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     payload = {"scenario": "speculation", "machine": machine(), "command": "python -m bench.speculation " + " ".join(sys.argv[1:]),
                "config": {"output_len": args.output_len, "k": args.k, "tree_nodes": args.tree_nodes,
+                          "step_tree_nodes": args.step_tree_nodes,
                           "repeats": args.repeats, "model": args.model}, "runs": rows}  # fmt: skip
     (args.results / "speculation.json").write_text(json.dumps(payload, indent=2))
 
