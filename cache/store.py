@@ -298,6 +298,11 @@ class TieredStore:
         (``cache.frequency``). Walks the whole index (an admin request)."""
         return frequency.frequent_prefixes(self, limit)
 
+    def top_prefixes(self, limit: int) -> list[frequency.PrefixUse]:
+        """Up to ``limit`` cached prefixes used most, counting uses in every tier (L1 too), best
+        first (``cache.frequency.top_prefixes``). Walks the whole index (an admin request)."""
+        return frequency.top_prefixes(self, limit)
+
     def warm_frequent(self, limit_blocks: int) -> WarmReport:
         """Promote the most used prefixes' blocks into L1 (cached, not pinned) and, from the last
         tier, into the first tier below; at most ``limit_blocks`` blocks, parents first, never
@@ -353,13 +358,15 @@ class TieredStore:
         self.l1_stats.evictions = pool.evictions
         tiers = {
             "l1": TierSnapshot.of(
-                "l1", self.l1_stats, len(pool.cached), 0, pool.num_blocks, pool.num_free_blocks, medium="arena"
+                "l1", self.l1_stats, len(pool.cached), 0, pool.num_blocks, pool.num_free_blocks, medium="arena",
+                capacity=(pool.num_blocks, None),
             )
         }
         for store_tier in self.tiers:
             tier = store_tier.tier
             tiers[store_tier.name] = TierSnapshot.of(
-                store_tier.name, tier.stats, len(tier), tier.bytes_used, medium=tier.medium
+                store_tier.name, tier.stats, len(tier), tier.bytes_used, medium=tier.medium,
+                capacity=(tier.capacity.entries, tier.capacity.bytes),
             )
         s = self.stats
         return CacheSnapshot(
