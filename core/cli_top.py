@@ -59,8 +59,8 @@ def millis(seconds: float | None) -> str:
 
 
 def of_capacity(used: str, capacity: float | None, fmt: Callable[[float | None], str], fraction: float | None) -> str:
-    if capacity is None:
-        return f"{used} (unbounded)"
+    if capacity is None:  # no bound of this kind (a disk tier counts bytes, not blocks)
+        return used
     share = f" {100 * fraction:.0f}%" if fraction is not None else ""
     return f"{used} / {fmt(capacity)}{share}"
 

@@ -66,5 +66,6 @@ def save_page_screenshot(chrome, path: Path) -> Path:
     height = chrome.execute_script("return document.documentElement.scrollHeight")
     width = chrome.execute_script("return window.outerWidth")
     chrome.set_window_size(width, height + 40)
+    chrome.execute_script("window.scrollTo(0, 0)")
     chrome.save_screenshot(str(path))
     return path

@@ -166,7 +166,7 @@ function renderTiers(stats) {
 }
 
 function capacityText(used, capacity, format) {
-  return capacity === null || capacity === undefined ? `${used} (unbounded)` : `${used} / ${format(capacity)}`;
+  return capacity === null || capacity === undefined ? used : `${used} / ${format(capacity)}`;
 }
 
 function renderEvictions(stats) {
@@ -325,7 +325,8 @@ function renderKeys(keys) {
     cell(row, integer(key.hits), key.hits, "hits");
     cell(row, integer(key.requests), key.requests, "requests");
     cell(row, integer(key.prefix_tokens), key.prefix_tokens, "tokens");
-    cell(row, key.tiers.complete.map((t) => t.toUpperCase()).join(" + ") || "partly evicted");
+    const where = key.tiers.complete.map((t) => t.toUpperCase()).join(" + ");
+    cell(row, key.blocks === 0 ? "no full block" : where || "partly evicted", key.tiers.complete.join(","), "tiers");
     body.appendChild(row);
   }
 }
