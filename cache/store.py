@@ -48,6 +48,8 @@ class TieredStore:
         transfer: the backend's block copier; may be ``None`` only without lower tiers.
         fingerprint: the model fingerprint; every hash is rooted in it.
         tiers: the tiers below L1, in the order data moves down.
+        block_bytes: bytes one L1 block takes across all layers (L1's bytes and byte capacity in
+            statistics; 0: unknown, reported as 0 bytes and no byte bound).
 
     Attributes:
         tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
@@ -55,7 +57,12 @@ class TieredStore:
     """
 
     def __init__(
-        self, pool: BlockPool, transfer: KVTransfer | None, fingerprint: str, tiers: Seq[StoreTier] = ()
+        self,
+        pool: BlockPool,
+        transfer: KVTransfer | None,
+        fingerprint: str,
+        tiers: Seq[StoreTier] = (),
+        block_bytes: int = 0,
     ) -> None:
         names = [t.name for t in tiers]
         for name in names:
@@ -70,6 +77,7 @@ class TieredStore:
         self.transfer = transfer
         self.fingerprint = fingerprint
         self.block_size = pool.block_size
+        self.block_bytes = block_bytes
         self.tiers = list(tiers)
         self.tier_names = ["l1", *names]
         self.placement = Placement(pool, [t.tier for t in self.tiers], self.tier_names)
@@ -356,10 +364,11 @@ class TieredStore:
         self.placement.sync_removed()
         pool = self.pool
         self.l1_stats.evictions = pool.evictions
+        held = (pool.num_blocks - pool.num_empty_blocks) * self.block_bytes  # blocks in use or cached
         tiers = {
             "l1": TierSnapshot.of(
-                "l1", self.l1_stats, len(pool.cached), 0, pool.num_blocks, pool.num_free_blocks, medium="arena",
-                capacity=(pool.num_blocks, None),
+                "l1", self.l1_stats, len(pool.cached), held, pool.num_blocks, pool.num_free_blocks, medium="arena",
+                capacity=(pool.num_blocks, pool.num_blocks * self.block_bytes or None),
             )
         }
         for store_tier in self.tiers:

@@ -68,18 +68,15 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
     summary["promotions"] = dict(cache.promotions) if cache is not None else {}
     summary["demotions"] = dict(cache.demotions) if cache is not None else {}
     summary["tiers"] = {name: tier.as_dict() for name, tier in tiers.items()}
-    if "l1" in summary["tiers"]:  # the pool's own figures: what its blocks hold, in bytes, against its size
+    if "l1" in summary["tiers"]:
         summary["tiers"]["l1"].update(l1_occupancy(snapshot))
     summary["cache_keys"] = {"count": snapshot.cache_keys, "pinned_bytes": snapshot.cache_keys_pinned_bytes}
     return summary
 
 
 def l1_occupancy(snapshot: EngineSnapshot) -> dict[str, int]:
-    """L1's bytes (blocks in use or cached, as ``memory_bytes`` counts them) and capacity, and its
-    blocks by state: in use by running requests, empty (holding nothing); the rest are cached and idle."""
+    """L1's blocks by state: in use by running requests, empty (holding nothing); the rest are cached and idle."""
     return {
-        "bytes": snapshot.l1_bytes,
-        "capacity_bytes": snapshot.kv_blocks_total * snapshot.kv_block_bytes,
         "blocks_in_use": snapshot.kv_blocks_total - snapshot.kv_blocks_free,
         "blocks_empty": snapshot.kv_blocks_empty,
     }
