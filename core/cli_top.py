@@ -21,7 +21,8 @@ CallServer = Callable[..., Any]
 LISTS_EVERY = 5
 TOP_ROWS = 5
 SPARKS = "▁▂▃▄▅▆▇█"
-ONCE_WIDTH = 140  # columns of a frame printed to a pipe or a file (no terminal to measure)
+ONCE_WIDTH = 160  # columns of a frame printed to a pipe or a file (no terminal to measure)
+TREND_POINTS = 24  # the newest samples a sparkline shows
 
 
 @dataclass(slots=True)
@@ -150,8 +151,9 @@ def tiers_table(stats: dict[str, Any]) -> Any:
     table = Table(title="tiers", title_justify="left")
     for name, justify in (("tier", "left"), ("medium", "left"), ("blocks held", "right"), ("bytes", "right"),
                           ("hit rate", "right"), ("hits", "right"), ("evictions", "right"),
-                          (f"evicted {round(recent['seconds'])} s", "right"), ("hit rate over time", "left")):  # fmt: skip
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+                          (f"evicted {round(recent['seconds'])} s", "right")):  # fmt: skip
+        table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))  # type: ignore[arg-type]
+    table.add_column("hit rate over time", no_wrap=True, overflow="crop", max_width=TREND_POINTS)  # gives way first
     for name, tier in tiers.items():
         entries_of = tier["entries"] / tier["capacity_entries"] if tier["capacity_entries"] else None
         bytes_of = tier["bytes"] / tier["capacity_bytes"] if tier["capacity_bytes"] else None
@@ -165,7 +167,7 @@ def tiers_table(stats: dict[str, Any]) -> Any:
             integer(tier["hits"]),
             integer(tier["evictions"]),
             integer(recent["evictions"].get(name, 0)),
-            sparkline(trend[-40:]),
+            sparkline(trend[-TREND_POINTS:]),
         )
     return table
 

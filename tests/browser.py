@@ -9,6 +9,7 @@ one. Without them a local run skips the browser tests and says why; under
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 from collections.abc import Iterator
@@ -62,10 +63,9 @@ def artifact_dir(tmp_path: Path) -> Path:
 
 
 def save_page_screenshot(chrome, path: Path) -> Path:
-    """The whole page (the window grown to its height), as a PNG at ``path``."""
-    height = chrome.execute_script("return document.documentElement.scrollHeight")
-    width = chrome.execute_script("return window.outerWidth")
-    chrome.set_window_size(width, height + 40)
-    chrome.execute_script("window.scrollTo(0, 0)")
-    chrome.save_screenshot(str(path))
+    """The whole page, below the window's fold too (Chrome's own capture), as a PNG at ``path``."""
+    size = chrome.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+    clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+    shot = chrome.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip})
+    path.write_bytes(base64.b64decode(shot["data"]))
     return path
