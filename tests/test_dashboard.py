@@ -153,7 +153,7 @@ def load_timing(chrome) -> dict:
 
 def test_development_page_matches_stats_and_clear_empties_l1(checkpoint, tmp_path):
     loaded = preset("development", checkpoint, tmp_path, monitoring__collection_interval_seconds=0.5)
-    with running_server(loaded.settings, plugins=loaded.plugins) as base, headless_chromium() as chrome:
+    with headless_chromium() as chrome, running_server(loaded.settings, plugins=loaded.plugins) as base:
         traffic(base, {})
         open_page(chrome, base)
         WebDriverWait(chrome, 20).until(lambda c: c.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
@@ -204,7 +204,7 @@ def test_development_page_matches_stats_and_clear_empties_l1(checkpoint, tmp_pat
 def test_production_page_needs_keys_and_admin_actions_work(checkpoint, tmp_path):
     loaded = preset("production", checkpoint, tmp_path, auth__api_keys=[USER_KEY], auth__admin_api_keys=[ADMIN_KEY])
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    with running_server(loaded.settings, plugins=loaded.plugins) as base, headless_chromium() as chrome:
+    with headless_chromium() as chrome, running_server(loaded.settings, plugins=loaded.plugins) as base:
         page = httpx.get(f"{base}/dashboard")  # the page itself holds no figures: served without a key
         assert page.status_code == 200 and "frame-ancestors 'none'" in page.headers["content-security-policy"]
         assert httpx.get(f"{base}/v1/cache/stats").status_code == 401
