@@ -17,6 +17,7 @@ from tests.server_helpers import running_server
 from tierserve.core.config import load_settings
 
 pytest.importorskip("selenium")
+from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
@@ -40,12 +41,11 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", "llama")
 
 
-def preset(name: str, checkpoint, tmp_path, **extra):
+def preset(name: str, checkpoint, **extra):
     overrides = {
         ("model", "path"): str(checkpoint),
         ("model", "device"): "cpu",
         ("server", "engine_process"): False,
-        ("kv_cache", "disk_path"): str(tmp_path / "l3"),
         ("logging", "level"): "warning",
         **{tuple(key.split("__")): value for key, value in extra.items()},
     }
@@ -101,9 +101,9 @@ def mismatches(chrome, stats: dict) -> dict[str, tuple[object, object]]:
     wrong = {}
     for key, value in expected_values(stats).items():
         got = shown.get(key)
-        if got is None or value is None or float(got) != float(value):
-            if not (value is None and got == ""):
-                wrong[key] = (got, value)
+        same = got == "" if value is None else got not in (None, "") and float(got) == float(value)
+        if not same:
+            wrong[key] = (got, value)
     return wrong
 
 
@@ -118,7 +118,7 @@ def wait_until_page_matches_stats(chrome, base: str, headers: dict[str, str]) ->
 
     try:
         WebDriverWait(chrome, 20, poll_frequency=0.3).until(matches)
-    except Exception:
+    except TimeoutException:
         pytest.fail(f"the page never showed /v1/cache/stats' figures; (shown, stats): {found.get('wrong')}")
     return found["stats"]
 
@@ -152,13 +152,14 @@ def load_timing(chrome) -> dict:
 
 
 def test_development_page_matches_stats_and_clear_empties_l1(checkpoint, tmp_path):
-    loaded = preset("development", checkpoint, tmp_path, monitoring__collection_interval_seconds=0.5)
+    loaded = preset("development", checkpoint, monitoring__collection_interval_seconds=0.5)
     with headless_chromium() as chrome, running_server(loaded.settings, plugins=loaded.plugins) as base:
         traffic(base, {})
         open_page(chrome, base)
         WebDriverWait(chrome, 20).until(lambda c: c.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
         print("dashboard load timing (development):", load_timing(chrome))
         stats = wait_until_page_matches_stats(chrome, base, {})
+        assert set(stats["cache_manager"]["kv_cache"]["tiers"]) == {"l1", "l2"}  # the preset's tiers: no L3
         l1 = stats["cache_manager"]["kv_cache"]["tiers"]["l1"]
         assert l1["entries"] > 0 and l1["hits"] > 0  # the traffic was cached and reused: the figures are not zeros
         entries_text = read(chrome, "#tier-l1 td.entries", "text")
@@ -202,7 +203,10 @@ def test_development_page_matches_stats_and_clear_empties_l1(checkpoint, tmp_pat
 
 
 def test_production_page_needs_keys_and_admin_actions_work(checkpoint, tmp_path):
-    loaded = preset("production", checkpoint, tmp_path, auth__api_keys=[USER_KEY], auth__admin_api_keys=[ADMIN_KEY])
+    loaded = preset(
+        "production", checkpoint, kv_cache__disk_path=str(tmp_path / "l3"),
+        auth__api_keys=[USER_KEY], auth__admin_api_keys=[ADMIN_KEY],
+    )  # fmt: skip
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with headless_chromium() as chrome, running_server(loaded.settings, plugins=loaded.plugins) as base:
         page = httpx.get(f"{base}/dashboard")  # the page itself holds no figures: served without a key

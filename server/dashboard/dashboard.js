@@ -301,7 +301,7 @@ function renderAlerts(stats) {
 function renderPrefixes(prefixes) {
   const body = $("prefixes").querySelector("tbody");
   body.replaceChildren();
-  if (!prefixes.data.length) body.appendChild(emptyRow(5, "No cached prefix has been used yet."));
+  if (!prefixes.data.length) body.appendChild(emptyRow(5, "No cached prefix has been reused."));
   for (const prefix of prefixes.data) {
     const row = document.createElement("tr");
     cell(row, prefix.key.slice(0, 12) + "…", prefix.key, "key mono");
