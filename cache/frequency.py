@@ -15,11 +15,15 @@ holds cannot be served and is never listed.
 
 So a shared system prompt used by every request comes first, on its own, and
 a conversation that extends it comes later with its own, lower count.
+
+``top_prefixes`` ranks the same way with L1 counted too (every use so far, for
+the dashboard's "top prefixes"), while warming ranks only what sits below L1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierserve.cache.placement import L1
@@ -34,16 +38,42 @@ def block_accesses(store: TieredStore, key: bytes) -> int:
     return sum(t.tier.access_count(key) for position, t in enumerate(store.tiers, 1) if held & (1 << position))
 
 
-def ranked_prefixes(store: TieredStore) -> Iterator[list[bytes]]:
-    """Every prefix worth warming, best first (see the module docstring); each is root first."""
+def all_accesses(store: TieredStore, key: bytes) -> int:
+    """The block's uses in every tier: its L1 count (when L1 holds it) plus ``block_accesses``."""
+    block_id = store.pool.cached.get(key)
+    in_l1 = store.pool.blocks[block_id].accesses if block_id is not None else 0
+    return in_l1 + block_accesses(store, key)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixUse:
+    """One cached prefix and how often it was used.
+
+    Attributes:
+        key: the hash of its last block (hex), as the index knows it.
+        hits: uses of its last block so far, every tier counted.
+        blocks: blocks from the prompt's first block to its last.
+        tiers: the names of the tiers that hold its last block.
+    """
+
+    key: str
+    hits: int
+    blocks: int
+    tiers: tuple[str, ...]
+
+
+def ranked_prefixes(store: TieredStore, with_l1: bool = False) -> Iterator[list[bytes]]:
+    """Every prefix worth warming, best first (see the module docstring); each is root first.
+    ``with_l1``: blocks held only by L1 count too, with their L1 uses (``all_accesses``)."""
     store.placement.sync_removed()
     nodes = store.index.nodes
     lengths = _chain_lengths(store)
-    below = ~(1 << L1)
+    held = ~0 if with_l1 else ~(1 << L1)
+    accesses: Callable[[TieredStore, bytes], int] = all_accesses if with_l1 else block_accesses
     candidates = []
     for key, node in nodes.items():
-        if node.tiers & below and lengths[key]:
-            count = block_accesses(store, key)
+        if node.tiers & held and lengths[key]:
+            count = accesses(store, key)
             if count > 0:
                 candidates.append((-count, -lengths[key], key))
     candidates.sort()
@@ -71,6 +101,21 @@ def frequent_prefixes(store: TieredStore, limit: int) -> list[list[bytes]]:
             break
         prefixes.append(chain)
     return prefixes
+
+
+def top_prefixes(store: TieredStore, limit: int) -> list[PrefixUse]:
+    """The ``limit`` prefixes used most, every tier counted (L1 included), best first."""
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    top = []
+    for chain in ranked_prefixes(store, with_l1=True):
+        if len(top) >= limit:
+            break
+        end = chain[-1]
+        held = store.index.tiers_of(end)
+        tiers = tuple(name for position, name in enumerate(store.tier_names) if held & (1 << position))
+        top.append(PrefixUse(end.hex(), all_accesses(store, end), len(chain), tiers))
+    return top
 
 
 def settle_accesses(store: TieredStore) -> None:

@@ -110,6 +110,8 @@ class TierSnapshot:
     blocks_total: int | None = None
     blocks_free: int | None = None
     medium: str = "memory"  # where the tier keeps its data: "arena" (L1), "memory", "disk", "remote"
+    capacity_entries: int | None = None  # the tier's bounds (None: unbounded or unknown)
+    capacity_bytes: int | None = None
 
     @classmethod
     def of(
@@ -121,8 +123,10 @@ class TierSnapshot:
         blocks_total: int | None = None,
         blocks_free: int | None = None,
         medium: str = "memory",
+        capacity: tuple[int | None, int | None] = (None, None),
     ) -> TierSnapshot:
-        """The snapshot of a tier holding ``entries`` entries in ``stored`` bytes, from its counters."""
+        """The snapshot of a tier holding ``entries`` entries in ``stored`` bytes, from its counters;
+        ``capacity``: its bounds, ``(entries, bytes)``."""
         return cls(
             name=name,
             hits=stats.hits,
@@ -143,6 +147,8 @@ class TierSnapshot:
             blocks_total=blocks_total,
             blocks_free=blocks_free,
             medium=medium,
+            capacity_entries=capacity[0],
+            capacity_bytes=capacity[1],
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -163,6 +169,9 @@ class TierSnapshot:
             "get_seconds": round(self.get_seconds, 6),
             "put_seconds": round(self.put_seconds, 6),
             "compression_ratio": round(self.compression_ratio, 3),
+            "medium": self.medium,
+            "capacity_entries": self.capacity_entries,
+            "capacity_bytes": self.capacity_bytes,
         }
         if self.blocks_total is not None:
             data["blocks_total"] = self.blocks_total

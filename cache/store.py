@@ -48,6 +48,8 @@ class TieredStore:
         transfer: the backend's block copier; may be ``None`` only without lower tiers.
         fingerprint: the model fingerprint; every hash is rooted in it.
         tiers: the tiers below L1, in the order data moves down.
+        block_bytes: bytes one L1 block takes across all layers (L1's bytes and byte capacity in
+            statistics; 0: unknown, reported as 0 bytes and no byte bound).
 
     Attributes:
         tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
@@ -55,7 +57,12 @@ class TieredStore:
     """
 
     def __init__(
-        self, pool: BlockPool, transfer: KVTransfer | None, fingerprint: str, tiers: Seq[StoreTier] = ()
+        self,
+        pool: BlockPool,
+        transfer: KVTransfer | None,
+        fingerprint: str,
+        tiers: Seq[StoreTier] = (),
+        block_bytes: int = 0,
     ) -> None:
         names = [t.name for t in tiers]
         for name in names:
@@ -70,6 +77,7 @@ class TieredStore:
         self.transfer = transfer
         self.fingerprint = fingerprint
         self.block_size = pool.block_size
+        self.block_bytes = block_bytes
         self.tiers = list(tiers)
         self.tier_names = ["l1", *names]
         self.placement = Placement(pool, [t.tier for t in self.tiers], self.tier_names)
@@ -298,6 +306,11 @@ class TieredStore:
         (``cache.frequency``). Walks the whole index (an admin request)."""
         return frequency.frequent_prefixes(self, limit)
 
+    def top_prefixes(self, limit: int) -> list[frequency.PrefixUse]:
+        """Up to ``limit`` cached prefixes used most, counting uses in every tier (L1 too), best
+        first (``cache.frequency.top_prefixes``). Walks the whole index (an admin request)."""
+        return frequency.top_prefixes(self, limit)
+
     def warm_frequent(self, limit_blocks: int) -> WarmReport:
         """Promote the most used prefixes' blocks into L1 (cached, not pinned) and, from the last
         tier, into the first tier below; at most ``limit_blocks`` blocks, parents first, never
@@ -351,15 +364,18 @@ class TieredStore:
         self.placement.sync_removed()
         pool = self.pool
         self.l1_stats.evictions = pool.evictions
+        held = (pool.num_blocks - pool.num_empty_blocks) * self.block_bytes  # blocks in use or cached
         tiers = {
             "l1": TierSnapshot.of(
-                "l1", self.l1_stats, len(pool.cached), 0, pool.num_blocks, pool.num_free_blocks, medium="arena"
+                "l1", self.l1_stats, len(pool.cached), held, pool.num_blocks, pool.num_free_blocks, medium="arena",
+                capacity=(pool.num_blocks, pool.num_blocks * self.block_bytes or None),
             )
         }
         for store_tier in self.tiers:
             tier = store_tier.tier
             tiers[store_tier.name] = TierSnapshot.of(
-                store_tier.name, tier.stats, len(tier), tier.bytes_used, medium=tier.medium
+                store_tier.name, tier.stats, len(tier), tier.bytes_used, medium=tier.medium,
+                capacity=(tier.capacity.entries, tier.capacity.bytes),
             )
         s = self.stats
         return CacheSnapshot(

@@ -56,6 +56,15 @@ class CacheEntry:
         return self.kv.numel() * self.kv.element_size()
 
 
+@dataclass(frozen=True, slots=True)
+class TierCapacity:
+    """A tier's bounds: entries (KV blocks) and bytes as stored; ``None`` where it has none (or
+    does not know it: a remote server evicts by its own policy)."""
+
+    entries: int | None = None
+    bytes: int | None = None
+
+
 @dataclass(slots=True)
 class WriteTally:
     """What became of the writes one caller waits for (a prompt warm's write-through), in one tier.
@@ -163,6 +172,11 @@ class CacheTier(ABC):
     @abstractmethod
     def bytes_used(self) -> int:
         """Bytes held (as stored)."""
+
+    @property
+    def capacity(self) -> TierCapacity:
+        """The bounds the tier keeps to (statistics show occupancy against them); the default: none known."""
+        return TierCapacity()
 
     @abstractmethod
     def access_count(self, key: bytes) -> int:

@@ -1,4 +1,4 @@
-"""The ``tierserve`` command line: plugins, config show, serve."""
+"""The ``tierserve`` command line: plugins, config show, serve, fleet, cache, models, top."""
 
 from __future__ import annotations
 
@@ -183,13 +183,20 @@ def server_config(loaded: LoadedSettings, on_load_failure: Callable[[str], None]
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
 
 
+def server_url(args: argparse.Namespace) -> str:
+    """The server a command talks to: ``--url``, else ``$TIERSERVE_URL``, else the default."""
+    import os
+
+    return (args.url or os.environ.get("TIERSERVE_URL") or DEFAULT_SERVER_URL).rstrip("/")
+
+
 def _call_server(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
     """One JSON request to a running server; an HTTP error or an unreachable server becomes a TierserveError."""
     import os
     import urllib.error
     import urllib.request
 
-    base = (args.url or os.environ.get("TIERSERVE_URL") or DEFAULT_SERVER_URL).rstrip("/")
+    base = server_url(args)
     api_key = args.api_key or os.environ.get("TIERSERVE_API_KEY")
     headers = {"Accept": "application/json"}
     if api_key:
@@ -355,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tierserve.core.cli_models import add_model_commands
 
     add_model_commands(commands, _add_server_arguments, _call_server)
+    from tierserve.core.cli_top import add_top_command
+
+    add_top_command(commands, _add_server_arguments, _call_server)
     return parser
 
 

@@ -50,6 +50,15 @@ class EngineCollector(Collector):
             for name, tier in tiers.items():
                 family.add_metric([name], getattr(tier, field))
             yield family
+        for field, help_text in (
+            ("capacity_entries", "Entries a tier holds at most (bounded tiers only)"),
+            ("capacity_bytes", "Bytes a tier holds at most (bounded tiers only)"),
+        ):
+            family = GaugeMetricFamily(f"tierserve_cache_{field}", help_text, labels=["tier"])
+            for name, tier in tiers.items():
+                if getattr(tier, field) is not None:
+                    family.add_metric([name], getattr(tier, field))
+            yield family
         ratio = GaugeMetricFamily("tierserve_cache_compression_ratio", "Raw bytes / stored bytes", labels=["tier"])
         for name, tier in tiers.items():
             ratio.add_metric([name], tier.compression_ratio)

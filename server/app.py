@@ -35,6 +35,7 @@ ROUTE_MODULES: tuple[str, ...] = (
     "tierserve.server.health_routes",
     "tierserve.server.metrics_routes",
     "tierserve.server.plugin_routes",
+    "tierserve.server.dashboard_routes",
 )
 
 

@@ -24,7 +24,8 @@ def tenant_map(state: ServerState) -> TenantMap:
 
 
 def auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-    """Route ``opt``: ``public`` (health/metrics when settings allow), ``admin`` (cache clear/warm)."""
+    """Route ``opt``: ``public`` (health/metrics when settings allow; ``page``: the dashboard's static
+    files, which hold no data: the page sends the key it is given with each API call), ``admin`` (cache clear/warm)."""
     state: ServerState = connection.app.state.tierserve
     settings = state.settings
     token = bearer_token(connection.headers.get("authorization"))
@@ -33,7 +34,7 @@ def auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
         connection.scope.setdefault("state", {})[CALLER] = caller
     opt = handler.opt or {}
     public = opt.get("public")
-    if public == "health" and settings.server.public_health or public == "metrics" and settings.server.public_metrics:
+    if public == "page" or public == "health" and settings.server.public_health or public == "metrics" and settings.server.public_metrics:
         return
     if opt.get("admin") and settings.auth.admin_api_keys:
         if caller is None or not caller.admin:

@@ -1,5 +1,6 @@
 """Cache operations: ``GET /v1/cache/stats`` (with alerts and trends), ``POST /v1/cache/clear``, ``/offload``
-and ``/warm``, and the named prefixes: ``GET /v1/cache/keys``, ``DELETE /v1/cache/keys/{key}``.
+and ``/warm``, the most used prefixes (``GET /v1/cache/prefixes``), and the named prefixes:
+``GET /v1/cache/keys``, ``DELETE /v1/cache/keys/{key}``.
 
 A monitor thread samples the published statistics every
 ``monitoring.collection_interval_seconds`` into a rolling window of
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierserve.cache.warm_writes import WarmedPrompts
 from tierserve.server.errors import APIError
 from tierserve.server.openai_responses import usage_table
+from tierserve.server.recent import latency_window, recent_rates
 from tierserve.server.schemas import MAX_MESSAGES, MAX_PROMPTS, MAX_TIERS
 from tierserve.server.state import ServerState, ready_engine, state_of
 from tierserve.server.tenants import OPEN_TENANT, Caller, cache_scope, caller_of, split_scope
@@ -32,7 +34,10 @@ from tierserve.server.stats_document import (
     dropped_writes,
     kv_cache_summary,
     operations,
+    recent_counters,
+    recent_document,
     stats_document,
+    tier_trend,
 )
 
 if TYPE_CHECKING:
@@ -93,8 +98,11 @@ class CacheMonitor:
                 "requests_waiting": snapshot.requests_waiting,
                 "dropped_writes": dropped_writes(snapshot),
                 "operations": operations(snapshot),
+                "generation_tokens": snapshot.counters.generation_tokens,
+                "tiers": tier_trend(snapshot),
             }
         )
+        recent_rates(state).add(recent_counters(snapshot))
         alerts = {a["name"]: a for a in alerts_now(state, engine, snapshot)}
         for name in alerts.keys() - self._active_alerts:
             log.warning("cache_alert", **alerts[name])
@@ -112,7 +120,12 @@ def build_stats(state: ServerState, engine: EngineClient) -> dict[str, Any]:
     points = list(monitor.samples) if monitor is not None else []
     window = monitor.window_seconds if monitor is not None else 0.0
     activity = Activity(operations_per_second(state, snapshot, points), monitor is not None and monitor.alive)
-    return stats_document(snapshot, alerts_now(state, engine, snapshot), points, window, activity)
+    document = stats_document(snapshot, alerts_now(state, engine, snapshot), points, window, activity)
+    rates, counters = recent_rates(state), recent_counters(snapshot)
+    document["recent"] = recent_document(*rates.since(counters))
+    rates.add(counters)
+    document["latency"] = latency_window(state).document()
+    return document
 
 
 def operations_per_second(state: ServerState, snapshot: EngineSnapshot, points: list[dict[str, Any]]) -> float:
@@ -260,6 +273,38 @@ async def warm_frequent(engine: EngineClient, data: WarmRequest) -> dict[str, An
     }
 
 
+MAX_TOP_PREFIXES = 100
+
+
+@get("/v1/cache/prefixes", opt={"admin": True})
+async def cache_prefixes(request: Request, limit: FromQuery[int] = 10) -> dict[str, Any]:
+    """The cached prefixes used most, every tier's uses counted, best first (``?limit=``, 1 to 100);
+    a prefix that a named prefix (``cache_key``) covers carries its name. Walks the whole index."""
+    if not 1 <= limit <= MAX_TOP_PREFIXES:
+        message = f"limit: got {limit}; allowed: 1 to {MAX_TOP_PREFIXES}"
+        raise APIError(400, message, param="limit", code="invalid_value")
+    engine = ready_engine(request)
+    top, named = await asyncio.gather(
+        asyncio.to_thread(engine.top_prefixes, limit), asyncio.to_thread(engine.list_cache_keys)
+    )
+    names = {block.hex(): entry for entry in named for block in entry.block_hashes}
+    block_size = engine.info.block_size
+    data = []
+    for prefix in top:
+        entry = names.get(prefix.key)
+        data.append({
+            "object": "cache_prefix",
+            "key": prefix.key,
+            "hits": prefix.hits,
+            "blocks": prefix.blocks,
+            "tokens": prefix.blocks * block_size,
+            "tiers": list(prefix.tiers),
+            "cache_key": entry.name if entry is not None else None,
+            "tenant": (split_scope(entry.namespace)[0] or None) if entry is not None else None,
+        })  # fmt: skip
+    return {"object": "list", "data": data}
+
+
 def key_document(entry: NamedPrefix) -> dict[str, Any]:
     """One named prefix as ``GET /v1/cache/keys`` lists it."""
     tenant, cache_salt = split_scope(entry.namespace)
@@ -337,4 +382,4 @@ def teardown(state: ServerState) -> None:
         monitor.stop()
 
 
-ROUTES = [cache_stats, cache_clear, cache_offload, cache_warm, cache_keys, cache_key_delete]
+ROUTES = [cache_stats, cache_clear, cache_offload, cache_warm, cache_prefixes, cache_keys, cache_key_delete]

@@ -8,6 +8,7 @@ from typing import Any
 
 from tierserve.core.engine import EngineClient, TokenLogprob
 from tierserve.server.generation_jobs import Choice, Job
+from tierserve.server.recent import latency_window
 from tierserve.server.state import ServerState
 from tierserve.server.tenant_usage import UsageTable
 from tierserve.server.tool_streaming import finish_with_calls
@@ -168,16 +169,22 @@ def observe(state: ServerState, job: Job, choices: list[Choice], first_token_at:
         hits=hits,
         misses=sum(info.lookup_blocks for info in firsts) - hits,
     )
+    now = time.perf_counter()
+    ttft = tpot = None
+    if first_token_at is not None:
+        ttft = first_token_at - job.started
+        generated = usage["completion_tokens"]
+        if generated > len(choices):
+            tpot = (now - first_token_at) / (generated - len(choices))
+    latency_window(state).observe(ttft, tpot)
     metrics = state.extras.get("metrics")
     if metrics is None:
         return
-    now = time.perf_counter()
     metrics.count_tokens(usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
     metrics.observe_e2e(now - job.started)
-    if first_token_at is not None:
-        metrics.observe_ttft(first_token_at - job.started)
-        generated = usage["completion_tokens"]
-        if generated > len(choices):
-            metrics.observe_tpot((now - first_token_at) / (generated - len(choices)))
+    if ttft is not None:
+        metrics.observe_ttft(ttft)
+    if tpot is not None:
+        metrics.observe_tpot(tpot)
     aborted = any(c.finish_reason == "abort" for c in choices)
     metrics.count_outcome("abort" if aborted else "success")

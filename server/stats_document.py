@@ -68,8 +68,60 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
     summary["promotions"] = dict(cache.promotions) if cache is not None else {}
     summary["demotions"] = dict(cache.demotions) if cache is not None else {}
     summary["tiers"] = {name: tier.as_dict() for name, tier in tiers.items()}
+    if "l1" in summary["tiers"]:
+        summary["tiers"]["l1"].update(l1_occupancy(snapshot))
     summary["cache_keys"] = {"count": snapshot.cache_keys, "pinned_bytes": snapshot.cache_keys_pinned_bytes}
     return summary
+
+
+def l1_occupancy(snapshot: EngineSnapshot) -> dict[str, int]:
+    """L1's blocks by state: in use by running requests, empty (holding nothing); the rest are cached and idle."""
+    return {
+        "blocks_in_use": snapshot.kv_blocks_total - snapshot.kv_blocks_free,
+        "blocks_empty": snapshot.kv_blocks_empty,
+    }
+
+
+def tier_trend(snapshot: EngineSnapshot) -> dict[str, dict[str, Any]]:
+    """Each tier's cumulative figures at a trend sample: hits, misses, hit rate (fraction), evictions, entries."""
+    cache = snapshot.cache
+    if cache is None:
+        return {}
+    return {
+        name: {"hits": t.hits, "misses": t.misses, "hit_rate": round(t.hit_rate, 4), "evictions": t.evictions,
+               "entries": t.entries}
+        for name, t in cache.tiers.items()
+    }  # fmt: skip
+
+
+def recent_counters(snapshot: EngineSnapshot) -> dict[str, float]:
+    """The cumulative counters whose recent rates ``/v1/cache/stats`` reports (``server.recent``)."""
+    counters = snapshot.counters
+    values: dict[str, float] = {
+        "generation_tokens": counters.generation_tokens,
+        "prompt_tokens": counters.prompt_tokens,
+        "requests_finished": counters.requests_finished,
+    }
+    for name, tier in (snapshot.cache.tiers.items() if snapshot.cache is not None else ()):
+        values[f"evictions.{name}"] = tier.evictions
+    return values
+
+
+def recent_document(seconds: float, increases: dict[str, float]) -> dict[str, Any]:
+    """The ``recent`` section: rates over ``seconds``, and each tier's evictions in that time."""
+
+    def rate(name: str) -> float:
+        return round(increases.get(name, 0) / seconds, 2) if seconds > 0 else 0.0
+
+    return {
+        "seconds": round(seconds, 3),
+        "generation_tokens_per_second": rate("generation_tokens"),
+        "prompt_tokens_per_second": rate("prompt_tokens"),
+        "requests_per_second": rate("requests_finished"),
+        "evictions": {
+            name.removeprefix("evictions."): int(value) for name, value in increases.items() if name.startswith("evictions.")
+        },
+    }
 
 
 def radix_tree(snapshot: EngineSnapshot) -> dict[str, Any]:

@@ -30,6 +30,7 @@ V1_OPERATIONS = [
     "POST /v1/cache/clear",
     "POST /v1/cache/offload",
     "POST /v1/cache/warm",
+    "GET /v1/cache/prefixes",
     "GET /v1/cache/keys",
     "DELETE /v1/cache/keys/{key}",
     "GET /v1/plugins",

@@ -27,6 +27,9 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
         "tierserve/plugins/eviction/adaptive.py",
         "tierserve/configs/production.toml",
         "tierserve/configs/development.toml",
+        "tierserve/server/dashboard/index.html",  # /dashboard serves these from the installed package
+        "tierserve/server/dashboard/dashboard.js",
+        "tierserve/server/dashboard/dashboard.css",
     ):
         assert required in names, required
     packages = {  # every package folder of the checkout, as the wheel must name it
@@ -47,7 +50,8 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
         [sys.executable, "-c",
          "import tierserve.core, tierserve.plugins.eviction.lru as m; print(m.__file__);"
          "from tierserve.core.config import load_settings;"
-         "print(load_settings('production').settings.kv_cache.eviction_policy)"],
+         "print(load_settings('production').settings.kv_cache.eviction_policy);"
+         "from tierserve.server.dashboard_routes import asset; assert b'dashboard.js' in asset('index.html')"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
     )
     assert result.returncode == 0, result.stderr

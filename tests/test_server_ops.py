@@ -249,7 +249,7 @@ def test_request_metrics_api():
 
 def test_cache_stats_shape_and_hits_after_warming(server, engine):
     before = stats(server)
-    assert set(before) == {"cache_manager", "overall", "alerts", "trends", "trend_points"}
+    assert set(before) == {"cache_manager", "overall", "alerts", "trends", "trend_points", "recent", "latency"}
     manager = before["cache_manager"]
     assert set(manager["kv_cache"]["tiers"]) == {"l1", "l2", "l3"}
     assert manager["speculation"]["enabled"] is False and manager["speculation"]["proposed"] == 0
@@ -329,7 +329,7 @@ def test_trends_sampled_and_hit_rate_alert(checkpoint, disk, engine):
     sample = body["trend_points"][-1]
     assert set(sample) == {
         "timestamp", "hit_rate", "memory_bytes", "cached_tokens", "requests_running", "requests_waiting",
-        "dropped_writes", "operations",
+        "dropped_writes", "operations", "generation_tokens", "tiers",
     }
     assert body["trend_points"][0]["timestamp"] < sample["timestamp"]
     assert body["trends"]["data_points"] == len(body["trend_points"]) and body["trends"]["window_seconds"] > 0

@@ -47,6 +47,7 @@ CHECKED_GRAMMARS = 256  # compiled output constraints remembered (a repeated sch
 if TYPE_CHECKING:
     import torch
 
+    from tierserve.cache.frequency import PrefixUse
     from tierserve.cache.named_prefixes import NamedPrefix
     from tierserve.cache.warming import WarmReport
     from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
@@ -416,6 +417,10 @@ class EngineClient:
                 "warm: prefix caching is off (kv_cache.enable_prefix_caching) or the backend is not paged", param="prompts"
             )
         return self.driver.call("warm_frequent", limit_blocks)
+
+    def top_prefixes(self, limit: int) -> list[PrefixUse]:
+        """The ``limit`` cached prefixes used most (uses in every tier counted), best first."""
+        return self.driver.call("top_prefixes", limit)
 
     def list_cache_keys(self, namespace: str | None = None) -> list[NamedPrefix]:
         """Named prefixes (``cache_key``) of one namespace, or of all with ``None``."""

@@ -30,6 +30,7 @@ from tierserve.core.scheduler import QueueFullError, Scheduler
 from tierserve.core.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
+    from tierserve.cache.frequency import PrefixUse
     from tierserve.cache.named_prefixes import Key, NamedPrefix, NamedPrefixes
     from tierserve.cache.store import TieredStore
     from tierserve.cache.warming import WarmReport
@@ -217,6 +218,10 @@ class EngineCore:
     def delete_cache_key(self, namespace: str, name: str) -> bool:
         """Unpin a named prefix and evict the blocks no other key pins; False for an unknown key."""
         return self.keys.delete(namespace, name) if self.keys is not None else False
+
+    def top_prefixes(self, limit: int) -> list[PrefixUse]:
+        """The cached prefixes used most (every tier counted), best first; none without prefix caching."""
+        return self.store.top_prefixes(limit) if self.store is not None else []
 
     def warm_frequent(self, limit_blocks: int) -> WarmReport:
         """Promote the most used cached prefixes into the faster tiers (at most ``limit_blocks`` blocks)."""

@@ -24,7 +24,7 @@ import diskcache
 import structlog
 
 from tierserve.cache.codec import CorruptEntryError, KVCodec
-from tierserve.cache.tier import CacheEntry, CacheTier, WriteTally
+from tierserve.cache.tier import CacheEntry, CacheTier, TierCapacity, WriteTally
 from tierserve.cache.write_queue import QueuedTier, TierWriter
 from tierserve.core.errors import TierserveError
 from tierserve.core.hookspecs import hookimpl
@@ -180,6 +180,10 @@ class DiskTier(QueuedTier, CacheTier):
     @property
     def bytes_used(self) -> int:
         return self._index.stored_bytes
+
+    @property
+    def capacity(self) -> TierCapacity:
+        return TierCapacity(None, self.max_bytes or None)
 
     def add_accesses(self, key: bytes, count: int) -> None:
         with self.lock:

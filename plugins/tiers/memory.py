@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierserve.cache.tier import CacheEntry, CacheTier
+from tierserve.cache.tier import CacheEntry, CacheTier, TierCapacity
 from tierserve.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -134,6 +134,10 @@ class MemoryTier(CacheTier):
     @property
     def bytes_used(self) -> int:
         return self._bytes
+
+    @property
+    def capacity(self) -> TierCapacity:
+        return TierCapacity(self.max_entries, self.max_bytes or None)
 
     def pin(self, key: bytes) -> None:
         """Protect ``key`` from eviction and expiry; a key not stored is ignored."""
