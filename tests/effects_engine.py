@@ -326,7 +326,7 @@ def tree_drafts(lab: Lab, values: dict, history: list[int], nodes: int = 16) -> 
     loaded = lab.settings({"speculative.method": "ngram_tree", **values})
     speculator = loaded.plugins.registry("speculators").get("ngram_tree").factory(loaded.settings, None)
     seq = Sequence(seq_id=0, request_id="r", token_ids=list(history), num_prompt_tokens=len(history), params=greedy())
-    [tree] = speculator.propose([DraftRequest(seq, history, nodes, 16)])
+    [tree] = speculator.propose([DraftRequest(seq, history, nodes, 64)])
     return [(t, tree.token_ids[p] if p >= 0 else None) for t, p in zip(tree.token_ids, tree.parents or [])]
 
 
@@ -351,7 +351,7 @@ def plugins_ngram_tree_max_matches(lab: Lab) -> None:
 
 def plugins_ngram_tree_max_depth(lab: Lab) -> None:
     history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
-    assert len(tree_drafts(lab, {}, history)) == 8  # one path, as deep as the default max_depth
+    assert len(tree_drafts(lab, {}, history, nodes=32)) == 16  # one path, as deep as the default max_depth
     assert tree_drafts(lab, {"plugins.ngram_tree.max_depth": 2}, history) == [(2, None), (3, 2)]
 
 

@@ -170,7 +170,10 @@ def build_paged_batch(
             keep[:, :, 0] |= ~q_valid  # padding rows attend to something; their output is dropped
             masks[window] = keep[:, None].to(device)
         rows = torch.where(q_valid, torch.tensor([first_row[id(c)] for c in short])[:, None] + offsets[None, :], -1)
-        rows_index = slice(0, len(short)) if q_len == 1 else rows.to(device)
+        if bool((lengths == q_len).all()):  # no padding: the group's rows are the batch's first ones, in order
+            rows_index: slice | torch.Tensor = slice(0, len(short) * q_len)
+        else:
+            rows_index = rows.to(device)
         blocks = table[:, : -(-int(ctx.max()) // bs)]
         group = AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(short), q_len)
         if q_len == 1:

@@ -23,7 +23,7 @@ class NgramTreeSettings(BaseModel):
     min_n: int = Field(1, ge=1, description="shortest suffix n-gram looked up")
     max_n: int = Field(4, ge=1, description="longest suffix n-gram looked up (its matches weigh most)")
     max_matches: int = Field(8, ge=1, le=256, description="earlier occurrences merged into one tree, most recent first")
-    max_depth: int = Field(8, ge=1, le=64, description="the longest path of a tree (tokens after the last real one)")
+    max_depth: int = Field(16, ge=1, le=64, description="the longest path of a tree (tokens after the last real one)")
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramTreeSettings:
