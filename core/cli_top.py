@@ -106,7 +106,7 @@ def render(frame: Frame) -> Any:
     if stats.get("scope") == "tenant":
         parts.append(Text("This key is not an admin key: your tenant's usage. The cache figures need the admin key.", style="yellow"))
         table = Table("requests", "prompt tokens", "cached tokens", "completion tokens", "block hit rate", "token hit rate",
-                      title=f"tenant {stats['tenant'] or '(open)'}", title_justify="left")  # fmt: skip
+                      title=plain(f"tenant {stats['tenant'] or '(open)'}"), title_justify="left")  # fmt: skip
         table.add_row(integer(stats["requests"]), integer(stats["prompt_tokens"]), integer(stats["cached_tokens"]),
                       integer(stats["completion_tokens"]), f"{stats['hit_rate']:.1f}%", f"{stats['token_hit_rate']:.1f}%")  # fmt: skip
         parts.append(table)
@@ -142,6 +142,14 @@ def figures_table(stats: dict[str, Any]) -> Any:
     return table
 
 
+def plain(text: str) -> Any:
+    """A server-provided string (a cache key, a tenant, a tier name) as literal text: rich never reads it as
+    markup, so a name like ``[/x]`` neither breaks the view nor styles it."""
+    from rich.text import Text
+
+    return Text(text)
+
+
 def tiers_table(stats: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -159,8 +167,8 @@ def tiers_table(stats: dict[str, Any]) -> Any:
         bytes_of = tier["bytes"] / tier["capacity_bytes"] if tier["capacity_bytes"] else None
         trend = [p["tiers"][name]["hit_rate"] for p in points if name in p["tiers"]] + [tier["hit_rate"]]
         table.add_row(
-            name.upper(),
-            tier["medium"],
+            plain(name.upper()),
+            plain(tier["medium"]),
             of_capacity(integer(tier["entries"]), tier["capacity_entries"], integer, entries_of),
             of_capacity(size(tier["bytes"]), tier["capacity_bytes"], size, bytes_of),
             f"{100 * tier['hit_rate']:.1f}%",
@@ -185,8 +193,8 @@ def prefixes_table(prefixes: list[dict[str, Any]]) -> Any:
 
     table = Table("prefix (last block)", "hits", "tokens", "tiers", "cache key", title="top prefixes by hits", title_justify="left")
     for prefix in prefixes[:TOP_ROWS]:
-        table.add_row(prefix["key"][:12] + "…", integer(prefix["hits"]), integer(prefix["tokens"]),
-                      "+".join(t.upper() for t in prefix["tiers"]), prefix["cache_key"] or "")  # fmt: skip
+        table.add_row(plain(prefix["key"][:12] + "…"), integer(prefix["hits"]), integer(prefix["tokens"]),
+                      plain("+".join(t.upper() for t in prefix["tiers"])), plain(prefix["cache_key"] or ""))  # fmt: skip
     return table
 
 
@@ -195,7 +203,8 @@ def keys_table(keys: list[dict[str, Any]]) -> Any:
 
     table = Table("cache key", "tenant", "hits", "requests", "tokens", title="top cache keys by hits", title_justify="left")
     for key in sorted(keys, key=lambda k: (-k["hits"], -k["requests"]))[:TOP_ROWS]:
-        table.add_row(key["id"], key["tenant"] or "", integer(key["hits"]), integer(key["requests"]), integer(key["prefix_tokens"]))
+        table.add_row(plain(key["id"]), plain(key["tenant"] or ""), integer(key["hits"]), integer(key["requests"]),
+                      integer(key["prefix_tokens"]))  # fmt: skip
     return table
 
 

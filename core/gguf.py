@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 SUFFIX = ".gguf"
+TEXT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")  # decoded by the check: corrupt text is refused
 FLOAT_TYPES = ("F32", "F16", "BF16")  # loaded as they are
 INSTALL_HINT = "GGUF model files need the gguf package: pip install 'tierserve[gguf]'"
 
@@ -77,6 +78,10 @@ def find_gguf(directory: Path, gguf_file: str | None, shown: str) -> Path | None
             f"model.gguf_file = {gguf_file!r}: no such file in {directory}; "
             f"GGUF files there: {', '.join(found) or 'none'}"
         )
+    if file.suffix.lower() != SUFFIX:
+        raise ConfigError(
+            f"model.gguf_file = {gguf_file!r}: a GGUF file's name ends in {SUFFIX}; rename the file to end in it"
+        )
     return file.absolute()
 
 
@@ -111,7 +116,20 @@ def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
 
     reader = open_reader(path)
     shown = str(path)
-    architecture = _field(reader, "general.architecture")
+    try:  # every text field decoded now, so corrupt metadata is refused here, not deep inside transformers
+        scalars = {
+            key: field.contents()
+            for key, field in reader.fields.items()
+            if field.types and field.types[0] != GGUFValueType.ARRAY
+        }
+        for key in TEXT_ARRAYS:
+            _field(reader, key)
+    except (UnicodeDecodeError, ValueError, IndexError, TypeError) as exc:
+        raise ConfigError(
+            f"model.path {shown!r}: the GGUF file's metadata is corrupt ({type(exc).__name__}: {exc}); "
+            "download or convert it again"
+        ) from None
+    architecture = scalars.get("general.architecture")
     if not isinstance(architecture, str):
         raise ConfigError(f"model.path {shown!r}: the GGUF file has no general.architecture; it is not a model file")
     supported = supported_architectures()
@@ -132,24 +150,24 @@ def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
         block, type_size = GGML_QUANT_SIZES[kind]
         expected = int(tensor.n_elements) // block * type_size
         end = int(tensor.data_offset) + expected
-        if int(tensor.n_bytes) != expected or end > size or tensor.data.size * tensor.data.itemsize != expected:
+        if end > size:
             raise ConfigError(
                 f"model.path {shown!r}: tensor {tensor.name!r} ends at byte {end} but the file has {size} bytes; "
                 "the file is truncated or corrupt: download or convert it again"
             )
+        if int(tensor.n_bytes) != expected or tensor.data.size * tensor.data.itemsize != expected:
+            raise ConfigError(
+                f"model.path {shown!r}: tensor {tensor.name!r} holds {int(tensor.n_bytes)} bytes where its shape and "
+                f"type {kind.name} need {expected}; the file is corrupt: download or convert it again"
+            )
         types[kind.name] += 1
     if not types:
         raise ConfigError(f"model.path {shown!r}: the GGUF file holds no tensors")
-    file_type = _field(reader, "general.file_type")
+    file_type = scalars.get("general.file_type")
     try:
         file_type_name = LlamaFileType(file_type).name if file_type is not None else "unknown"
     except ValueError:
         file_type_name = f"type-{file_type}"
-    scalars = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if field.types and field.types[0] != GGUFValueType.ARRAY
-    }
     return GGUFInfo(path, architecture, file_type_name, dict(types), scalars)
 
 
@@ -157,7 +175,7 @@ def supported_architectures() -> frozenset[str]:
     """``general.architecture`` values transformers builds a config from."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return frozenset(GGUF_SUPPORTED_ARCHITECTURES)
+    return frozenset(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # metadata sections, not models
 
 
 def loadable_types() -> tuple[str, ...]:
@@ -185,7 +203,7 @@ def load_config(path: Path):
     info = check_gguf(path)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, KeyError, TypeError, NotImplementedError) as exc:
+    except (ValueError, KeyError, TypeError, NotImplementedError, OSError) as exc:
         raise ConfigError(f"model.path {str(path)!r}: transformers cannot build a config from it: {exc}") from None
     # transformers maps head_dim from rope.dimension_count for llama only; qwen3's (128 by default) is wrong
     # whenever the file says otherwise, so the key length the file records wins
@@ -202,7 +220,7 @@ def load_tokenizer(path: Path):
     check_gguf(path)
     try:
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, KeyError, TypeError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own bare Exception on a corrupt vocabulary
         raise ConfigError(f"model.path {str(path)!r}: transformers cannot build its tokenizer: {exc}") from None
 
 

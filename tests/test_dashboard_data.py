@@ -223,16 +223,19 @@ def test_top_with_keys_on_the_production_preset(checkpoint, tmp_path, capsys):
     )  # fmt: skip
     with running_server(loaded.settings, plugins=loaded.plugins) as base:
         complete(base, SHARED, {"Authorization": f"Bearer {USER_KEY}"})
+        # any user may name a prefix: the name is shown as it is, never read as the terminal's markup
+        complete(base, NAMED, {"Authorization": f"Bearer {USER_KEY}"}, cache_key="[/x][bold]k")
         assert main(["top", "--once", "--url", base, "--api-key", ADMIN_KEY]) == 0
         output = capsys.readouterr().out
         assert set(rows(output, {"L1", "L2", "L3"})) == {"L1", "L2", "L3"} and "disk" in output
+        assert "[/x][bold]k" in output
 
         assert main(["top", "--once", "--url", base, "--api-key", USER_KEY]) == 0
         output = capsys.readouterr().out
         assert "not an admin key" in output
         tenant = stats(base, {"Authorization": f"Bearer {USER_KEY}"})
-        assert tenant["scope"] == "tenant" and tenant["requests"] == 1
-        assert re.search(rf"│\s+1\s+│\s+{tenant['prompt_tokens']}\s+│", output), output
+        assert tenant["scope"] == "tenant" and tenant["requests"] == 2
+        assert re.search(rf"│\s+2\s+│\s+{tenant['prompt_tokens']:,}\s+│", output), output
 
         assert main(["top", "--once", "--url", base, "--api-key", "wrong"]) == 2
         assert "HTTP 401" in capsys.readouterr().err

@@ -181,6 +181,25 @@ def test_corrupt_file_is_refused(files, tmp_path):
         make_engine(garbled)
 
 
+@pytest.mark.parametrize("anchor", [b"{%- for message", b"tokenizer.ggml.tokens", b"tokenizer.ggml.merges"],
+                         ids=["chat-template", "tokens", "merges"])  # fmt: skip
+def test_corrupt_metadata_text_is_refused(files, tmp_path, anchor):
+    _, gguf = files["llama"]
+    data = bytearray(gguf["f32"].read_bytes())
+    data[data.index(anchor) + 60] = 0xFF  # not UTF-8: the text cannot be read back
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"corrupt"):  # refused up front, by the reader or the text check
+        make_engine(broken)
+
+
+def test_gguf_file_must_be_named_gguf(files, tmp_path):
+    _, gguf = files["llama"]
+    (tmp_path / "model.q8").write_bytes(gguf["f32"].read_bytes())
+    with pytest.raises(ConfigError, match=r"model.gguf_file = 'model.q8': a GGUF file's name ends in .gguf"):
+        make_engine(tmp_path, model__gguf_file="model.q8")
+
+
 def test_unknown_architecture_and_tensor_type_are_named(tmp_path):
     import gguf
     import numpy as np
