@@ -341,7 +341,8 @@ class SpeculativeSettings(Section):
     step_tree_nodes: int = Field(
         64, ge=1, le=4096,
         description="tree speculators: the tree nodes one step verifies, shared among its sequences "
-        "(each gets min(max_tree_nodes, step_tree_nodes // sequences)): a big batch gets smaller trees",
+        "(each gets min(max_tree_nodes, step_tree_nodes // sequences), at least 1): a big batch gets smaller "
+        "trees; at most half of scheduler.max_num_batched_tokens is used, so real tokens keep the rest",
     )
     beam_width: int = Field(4, ge=1, le=16)
     temperature: float = Field(0.8, ge=0)

@@ -48,7 +48,7 @@ class DraftRequest:
     Attributes:
         num_tokens: the most draft tokens (tree nodes, for a tree speculator) to propose.
         max_depth: the longest path a proposal may have (the room left before ``max_tokens`` and the
-            context length); equals ``num_tokens`` for linear speculators.
+            context length).
         hidden: the target's final hidden state (after the last norm) at the position that produced the
             newest token, ``[hidden_size]``, for speculators that set ``needs_hidden_states``; else None.
     """

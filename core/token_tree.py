@@ -138,7 +138,8 @@ def verify_tree(
     probs = probs / probs.sum(dim=-1, keepdim=True)
     generator = rows[0].generator
     while True:
-        p = probs[node + 1]
+        target = probs[node + 1]
+        p = target.clone()
         following = None
         for child in children[node + 1]:
             token = tokens[child]
@@ -146,12 +147,10 @@ def verify_tree(
             if uniform < float(p[token]):
                 following = child
                 break
-            if p is probs[node + 1]:
-                p = p.clone()
             p[token] = 0.0
             left = float(p.sum())
             if left <= 0.0:  # rounding left nothing: p was (numerically) all on rejected candidates
-                p = probs[node + 1]
+                p = target
                 break
             p /= left
         if following is None:

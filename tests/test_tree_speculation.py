@@ -13,6 +13,7 @@ from tests.tree_helpers import LikelyTrees, decoy_engine, tree_engine, write_med
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampler import SamplingRow
 from tierserve.core.sampling_params import SamplingParams
+from tierserve.core.speculation import Proposal, Speculator
 from tierserve.core.token_tree import check_tree, tree_depths, tree_visibility, verify_tree, within_depth
 from tierserve.plugins.speculation.ngram_tree import build_tree, continuations
 
@@ -204,11 +205,37 @@ def test_medusa_load_errors_name_the_problem(llama, tmp_path):
     heads = write_medusa_heads(tmp_path / "two", path, heads=2)
     with pytest.raises(ConfigError, match=r"plugins.medusa.choices: \[0, 0, 0\] is 3 deep"):
         make_engine(path, speculative__method="medusa", plugins__medusa={"path": str(heads), "choices": [[0], [0, 0], [0, 0, 0]]})
+    with pytest.raises(ConfigError, match=r"\[0, 5000\] asks for a guess past the vocabulary"):
+        make_engine(path, speculative__method="medusa", plugins__medusa={"path": str(heads), "choices": [[0], [0, 5000]]})
+    from safetensors.torch import save_file
+
+    save_file({}, str(heads / "medusa_lm_head.safetensors"))
+    with pytest.raises(ConfigError, match="holds no tensors"):
+        make_engine(path, speculative__method="medusa", plugins__medusa={"path": str(heads)})
     (heads / "medusa_lm_head.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="cannot read Medusa heads"):
         make_engine(path, speculative__method="medusa", plugins__medusa={"path": str(heads)})
     with pytest.raises(ConfigError, match="comes before its parent path"):
         make_engine(path, speculative__method="medusa", plugins__medusa={"path": str(heads), "choices": [[0, 1]]})
+
+
+class BrokenTrees(Speculator):
+    """A buggy outside speculator: a node that is its own parent, twin siblings, a token past the vocabulary."""
+
+    proposes_trees = True
+
+    def propose(self, requests):
+        bad = [Proposal([5, 6], parents=[-1, 1]), Proposal([5, 5], parents=[-1, -1]), Proposal([10**6], parents=[-1])]
+        return [bad[i % len(bad)] for i in range(len(requests))]
+
+
+def test_a_broken_proposal_costs_only_its_drafts(llama):
+    path, prompts, expected, _ = llama
+    engine = tree_engine(path, BrokenTrees)
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected  # every request served
+    assert engine.stats().speculation.verifications == 0
+    assert_clean(engine)
+    engine.close()
 
 
 def test_trees_need_a_backend_that_verifies_them(tmp_path):

@@ -64,7 +64,8 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         max_draft_tokens=settings.speculative.num_speculative_tokens,
         adaptive=settings.speculative.adaptive,
         max_tree_nodes=settings.speculative.max_tree_nodes,
-        step_tree_nodes=settings.speculative.step_tree_nodes,
+        # half the step's token budget at most: trees never crowd out decodes and prefills
+        step_tree_nodes=min(settings.speculative.step_tree_nodes, max(1, settings.scheduler.max_num_batched_tokens // 2)),
         clock=clock,
     )
     keys = build_named_prefixes(settings, store, spec.block_bytes, num_blocks)

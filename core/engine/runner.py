@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import structlog
+
 from tierserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
 from tierserve.core.speculation import DraftRequest, Proposal, SpeculationStats, Speculator, verify
 from tierserve.core.token_tree import ROOT, check_tree, tree_children, tree_depths, verify_tree, within_depth
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +82,7 @@ class ModelRunner:
         self.step_tree_nodes = step_tree_nodes
         self.clock = clock
         self._grammar: GrammarRuntime | None = None
+        self._warned: set[str] = set()  # speculators whose bad proposals were logged
 
     @property
     def grammar(self) -> GrammarRuntime:
@@ -242,10 +247,14 @@ class ModelRunner:
                 state = hidden[hidden_rows[seq.seq_id]] if speculator.needs_hidden_states else None
                 requests.append(DraftRequest(seq, history, budget, room, state))
             for request, proposal in zip(requests, speculator.propose(requests)):
-                if not proposal.token_ids:
+                if not proposal.token_ids or not self._well_formed(method, proposal):
                     continue
+                if proposal.parents is None and len(proposal.token_ids) > request.max_depth:
+                    proposal = Proposal(proposal.token_ids[: request.max_depth],
+                                        proposal.probs[: request.max_depth] if proposal.probs is not None else None)  # fmt: skip
                 if proposal.parents is not None:
-                    check_tree(proposal.token_ids, proposal.parents)
+                    if not self.backend.supports_token_trees:
+                        proposal = first_branch(proposal)
                     if max(tree_depths(proposal.parents)) > request.max_depth:  # past max_tokens or the context
                         tokens, parents = within_depth(proposal.token_ids, proposal.parents, request.max_depth)
                         proposal = Proposal(tokens, parents=parents)
@@ -255,6 +264,25 @@ class ModelRunner:
                     if request.seq.grammar is not None:  # the grammar checks one run of drafts: keep the first
                         proposal = first_branch(proposal)
                 output.proposals[request.seq.seq_id] = proposal
+
+    def _well_formed(self, method: str, proposal: Proposal) -> bool:
+        """Whether a speculator's proposal can be verified: tokens in the vocabulary, a tree laid out as
+        ``core/token_tree.py`` says. A bad one is dropped (logged once per speculator), so one plugin's bug
+        costs that sequence its drafts for the step, not every request in the batch."""
+        problem = None
+        if min(proposal.token_ids) < 0 or max(proposal.token_ids) >= self.backend.vocab_size:
+            problem = f"a draft token outside the vocabulary [0, {self.backend.vocab_size})"
+        elif proposal.parents is not None:
+            try:
+                check_tree(proposal.token_ids, proposal.parents)
+            except ValueError as error:
+                problem = str(error)
+        if problem is None:
+            return True
+        if method not in self._warned:
+            self._warned.add(method)
+            log.warning("speculator_proposal_dropped", speculator=method, problem=problem, logged="once per speculator")
+        return False
 
     def release(self, seq: Sequence) -> None:
         """Forget what the backend and the speculator keep for a sequence (finished or preempted)."""

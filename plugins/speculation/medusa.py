@@ -81,6 +81,9 @@ def load_heads(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # a truncated or foreign file: say which
         raise ConfigError(f"plugins.medusa.path: cannot read Medusa heads from {file}: {error}") from error
+    if not state:
+        raise ConfigError(f"plugins.medusa.path: {file} holds no tensors; Medusa heads are "
+                          "{head}.{block}.linear.weight|bias and {head}.{blocks}.weight")  # fmt: skip
     config_file = file.parent / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return state, config
@@ -153,6 +156,10 @@ class MedusaSpeculator(Speculator):
         elif deep:
             raise ConfigError(f"plugins.medusa.choices: {deep[0]} is {len(deep[0])} deep; {path} has "
                               f"{len(self.heads)} heads, so a path is at most that long")  # fmt: skip
+        wide = [c for c in options.choices if max(c) >= target.vocab_size]
+        if wide:
+            raise ConfigError(f"plugins.medusa.choices: {wide[0]} asks for a guess past the vocabulary "
+                              f"({target.vocab_size} tokens); ranks go from 0 to {target.vocab_size - 1}")  # fmt: skip
         self.choices = [tuple(c) for c in options.choices]
 
     def propose(self, requests):
