@@ -233,7 +233,8 @@ def end_of_generation_ids(path: Path) -> set[int]:
 
 def gguf_fingerprint(path: Path, *extra: str) -> str:
     """A stable id for a GGUF file's weights plus ``extra``: its quantization types by name, its size,
-    its first and last MiB (header, metadata, first and last tensors)."""
+    its first and last MiB (header, metadata, first and last tensors), and every tensor's name, type, shape,
+    offset and first 4 KiB (in a real file the first MiB is all vocabulary, so each tensor is sampled too)."""
     info = check_gguf(path)
     digest = hashlib.sha256(f"gguf:{info.architecture}:{info.file_type}:{info.quantization}".encode())
     size = path.stat().st_size
@@ -244,6 +245,11 @@ def gguf_fingerprint(path: Path, *extra: str) -> str:
         if size > 2 * sample:
             handle.seek(size - sample)
             digest.update(handle.read(sample))
+        for tensor in open_reader(path).tensors:
+            shape = ",".join(str(int(d)) for d in tensor.shape)
+            digest.update(f"{tensor.name}:{int(tensor.tensor_type)}:{shape}:{int(tensor.data_offset)}".encode())
+            handle.seek(int(tensor.data_offset))
+            digest.update(handle.read(min(4096, int(tensor.n_bytes))))
     for item in extra:
         digest.update(b"\0" + item.encode())
     return digest.hexdigest()[:32]

@@ -157,6 +157,22 @@ def test_fingerprint_names_the_quantization(files):
     assert len(set(prints.values())) == 3, prints
 
 
+def test_fingerprint_reads_every_tensor(files, tmp_path):
+    """Two files of one size that differ in one tensor past the first MiB never share KV."""
+    import gguf as gguf_package
+
+    from tierserve.core.gguf import gguf_fingerprint
+
+    _, gguf = files["llama"]
+    data = bytearray(gguf["f32"].read_bytes())
+    late = [t for t in gguf_package.GGUFReader(gguf["f32"]).tensors if int(t.data_offset) > 1 << 20]
+    assert late and len(data) <= 2 << 20  # the first-and-last-MiB samples do not reach it
+    data[int(late[0].data_offset) + 1] ^= 0x01
+    edited = tmp_path / gguf["f32"].name
+    edited.write_bytes(bytes(data))
+    assert gguf_fingerprint(edited) != gguf_fingerprint(gguf["f32"])
+
+
 def test_truncated_file_is_refused(files, tmp_path):
     _, gguf = files["llama"]
     data = gguf["f32"].read_bytes()

@@ -120,18 +120,23 @@ def test_switching_an_alias_under_concurrent_streams_fails_no_request(tmp_path, 
 def test_unloading_drains_running_requests_then_frees_the_model(tmp_path, checkpoints, expected):
     entries = [entry("a", checkpoints["llama"]), entry("b", checkpoints["qwen2"])]
     with serve(tmp_path, entries) as base:
-        long_body = {"model": "b", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        long_body = {"model": "b", "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
         finished: list[httpx.Response] = []
         runner = threading.Thread(target=lambda: finished.append(
             httpx.post(f"{base}/v1/completions", json=long_body, timeout=120)))  # fmt: skip
         runner.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # unload while the request runs (a tiny model decodes it in ~1 s)
+            stats = httpx.get(f"{base}/v1/cache/stats", params={"model": "b"}).json()
+            if stats["overall"]["requests_running"]:
+                break
+            time.sleep(0.005)
         refused = httpx.delete(f"{base}/v1/models/b@1", timeout=60)  # the alias 'b' points at it, but only as its name
         assert refused.status_code == 200, refused.text
         assert refused.json()["drained_requests"] == 1
         runner.join(timeout=120)
         assert finished[0].status_code == 200
-        assert finished[0].json()["usage"]["completion_tokens"] == 200  # it ran to its end, not aborted
+        assert finished[0].json()["usage"]["completion_tokens"] == 480  # it ran to its end, not aborted
         assert ask(base, "b").status_code == 404
         assert "b@1" not in {m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]}
         assert httpx.get(f"{base}/health").json()["components"]["models"] == {"a@1": "ready"}
