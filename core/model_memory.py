@@ -66,9 +66,12 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
     directory, _, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype, model.gguf_file)
     gguf = is_gguf(Path(directory))
     elements, stored = _gguf_elements(directory) if gguf else _weight_elements(Path(directory))
-    per_weight = 1 if model.quantization == "int8" else dtype.itemsize
-    weight_bytes = elements * per_weight if elements else stored
     config = load_config(directory).to_dict() if gguf else json.loads((Path(directory) / "config.json").read_text())
+    per_weight: float = dtype.itemsize
+    if model.quantization == "int8":
+        # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes)
+        per_weight = 1.125 if gguf else 1
+    weight_bytes = int(elements * per_weight) if elements else stored
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)

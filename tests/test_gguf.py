@@ -141,6 +141,27 @@ def test_q8_0_weights_stay_int8(files):
     assert held / weights == pytest.approx(1 + 4 / 32)  # int8 values plus one float32 scale per 32
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2's embeddings are tied
+def test_memory_estimate_counts_q8_0_as_it_is_held(files, architecture):
+    """The registry's pre-load estimate (its memory budget check) is the bytes the int8 matrices take."""
+    from tierserve.core.config import load_settings
+    from tierserve.core.model_memory import estimate_memory
+
+    _, gguf = files[architecture]
+    config = load_config(gguf["q8_0"])
+    model = PagedLlama(config, load_gguf_state(gguf["q8_0"], config, torch.float32, "int8"), torch.device("cpu"),
+                       torch.float32, quantization="int8")  # fmt: skip
+    layers = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    held = sum(layer.weight.nbytes + layer.scale.nbytes for layer in layers)
+    if architecture == "qwen2":  # tied: the embedding reads the output head's table, held once
+        assert model.embed.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    else:
+        held += model.embed.weight.nbytes + model.embed.scale.nbytes
+    overrides = {("model", "path"): str(gguf["q8_0"]), ("model", "quantization"): "int8", ("model", "device"): "cpu"}
+    estimate = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
+    assert held <= estimate <= 1.05 * held  # plus the small float tensors (norms, biases)
+
+
 def test_q8_0_without_int8_is_dequantized_to_the_model_dtype(files):
     checkpoint, gguf = files["llama"]
     state = load_gguf_state(gguf["q8_0"], load_config(gguf["q8_0"]), torch.float32, "none")

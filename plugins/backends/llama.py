@@ -61,10 +61,11 @@ class Embedding:
     """The token embedding table: float, int8 rows with one scale each (``model.quantization``),
     or int8 with one scale per 32 columns (a GGUF Q8_0 table)."""
 
-    __slots__ = ("weight", "scale", "dtype")
+    __slots__ = ("weight", "scale", "dtype", "by_column")
 
     def __init__(self, weight: torch.Tensor | GroupedInt8, dtype: torch.dtype, quantized: bool) -> None:
         self.dtype = dtype
+        self.by_column = False
         if isinstance(weight, GroupedInt8):
             self.weight, self.scale = weight.q, weight.scale
         elif quantized:
@@ -73,7 +74,20 @@ class Embedding:
         else:
             self.weight, self.scale = weight, None
 
+    @classmethod
+    def of_grouped_head(cls, head: Int8Linear, dtype: torch.dtype) -> Embedding:
+        """The table of a tied group-wise int8 output head, read in its ``[groups, 32, vocab]`` layout: a
+        tied Q8_0 model holds its embedding once."""
+        table = cls.__new__(cls)
+        table.dtype, table.by_column = dtype, True
+        table.weight, table.scale = head.weight, head.scale  # [groups, 32, vocab], [groups, vocab]
+        return table
+
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.by_column:  # the same float32 products as the row layout below, gathered by column
+            q = self.weight[:, :, token_ids]  # [groups, 32, n]
+            rows = (q * self.scale[:, None, token_ids]).permute(2, 0, 1)
+            return rows.reshape(token_ids.shape[0], -1).to(self.dtype)
         if self.scale is None:
             return self.weight[token_ids]
         if self.scale.dim() == 2:  # group-wise: float32 products (exact), then the model's dtype
@@ -128,7 +142,11 @@ class PagedLlama:
         lm_head = take("lm_head.weight", required=False)
         tied = lm_head is None or getattr(config, "tie_word_embeddings", False)
         self.lm_head = linear(embed if tied else lm_head)
-        self.embed = Embedding(embed, dtype, quantized=quantization == "int8")
+        head = self.lm_head
+        if tied and isinstance(embed, GroupedInt8) and isinstance(head, Int8Linear) and head.kernel == "grouped":
+            self.embed = Embedding.of_grouped_head(head, dtype)  # one int8 table for both, in the head's layout
+        else:
+            self.embed = Embedding(embed, dtype, quantized=quantization == "int8")
         del embed, lm_head
 
         layer_types = getattr(config, "layer_types", None)
