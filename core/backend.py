@@ -170,6 +170,16 @@ def kernel_variant(backend: str, linear_kernel: str, forced_attention, dtype, kv
     return variant
 
 
+def hash_file_ends(digest, name: str, handle, size: int, sample: int = 1 << 20) -> None:
+    """Feed ``digest`` a weight file's name, size and up to ``sample`` bytes from its start and its end."""
+    digest.update(f"{name}:{size}".encode())
+    handle.seek(0)
+    digest.update(handle.read(sample))
+    if size > 2 * sample:
+        handle.seek(size - sample)
+        digest.update(handle.read(sample))
+
+
 def checkpoint_fingerprint(directory, *extra: str) -> str:
     """A stable id for a checkpoint's weights plus ``extra`` (dtype, backend, ...).
 
@@ -188,15 +198,9 @@ def checkpoint_fingerprint(directory, *extra: str) -> str:
     config = root / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())
-    sample = 1 << 20
     for path in sorted(list(root.glob("*.safetensors")) + list(root.glob("*.bin"))):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
         with open(path, "rb") as handle:
-            digest.update(handle.read(sample))
-            if size > 2 * sample:
-                handle.seek(size - sample)
-                digest.update(handle.read(sample))
+            hash_file_ends(digest, path.name, handle, path.stat().st_size)
     for item in extra:
         digest.update(b"\0" + item.encode())
     return digest.hexdigest()[:32]

@@ -235,16 +235,12 @@ def gguf_fingerprint(path: Path, *extra: str) -> str:
     """A stable id for a GGUF file's weights plus ``extra``: its quantization types by name, its size,
     its first and last MiB (header, metadata, first and last tensors), and every tensor's name, type, shape,
     offset and first 4 KiB (in a real file the first MiB is all vocabulary, so each tensor is sampled too)."""
+    from tierserve.core.backend import hash_file_ends
+
     info = check_gguf(path)
     digest = hashlib.sha256(f"gguf:{info.architecture}:{info.file_type}:{info.quantization}".encode())
-    size = path.stat().st_size
-    sample = 1 << 20
-    digest.update(f"{path.name}:{size}".encode())
     with open(path, "rb") as handle:
-        digest.update(handle.read(sample))
-        if size > 2 * sample:
-            handle.seek(size - sample)
-            digest.update(handle.read(sample))
+        hash_file_ends(digest, path.name, handle, path.stat().st_size)
         for tensor in open_reader(path).tensors:
             shape = ",".join(str(int(d)) for d in tensor.shape)
             digest.update(f"{tensor.name}:{int(tensor.tensor_type)}:{shape}:{int(tensor.data_offset)}".encode())
