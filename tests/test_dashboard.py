@@ -258,3 +258,20 @@ def test_production_page_needs_keys_and_admin_actions_work(checkpoint, tmp_path)
         chrome.execute_script("document.getElementById('cache-view').hidden = false")
         result = click_and_confirm(chrome, "clear")
         assert "HTTP 403" in result and "admin API key" in result
+
+
+def test_public_stats_show_a_user_key_why_the_prefix_list_is_empty(checkpoint):
+    """With [auth] public_stats every key reads the figures, but the prefix list stays the admin's: the page
+    says so instead of leaving it blank."""
+    loaded = preset("development", checkpoint, auth__api_keys=[USER_KEY], auth__admin_api_keys=[ADMIN_KEY],
+                    auth__public_stats=True)  # fmt: skip
+    with headless_chromium() as chrome, running_server(loaded.settings, plugins=loaded.plugins) as base:
+        traffic(base, {"Authorization": f"Bearer {ADMIN_KEY}"})
+        open_page(chrome, base)
+        field = chrome.find_element(By.ID, "api-key")
+        field.send_keys(USER_KEY)
+        chrome.find_element(By.ID, "key-use").click()
+        WebDriverWait(chrome, 10).until(lambda c: c.find_element(By.ID, "cache-view").is_displayed())
+        WebDriverWait(chrome, 20).until(lambda c: "needs the admin key" in (read(c, "#prefixes tbody", "text") or ""))
+        # the key list is the caller's tenant's own: the admin's "docs" is not in it
+        assert "No named prefix" in read(chrome, "#keys tbody", "text")

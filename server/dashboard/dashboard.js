@@ -381,7 +381,17 @@ async function refreshLists() {
     call("GET", "/v1/cache/prefixes?limit=10"),
   ]);
   if (keys.status === "fulfilled") renderKeys(keys.value);
+  else listRefused("keys", 6, keys.reason);
   if (prefixes.status === "fulfilled") renderPrefixes(prefixes.value);
+  else listRefused("prefixes", 5, prefixes.reason);
+}
+
+// a list this key may not read (a user key where stats are public) says why instead of staying blank
+function listRefused(id, columns, error) {
+  const body = $(id).querySelector("tbody");
+  const status = error instanceof ApiError ? error.status : 0;
+  const why = status === 401 || status === 403 ? "This list needs the admin key." : String(error.message || error);
+  body.replaceChildren(emptyRow(columns, why));
 }
 
 async function poll() {
