@@ -101,6 +101,7 @@ def build_paged_batch(
 
     bs = block_size
     short = [c for c in chunks if c.num_tokens <= SHORT_CHUNK_TOKENS or c.tree_parents is not None]
+    short = [c for c in short if c.num_tokens == 1] + [c for c in short if c.num_tokens > 1]  # decodes first
     short_ids = {id(c) for c in short}
     long = [c for c in chunks if id(c) not in short_ids]
 
@@ -123,12 +124,13 @@ def build_paged_batch(
     groups: list[AttentionGroup] = []
     slot_parts: list[torch.Tensor] = []
 
-    if short:
-        tables = [c.seq.block_table for c in short]
+    def padded_group(part: list[ScheduledChunk]) -> None:
+        """One attention group for short chunks whose rows lie one after another from ``part[0]``'s."""
+        tables = [c.seq.block_table for c in part]
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        starts = torch.tensor([c.start for c in short], dtype=torch.long)
-        lengths = torch.tensor([c.num_tokens for c in short], dtype=torch.long)
+        starts = torch.tensor([c.start for c in part], dtype=torch.long)
+        lengths = torch.tensor([c.num_tokens for c in part], dtype=torch.long)
         ctx = starts + lengths
         q_len = int(lengths.max())
         pos = torch.arange(int(ctx.max()))
@@ -139,15 +141,15 @@ def build_paged_batch(
         new_slots = table.gather(1, write_pos // bs) * bs + write_pos % bs
         slot_parts.append(new_slots[q_valid])
         causal = (pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-        released = torch.tensor([c.released for c in short])
+        released = torch.tensor([c.released for c in part])
         drop_start, drop_end = released[:, 0, None, None], released[:, 1, None, None]
         causal &= (pos[None, None, :] < drop_start) | (pos[None, None, :] >= drop_end)  # released by a window
         # windows compare token positions, which tree nodes take from their depth, not their slot
-        key_at = pos[None, :].expand(len(short), -1)
+        key_at = pos[None, :].expand(len(part), -1)
         query_at = q_pos
         if depths:
             key_at, query_at = key_at.clone(), q_pos.clone()
-            for b, chunk in enumerate(short):
+            for b, chunk in enumerate(part):
                 depth = depths.get(id(chunk))
                 if depth is None:
                     continue
@@ -169,16 +171,25 @@ def build_paged_batch(
             keep = keep.clone()
             keep[:, :, 0] |= ~q_valid  # padding rows attend to something; their output is dropped
             masks[window] = keep[:, None].to(device)
-        rows = torch.where(q_valid, torch.tensor([first_row[id(c)] for c in short])[:, None] + offsets[None, :], -1)
-        if bool((lengths == q_len).all()):  # no padding: the group's rows are the batch's first ones, in order
-            rows_index: slice | torch.Tensor = slice(0, len(short) * q_len)
+        rows = torch.where(q_valid, torch.tensor([first_row[id(c)] for c in part])[:, None] + offsets[None, :], -1)
+        if bool((lengths == q_len).all()):  # no padding: the group's rows lie in order from its first
+            first = first_row[id(part[0])]
+            rows_index: slice | torch.Tensor = slice(first, first + len(part) * q_len)
         else:
             rows_index = rows.to(device)
         blocks = table[:, : -(-int(ctx.max()) // bs)]
-        group = AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(short), q_len)
+        group = AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(part), q_len)
         if q_len == 1:
             group.shared = shared_prefix(table, int(ctx.min()), keeps, bs, dtype, device)
         groups.append(group)
+
+    # decodes (one token each) attend as their own group, so a step's longer short chunks (drafts, trees,
+    # prompt tails) neither pad them to their length nor keep them from sharing a prefix (cascade attention)
+    single = [c for c in short if c.num_tokens == 1]
+    multi = [c for c in short if c.num_tokens > 1]
+    for part in (single, multi):
+        if part:
+            padded_group(part)
 
     for chunk in long:
         start, n = chunk.start, chunk.num_tokens
