@@ -96,6 +96,14 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def assert_same_distributions(*pairs: tuple[Counter, Counter]) -> None:
+    """Each pair of samples (plain decoding's, speculative decoding's) passes a two-sample chi-square test."""
+    for a, b in pairs:
+        stat, df = two_sample_chi_square(a, b)
+        assert df >= 3
+        assert stat < chi_square_critical(df), (stat, df)
+
+
 def test_sampling_distribution_is_unchanged(models, near_draft):
     target = models[0]
     prompt = REPETITIVE[1]
@@ -115,10 +123,7 @@ def test_sampling_distribution_is_unchanged(models, near_draft):
     spec_second, spec_pairs = second_and_third_tokens(speculative)
     stats = speculative.stats().speculation
     assert stats.proposed >= runs and 0.05 < stats.acceptance_rate < 0.95  # both accept and reject paths ran
-    for a, b in ((base_second, spec_second), (base_pairs, spec_pairs)):
-        stat, df = two_sample_chi_square(a, b)
-        assert df >= 3
-        assert stat < chi_square_critical(df), (stat, df)
+    assert_same_distributions((base_second, spec_second), (base_pairs, spec_pairs))
     for engine in (plain, speculative):
         assert_clean(engine)
         engine.close()
