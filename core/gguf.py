@@ -30,6 +30,18 @@ INSTALL_HINT = "GGUF model files need the gguf package: pip install 'tierserve[g
 
 
 @dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where one tensor lies in a GGUF file and what it holds."""
+
+    name: str
+    tensor_type: int
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+    n_elements: int
+
+
+@dataclass(frozen=True, slots=True)
 class GGUFInfo:
     """What a GGUF file holds, as far as loading it needs to know.
 
@@ -39,6 +51,7 @@ class GGUFInfo:
         file_type: ``general.file_type`` by name (``MOSTLY_Q8_0``), or ``"unknown"``.
         tensor_types: how many tensors of each GGML type (``{"Q8_0": 84, "F32": 25}``).
         scalars: every metadata field that holds one number or string (arrays, the vocabulary, left out).
+        tensors: each tensor's layout, in file order (what the fingerprint and the memory estimate read).
     """
 
     path: Path
@@ -46,6 +59,7 @@ class GGUFInfo:
     file_type: str
     tensor_types: dict[str, int]
     scalars: dict[str, Any]
+    tensors: tuple[TensorLayout, ...] = ()
 
     @property
     def quantization(self) -> str:
@@ -140,6 +154,7 @@ def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
         )
     loadable = loadable_types()
     types: Counter[str] = Counter()
+    layout: list[TensorLayout] = []
     for tensor in reader.tensors:
         kind = GGMLQuantizationType(tensor.tensor_type)
         if kind.name not in loadable:
@@ -161,6 +176,9 @@ def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
                 f"type {kind.name} need {expected}; the file is corrupt: download or convert it again"
             )
         types[kind.name] += 1
+        shape = tuple(int(d) for d in tensor.shape)
+        layout.append(TensorLayout(tensor.name, int(tensor.tensor_type), shape, int(tensor.data_offset), expected,
+                                   int(tensor.n_elements)))  # fmt: skip
     if not types:
         raise ConfigError(f"model.path {shown!r}: the GGUF file holds no tensors")
     file_type = scalars.get("general.file_type")
@@ -168,7 +186,7 @@ def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
         file_type_name = LlamaFileType(file_type).name if file_type is not None else "unknown"
     except ValueError:
         file_type_name = f"type-{file_type}"
-    return GGUFInfo(path, architecture, file_type_name, dict(types), scalars)
+    return GGUFInfo(path, architecture, file_type_name, dict(types), scalars, tuple(layout))
 
 
 def supported_architectures() -> frozenset[str]:
@@ -241,11 +259,11 @@ def gguf_fingerprint(path: Path, *extra: str) -> str:
     digest = hashlib.sha256(f"gguf:{info.architecture}:{info.file_type}:{info.quantization}".encode())
     with open(path, "rb") as handle:
         hash_file_ends(digest, path.name, handle, path.stat().st_size)
-        for tensor in open_reader(path).tensors:
-            shape = ",".join(str(int(d)) for d in tensor.shape)
-            digest.update(f"{tensor.name}:{int(tensor.tensor_type)}:{shape}:{int(tensor.data_offset)}".encode())
-            handle.seek(int(tensor.data_offset))
-            digest.update(handle.read(min(4096, int(tensor.n_bytes))))
+        for tensor in info.tensors:  # the layout the check read: the header is parsed once
+            shape = ",".join(str(d) for d in tensor.shape)
+            digest.update(f"{tensor.name}:{tensor.tensor_type}:{shape}:{tensor.offset}".encode())
+            handle.seek(tensor.offset)
+            digest.update(handle.read(min(4096, tensor.n_bytes)))
     for item in extra:
         digest.update(b"\0" + item.encode())
     return digest.hexdigest()[:32]

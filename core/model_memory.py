@@ -49,10 +49,10 @@ def _weight_elements(directory: Path) -> tuple[int, int]:
 
 def _gguf_elements(path: Path) -> tuple[int, int]:
     """(elements, bytes) of every tensor in a GGUF file, from its header."""
-    from tierserve.core.gguf import open_reader
+    from tierserve.core.gguf import check_gguf
 
-    tensors = open_reader(path).tensors
-    return sum(int(t.n_elements) for t in tensors), sum(int(t.n_bytes) for t in tensors)
+    tensors = check_gguf(path).tensors
+    return sum(t.n_elements for t in tensors), sum(t.n_bytes for t in tensors)
 
 
 def estimate_memory(settings: Settings) -> MemoryEstimate:

@@ -151,7 +151,6 @@ def speculation(snapshot: EngineSnapshot) -> dict[str, Any]:
         "misses": rejected,
         "hit_rate": percent(spec.accepted, spec.proposed),
         "tokens_generated": spec.emitted,
-        "avg_depth": round(spec.avg_depth, 2),
         "early_stops": spec.early_stops,
         **spec.as_dict(),
     }

@@ -189,7 +189,8 @@ class ModelRunner:
         seq = chunk.seq
         parents = chunk.tree_parents
         nodes = seq.spec_token_ids[: chunk.num_draft]
-        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in (0, *tree_depths(parents))]
+        depths = tree_depths(parents)
+        rows = [sampling_row(seq, self.eos_token_ids, ahead) for ahead in (0, *depths)]
         emitted, path = verify_tree(logits, nodes, parents, rows, seq.params.greedy)
         base = chunk.start + chunk.num_real_tokens  # the slot of node 0, and where the path's KV must lie
         moves = [(base + node, base + depth) for depth, node in enumerate(path) if node != depth]
@@ -200,7 +201,7 @@ class ModelRunner:
         stats.tree_verifications += 1
         stats.proposed += len(nodes)
         stats.tree_nodes += len(nodes)
-        stats.depth += max(tree_depths(parents))
+        stats.depth += max(depths)
         stats.accepted += len(path)
         stats.emitted += len(emitted)
         return [SampledToken(token, None, None) for token in emitted], (path[-1] + 1 if path else 0)

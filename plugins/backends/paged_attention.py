@@ -101,7 +101,11 @@ def build_paged_batch(
 
     bs = block_size
     short = [c for c in chunks if c.num_tokens <= SHORT_CHUNK_TOKENS or c.tree_parents is not None]
-    short = [c for c in short if c.num_tokens == 1] + [c for c in short if c.num_tokens > 1]  # decodes first
+    # decodes (one token each) attend as their own group, so a step's longer short chunks (drafts, trees,
+    # prompt tails) neither pad them to their length nor keep them from sharing a prefix (cascade attention)
+    single = [c for c in short if c.num_tokens == 1]
+    multi = [c for c in short if c.num_tokens > 1]
+    short = single + multi
     short_ids = {id(c) for c in short}
     long = [c for c in chunks if id(c) not in short_ids]
 
@@ -183,10 +187,6 @@ def build_paged_batch(
             group.shared = shared_prefix(table, int(ctx.min()), keeps, bs, dtype, device)
         groups.append(group)
 
-    # decodes (one token each) attend as their own group, so a step's longer short chunks (drafts, trees,
-    # prompt tails) neither pad them to their length nor keep them from sharing a prefix (cascade attention)
-    single = [c for c in short if c.num_tokens == 1]
-    multi = [c for c in short if c.num_tokens > 1]
     for part in (single, multi):
         if part:
             padded_group(part)
