@@ -28,6 +28,7 @@ import tokenizers
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as context before the first output token (vLLM uses 5).
 _PROMPT_CONTEXT_TOKENS = 5
+_PROMPT_CONTEXT_SCAN = 64  # how far back a context of special tokens only is widened to find text
 
 
 @dataclass(slots=True)
@@ -76,8 +77,15 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
 
-        context = list(prompt_token_ids[max(0, len(prompt_token_ids) - _PROMPT_CONTEXT_TOKENS) :])
+        start = max(0, len(prompt_token_ids) - _PROMPT_CONTEXT_TOKENS)
+        context = list(prompt_token_ids[start:])
         context_text = self._decode(context) if context else ""
+        while not context_text and 0 < start and len(context) < _PROMPT_CONTEXT_SCAN:
+            # the window decoded to nothing (special tokens only): as context it would make the output's first
+            # word look like the text's first, and a SentencePiece decoder would drop its leading space
+            start = max(0, start - _PROMPT_CONTEXT_TOKENS)
+            context = list(prompt_token_ids[start:])
+            context_text = self._decode(context)
         if context_text.endswith(_REPLACEMENT):
             # The prompt may end inside a character the output completes; as
             # context it would glue prompt bytes onto output text.

@@ -95,6 +95,15 @@ def test_metaspace_stream_continues_the_prompt_text(output, prompt, chunk):
     assert "".join(deltas) + tail == together[len(prompt_text) :]
 
 
+def test_metaspace_stream_after_a_prompt_ending_in_special_tokens():
+    """Found by hypothesis: the prompt's last tokens were all special (decoded to nothing), so the output's first
+    word lost the space that separates it from the prompt's text."""
+    tok = metaspace_bpe()
+    prompt, output = [1, 0, 0, 0, 0, 0], [125]  # ".", five end-of-text tokens; then "▁Strea"
+    deltas, tail, _ = stream(tok, output, prompt=prompt)
+    assert "".join(deltas) + tail == decode(tok, prompt + output)[len(decode(tok, prompt)) :] == " Strea"
+
+
 def test_non_ascii_streams_without_replacement_characters():
     tok = byte_bpe()
     text = "café 日本語 🙂 naïve"
