@@ -5,8 +5,10 @@ The files are written by ``tests/gguf_helpers.py`` with the gguf package's write
 own Python package; its tensors were checked byte for byte against llama.cpp's
 ``convert_hf_to_gguf.py`` output for these checkpoints). The Q8_0 reference is transformers'
 GGUF loader, which dequantizes with the gguf package (llama.cpp's reference dequantizer) to
-float32: the ``int8-g32`` kernel multiplies the same weights in float32, so the tolerance is
-that of float32 summation order (measured: every teacher-forced argmax equal, |mean KL| under 4e-9 nats).
+float32: the portable ``int8-g32`` kernel multiplies the same weights in float32, so the tolerance
+is that of float32 summation order (measured: every teacher-forced argmax equal, |mean KL| under
+4e-9 nats). The default ``int8-g32-q8`` kernel (``cpu_gemm``) also rounds the activations to Q8_0
+blocks, as llama.cpp does, so its tolerance is that rounding's (``Q8_AGREEMENT``, ``Q8_KL``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tests.gguf_helpers import write_gguf
 from tierserve.core.checkpoints import load_config, load_tokenizer
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
+from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.gguf_weights import load_gguf_state
 from tierserve.plugins.backends.linear import GroupedInt8
 from tierserve.plugins.backends.llama import PagedLlama
@@ -28,6 +31,8 @@ from tierserve.plugins.backends.llama import PagedLlama
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 MIN_AGREEMENT, MAX_KL = 1.0, 1e-6  # Q8_0 against its dequantized weights: float32 rounding only
+Q8_AGREEMENT, Q8_KL = 0.9, 0.005  # activations rounded to Q8_0 blocks too (llama.cpp's arithmetic)
+KERNELS = ["torch"] + (["auto"] if cpu_gemm.library() is not None else [])
 ARCHITECTURES = {"llama": ("llama", {}), "qwen3": ("qwen3", {}), "qwen2": ("qwen2", {"tie_word_embeddings": True})}
 
 
@@ -90,9 +95,11 @@ def test_the_paged_transformers_backend_runs_a_gguf_file(files):
     assert generate(engine) == hf_greedy(checkpoint, PROMPTS, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_q8_0_runs_as_its_dequantized_weights(files, architecture):
-    """Teacher-forced logits against transformers' float32 model of the dequantized file, and greedy output."""
+def test_q8_0_runs_as_its_dequantized_weights(files, architecture, kernel):
+    """Teacher-forced logits against transformers' float32 model of the dequantized file, and greedy output:
+    exact with the portable kernel (``torch``), within Q8_0 activation rounding with ``auto``."""
     _, gguf = files[architecture]
     path = gguf["q8_0"]
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -102,16 +109,25 @@ def test_q8_0_runs_as_its_dequantized_weights(files, architecture):
         expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
     config = load_config(path)
     model = PagedLlama(config, load_gguf_state(path, config, torch.float32, "int8"), torch.device("cpu"),
-                       torch.float32, quantization="int8")  # fmt: skip
-    assert model.linear_kernel.endswith("+int8-g32")
+                       torch.float32, linear_kernel=kernel, quantization="int8")  # fmt: skip
+    suffix = "+int8-g32" if kernel == "torch" else "+int8-g32-q8"
+    assert model.linear_kernel.endswith(suffix)
     found = closeness(expected, teacher_forced_logits(model, ids))
-    print(f"{architecture} Q8_0 vs dequantized reference: {found}")
-    assert found.greedy_agreement >= MIN_AGREEMENT and found.mean_kl <= MAX_KL, found
+    print(f"{architecture} Q8_0 ({kernel}) vs dequantized reference: {found}")
+    if kernel == "torch":
+        assert found.greedy_agreement >= MIN_AGREEMENT and found.mean_kl <= MAX_KL, found
+    else:
+        assert found.greedy_agreement >= Q8_AGREEMENT and found.mean_kl <= Q8_KL, found
 
-    engine = make_engine(path, model__quantization="int8")
-    assert engine.info.linear_kernel.endswith("+int8-g32")
-    for seq, output in zip(ids, generate(engine)):
-        assert output == argmax_continuation(reference, seq)
+    engine = make_engine(path, model__quantization="int8", model__linear_kernel=kernel)
+    assert engine.info.linear_kernel.endswith(suffix)
+    outputs = generate(engine)
+    if kernel == "torch":
+        for seq, output in zip(ids, outputs):
+            assert output == argmax_continuation(reference, seq)
+    else:  # later tokens drift apart once one differs; the first ones keep to the reference
+        firsts = [int(logits[-1].argmax()) == output[0] for logits, output in zip(expected, outputs)]
+        assert sum(firsts) * 2 >= len(firsts), firsts
 
 
 def argmax_continuation(model, seq: list[int]) -> list[int]:
@@ -132,7 +148,7 @@ def test_q8_0_weights_stay_int8(files):
     assert len(grouped) == 2 + 7 * config.num_hidden_layers
     model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="int8")
     layers = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    assert all(layer.weight.dtype == torch.int8 and layer.kernel == "grouped" for layer in layers)
+    assert all(layer.weight.dtype == torch.int8 and layer.kernel.startswith("grouped") for layer in layers)
     weights = sum(layer.weight.numel() for layer in layers) + model.embed.weight.numel()
     held = sum(layer.weight.nbytes + layer.scale.nbytes for layer in layers)
     held += model.embed.weight.nbytes + model.embed.scale.nbytes

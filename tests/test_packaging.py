@@ -30,6 +30,7 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
         "tierserve/server/dashboard/index.html",  # /dashboard serves these from the installed package
         "tierserve/server/dashboard/dashboard.js",
         "tierserve/server/dashboard/dashboard.css",
+        "tierserve/plugins/backends/cpu_gemm.c",  # compiled at first use from the installed package
     ):
         assert required in names, required
     packages = {  # every package folder of the checkout, as the wheel must name it

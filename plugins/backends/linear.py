@@ -28,14 +28,29 @@ weight-only do, with a row instead of a 32-block). Kernels, fastest first:
 - ``dequantize``: ``F.linear`` over the weight converted back per call, for
   devices with neither op (correct, 1 byte per weight held, not fast).
 
+- ``q8`` (tierserve's own, ``cpu_gemm.py``, x86 with AVX2 and a C compiler):
+  llama.cpp's Q8_0 dot product, the activations rounded to int8 in blocks of
+  32. ``auto`` runs it for calls of at most ``SMALL_BATCH`` rows (decode of a
+  few sequences), where it is 1.4-2x fbgemm's speed, and fbgemm above, where
+  fbgemm's blocked GEMM is 2x faster. Each kernel alone gives a row the same
+  result whatever else is in the batch; a sequence decoded alone and in a
+  batch of more than ``SMALL_BATCH`` runs different kernels, so its output may
+  differ by that rounding.
+
 Group-wise int8 (``GroupedInt8``: one scale per 32 input columns of a row) is
 llama.cpp's Q8_0 layout, and a GGUF file's Q8_0 tensors load into it as they
-are. None of the ops above takes more than one scale per row, so these layers
-run ``int8-g32``: per tile of output columns the int8 values are converted to
-float and multiplied by the unrounded activations group by group (one bmm),
-and the per-group sums scaled and added, so the output is the dequantized
-weight's up to float summation order, at 1.125 bytes per weight held. It is
-slower than the per-row kernels (see the README's GGUF section).
+are, at 1.125 bytes per weight held. None of torch's ops takes more than one
+scale per row, so these layers run ``int8-g32-q8`` (the ``q8`` kernel with the
+file's own scales at every batch size: llama.cpp's arithmetic), or where that
+kernel cannot run ``int8-g32``: per tile of output columns the int8 values
+are converted to float and multiplied by the unrounded activations group by
+group (one bmm), and the per-group sums scaled and added, so the output is the
+dequantized weight's up to float summation order; 3-7x slower.
+
+bfloat16 weights run oneDNN where the CPU has AVX512-BF16; elsewhere ``auto``
+runs tierserve's ``bf16`` kernel (``cpu_gemm.py``: the weight widened to
+float32 in registers, float32 sums), 1.5x torch's ``F.linear`` at batch 1 and
+5x at batch 32 on the AVX2 machine.
 """
 
 from __future__ import annotations
@@ -48,12 +63,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.plugins.backends import cpu_gemm
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("none", "int8")
 GROUP_SIZE = 32  # llama.cpp's Q8_0 block
 GROUPED_KERNEL = "int8-g32"
+SMALL_BATCH = 4  # rows up to which ``auto`` int8 runs the q8 kernel instead of fbgemm
 _TILE_BYTES = 4 << 20  # float bytes of one converted column tile of a group-wise matrix
 
 
@@ -113,17 +131,25 @@ def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` with the weight stored in the kernel's preferred layout."""
+    """``y = x @ weight.T + bias`` with the weight stored in the kernel's preferred layout: oneDNN's
+    (``packed``), tierserve's (``own``: ``cpu_gemm.PackedFloat``), or as it is for ``F.linear``."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features")
+    __slots__ = ("weight", "bias", "packed", "out_features", "own")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, own: bool = False) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = packed
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if packed else weight
+        self.own = cpu_gemm.PackedFloat(weight, bias) if own else None
+        if own:
+            self.weight = self.own.weight
+        else:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own is not None:
+            out = self.own(x.reshape(-1, x.shape[-1])).to(x.dtype)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed:
             rows = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
@@ -175,20 +201,32 @@ class Int8Linear:
     """``y ≈ x @ (q * scale[:, None]).T + bias`` with ``q`` int8 (see the module docstring for the kernels).
 
     A float weight is quantized per row at construction; a ``GroupedInt8`` weight is kept
-    as it is and runs the ``grouped`` kernel whatever ``kernel`` says.
+    as it is and runs ``grouped-q8`` (with ``small_batch``, where ``cpu_gemm`` runs) or ``grouped``
+    whatever ``kernel`` says. ``kernel = "q8"`` runs tierserve's q8 kernel at every batch size;
+    ``small_batch`` adds it to another per-row kernel for calls of at most ``SMALL_BATCH`` rows.
     For ``fbgemm`` the packed weight holds the scales; its op is kept as an ``OpOverload``, which
     called directly skips the Python dispatch checks (~17 µs a call, 49 calls a step).
     """
 
-    __slots__ = ("kernel", "weight", "scale", "bias", "out_features", "dtype", "op", "span", "tile")
+    __slots__ = ("kernel", "weight", "scale", "bias", "out_features", "dtype", "op", "span", "tile", "q8")
 
     def __init__(
-        self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None, kernel: str, dtype: torch.dtype
+        self,
+        weight: torch.Tensor | GroupedInt8,
+        bias: torch.Tensor | None,
+        kernel: str,
+        dtype: torch.dtype,
+        small_batch: bool = False,
     ) -> None:
         self.dtype = dtype
         self.bias = bias
-        self.op = self.span = None
+        self.op = self.span = self.q8 = None
         self.out_features = weight.shape[0]
+        if isinstance(weight, GroupedInt8) and small_batch and cpu_gemm.supports_q8(weight.q):
+            self.kernel = "grouped-q8"
+            self.q8 = cpu_gemm.PackedQ8(weight.q, weight.scale, bias)
+            self.weight, self.scale = self.q8.weight, self.q8.scale
+            return
         if isinstance(weight, GroupedInt8):  # stored [groups, 32, out]: each group's block is one bmm operand
             rows, columns = weight.shape
             self.kernel = "grouped"
@@ -199,7 +237,11 @@ class Int8Linear:
         q, scale = quantize_rows(weight.cpu())
         device = weight.device
         self.kernel = kernel
-        if kernel == "fbgemm":
+        if kernel == "q8" or (small_batch and cpu_gemm.supports_q8(q)):
+            self.q8 = cpu_gemm.PackedQ8(q, scale, bias)
+        if kernel == "q8":
+            self.weight, self.scale = self.q8.weight, self.q8.scale
+        elif kernel == "fbgemm":
             self.weight, self.scale = _fbgemm_pack(q, scale), None
             self.op = torch.ops.quantized.linear_dynamic.default
             self.span = torch.zeros(1, q.shape[1])
@@ -211,6 +253,8 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.q8 is not None and (self.kernel in ("q8", "grouped-q8") or rows.shape[0] <= SMALL_BATCH):
+            return self.q8(rows).to(self.dtype).view(*x.shape[:-1], self.out_features)  # bias included
         if self.kernel == "fbgemm":
             rows = rows.float()
             norms = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
@@ -267,7 +311,7 @@ class LinearFactory:
             raise ValueError(f"model.quantization: got {quantization!r}, allowed: {', '.join(QUANTIZATIONS)}")
         self.dtype = dtype
         self.quantization = quantization
-        self.grouped_layers = 0
+        self.grouped_kernel = ""
         if quantization == "int8":
             if kernel == "onednn":
                 raise ValueError(
@@ -277,9 +321,10 @@ class LinearFactory:
             kernels = int8_kernels(device)
             if kernel == "torch":
                 kernels = [k for k in kernels if k != "fbgemm"]
-            self.packed = False
-            self.kernel = f"int8-{kernels[0]}"
+            self.packed = self.own = False
             self._int8_kernel = kernels[0]
+            self.small_batch = kernel == "auto" and device.type == "cpu" and cpu_gemm.library() is not None
+            self.kernel = f"int8-{kernels[0]}" + ("+q8" if self.small_batch else "")
             return
         available = _onednn_available(device, dtype)
         if kernel == "onednn" and not available:
@@ -288,23 +333,30 @@ class LinearFactory:
                 f"linear support for {dtype}; use 'auto' or 'torch'"
             )
         self.packed = available and kernel != "torch"
-        self.kernel = "onednn" if self.packed else "torch"
+        # bfloat16 without oneDNN's support (no AVX512-BF16): F.linear widens the whole weight every call
+        self.own = (
+            kernel == "auto" and not available and dtype == torch.bfloat16
+            and device.type == "cpu" and cpu_gemm.library() is not None
+        )  # fmt: skip
+        self.kernel = "onednn" if self.packed else "bf16-avx2" if self.own else "torch"
 
     def __call__(self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         """A layer for ``weight``: group-wise int8 stays so (``int8-g32``), float follows the factory's choice."""
         if isinstance(weight, GroupedInt8):
             if self.quantization != "int8":
                 raise ValueError("group-wise int8 weights load with model.quantization = 'int8' only")
-            self.grouped_layers += 1
-            return Int8Linear(weight, bias, "grouped", self.dtype)
+            layer = Int8Linear(weight, bias, "grouped", self.dtype, self.small_batch)
+            self.grouped_kernel = GROUPED_KERNEL + ("-q8" if layer.kernel == "grouped-q8" else "")
+            return layer
         if self.quantization == "int8":
-            return Int8Linear(weight, bias, self._int8_kernel, self.dtype)
-        return Linear(weight, bias, self.packed)
+            return Int8Linear(weight, bias, self._int8_kernel, self.dtype, self.small_batch)
+        return Linear(weight, bias, self.packed, self.own and cpu_gemm.supports_float(weight))
 
     @property
     def kernels(self) -> str:
-        """What runs the layers built so far, in words: ``kernel``, plus ``int8-g32`` when group-wise layers run."""
-        return f"{self.kernel}+{GROUPED_KERNEL}" if self.grouped_layers else self.kernel
+        """What runs the layers built so far, in words: ``kernel``, plus ``int8-g32`` (``int8-g32-q8``) when
+        group-wise layers run."""
+        return f"{self.kernel}+{self.grouped_kernel}" if self.grouped_kernel else self.kernel
 
 
 class KernelLinear(nn.Module):

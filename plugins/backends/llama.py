@@ -61,11 +61,12 @@ class Embedding:
     """The token embedding table: float, int8 rows with one scale each (``model.quantization``),
     or int8 with one scale per 32 columns (a GGUF Q8_0 table)."""
 
-    __slots__ = ("weight", "scale", "dtype", "by_column")
+    __slots__ = ("weight", "scale", "dtype", "by_column", "packed")
 
     def __init__(self, weight: torch.Tensor | GroupedInt8, dtype: torch.dtype, quantized: bool) -> None:
         self.dtype = dtype
         self.by_column = False
+        self.packed = None
         if isinstance(weight, GroupedInt8):
             self.weight, self.scale = weight.q, weight.scale
         elif quantized:
@@ -79,11 +80,15 @@ class Embedding:
         """The table of a tied group-wise int8 output head, read in its ``[groups, 32, vocab]`` layout: a
         tied Q8_0 model holds its embedding once."""
         table = cls.__new__(cls)
-        table.dtype, table.by_column = dtype, True
-        table.weight, table.scale = head.weight, head.scale  # [groups, 32, vocab], [groups, vocab]
+        table.dtype, table.by_column = dtype, head.kernel == "grouped"
+        table.packed = head.q8 if head.kernel == "grouped-q8" else None  # cpu_gemm's tiles of 4 rows
+        table.weight, table.scale = head.weight, head.scale  # grouped: [groups, 32, vocab], [groups, vocab]
         return table
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:  # the same float32 products as the row layout below
+            q, scale = self.packed.rows(token_ids)
+            return (q.view(q.shape[0], -1, GROUP_SIZE) * scale[:, :, None]).view(q.shape).to(self.dtype)
         if self.by_column:  # the same float32 products as the row layout below, gathered by column
             q = self.weight[:, :, token_ids]  # [groups, 32, n]
             rows = (q * self.scale[:, None, token_ids]).permute(2, 0, 1)
@@ -143,7 +148,7 @@ class PagedLlama:
         tied = lm_head is None or getattr(config, "tie_word_embeddings", False)
         self.lm_head = linear(embed if tied else lm_head)
         head = self.lm_head
-        if tied and isinstance(embed, GroupedInt8) and isinstance(head, Int8Linear) and head.kernel == "grouped":
+        if tied and isinstance(embed, GroupedInt8) and isinstance(head, Int8Linear) and head.kernel.startswith("grouped"):
             self.embed = Embedding.of_grouped_head(head, dtype)  # one int8 table for both, in the head's layout
         else:
             self.embed = Embedding(embed, dtype, quantized=quantization == "int8")

@@ -479,6 +479,14 @@ class KVArena:
         """
         batch, kv_heads, head_dim = group.batch, self.kv_heads, self.head_dim
         heads = q.shape[1]
+        if group.shared is None and softcap is None:  # tierserve's CPU kernel reads the blocks in place
+            from tierserve.plugins.backends import cpu_gemm
+
+            out = cpu_gemm.decode_attention(
+                q, k_cache, v_cache, group.blocks, self.block_size, group.ctx, group.masks[window], scale
+            )
+            if out is not None:
+                return out
         queries = q.view(batch, kv_heads, -1, head_dim)  # [batch, kv_heads, heads per kv head, head_dim]
         shared = group.shared
         skip = 0 if shared is None else shared.tokens // self.block_size

@@ -1,0 +1,211 @@
+/* Small-batch matrix products for x86 CPUs with AVX2 and FMA: out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+ *
+ * Built at first use by cpu_gemm.py (gcc -O3 -mavx2 -mfma -fopenmp) and called through ctypes.
+ * Decode multiplies a few activation rows by every weight, so its speed is the rate at which
+ * weights stream from memory. Each kernel reads its weight in a packed layout, one contiguous
+ * stream per tile of 4 output rows, and converts it to float32 in registers:
+ *
+ *   f32   [N/4][K/8][4][8]   float32
+ *   bf16  [N/4][K/8][4][8]   bfloat16 bits, widened by a 16-bit shift (exact)
+ *   q8    [N/4][K/32][4][32] int8; one float scale per row ([N]) or per 32 columns ([N/4][K/32][4])
+ *
+ * q8 is llama.cpp's Q8_0 dot product: each activation row is rounded to int8 in blocks of 32
+ * (scale = max|x| / 127), int8 x int8 products are summed exactly in int32 per block, and the
+ * block sums are scaled and added in float32.
+ *
+ * Every output element is computed by one thread, in a fixed order over K, whatever M, N or the
+ * thread count: a row's result does not depend on the other rows of the batch.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define QK 32
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline void store_tile(float* out, int64_t N, int64_t n0, const __m256* acc, const float* scale,
+                              const float* bias) {
+    for (int r = 0; r < 4 && n0 + r < N; r++) {
+        float y = hsum(acc[r]);
+        if (scale) y *= scale[n0 + r];
+        if (bias) y += bias[n0 + r];
+        out[n0 + r] = y;
+    }
+}
+
+static inline __m256 widen_bf16(const uint16_t* p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* Float weights: two activation rows at a time share each weight vector loaded (and widened); an odd
+ * last row runs alone. Both loops sum each row in the same order. */
+#define FLOAT_GEMM(NAME, WTYPE, LOAD)                                                                     \
+    void NAME(const float* x, int64_t M, int64_t K, const WTYPE* w, const float* bias, int64_t N,          \
+              float* out, int threads) {                                                                  \
+        const int64_t tiles = (N + 3) / 4, steps = K / 8;                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+        for (int64_t t = 0; t < tiles; t++) {                                                             \
+            const WTYPE* wt = w + t * 4 * K;                                                              \
+            int64_t m = 0;                                                                                \
+            for (; m + 1 < M; m += 2) {                                                                   \
+                const float* x0 = x + m * K;                                                              \
+                const float* x1 = x0 + K;                                                                 \
+                __m256 a[4], b[4];                                                                        \
+                for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();                            \
+                for (int64_t s = 0; s < steps; s++) {                                                     \
+                    const WTYPE* ws = wt + s * 32;                                                        \
+                    __m256 u = _mm256_loadu_ps(x0 + s * 8), v = _mm256_loadu_ps(x1 + s * 8);               \
+                    for (int r = 0; r < 4; r++) {                                                         \
+                        __m256 wv = LOAD(ws + 8 * r);                                                     \
+                        a[r] = _mm256_fmadd_ps(wv, u, a[r]);                                              \
+                        b[r] = _mm256_fmadd_ps(wv, v, b[r]);                                              \
+                    }                                                                                     \
+                }                                                                                         \
+                store_tile(out + m * N, N, t * 4, a, 0, bias);                                            \
+                store_tile(out + (m + 1) * N, N, t * 4, b, 0, bias);                                      \
+            }                                                                                             \
+            if (m < M) {                                                                                  \
+                const float* x0 = x + m * K;                                                              \
+                __m256 a[4];                                                                              \
+                for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();                                   \
+                for (int64_t s = 0; s < steps; s++) {                                                     \
+                    const WTYPE* ws = wt + s * 32;                                                        \
+                    _mm_prefetch((const char*)(ws + 8 * 32), _MM_HINT_T0);                                \
+                    __m256 u = _mm256_loadu_ps(x0 + s * 8);                                               \
+                    for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(LOAD(ws + 8 * r), u, a[r]);        \
+                }                                                                                         \
+                store_tile(out + m * N, N, t * 4, a, 0, bias);                                            \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+FLOAT_GEMM(ts_f32_gemm, float, _mm256_loadu_ps)
+FLOAT_GEMM(ts_bf16_gemm, uint16_t, widen_bf16)
+
+/* llama.cpp's quantize_row_q8_0 rule: d = max|x| / 127, q = round(x / d), half away from zero. */
+void ts_q8_quantize(const float* x, int64_t K, int8_t* q, float* d) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float* xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
+    }
+}
+
+/* Sum over one block of 32 of |x| * (w with x's sign), in 8 int32 lanes widened to float: maddubs
+ * multiplies unsigned by signed bytes, and |x|, |w| <= 127 keeps each pair sum under int16's limit. */
+static inline __m256 block_dot(__m256i abs_x, __m256i x, const int8_t* w, __m256i ones) {
+    __m256i signed_w = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)w), x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(abs_x, signed_w), ones));
+}
+
+/* Four output rows x two activation rows per pass: each weight block loaded once for two rows. */
+static inline void q8_tile(const int8_t* wt, const float* st, const int8_t* x0, const int8_t* x1, const float* d0,
+                           const float* d1, int64_t blocks, __m256* a, __m256* b) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const int8_t* wb = wt + k * 4 * QK;
+        _mm_prefetch((const char*)(wb + 8 * 4 * QK), _MM_HINT_T0);
+        const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(x1 + k * QK));
+        const __m256i au = _mm256_sign_epi8(u, u), av = _mm256_sign_epi8(v, v);
+        for (int r = 0; r < 4; r++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + r * QK));
+            const float ws = st ? st[k * 4 + r] : 1.0f;
+            const __m256 pu = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(w, u)), ones));
+            const __m256 pv = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w, v)), ones));
+            a[r] = _mm256_fmadd_ps(pu, _mm256_set1_ps(d0[k] * ws), a[r]);
+            b[r] = _mm256_fmadd_ps(pv, _mm256_set1_ps(d1[k] * ws), b[r]);
+        }
+    }
+}
+
+/* grouped = 0: ws holds one scale per row [N]; grouped = 1: one per 32 columns, packed [N/4][K/32][4].
+ * qx [M, K] and dx [M, K/32] are scratch for the rounded activations. A lone (odd) last row runs
+ * as a pair with itself: the same sums in the same order. */
+void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* ws, int grouped,
+                const float* bias, int64_t N, float* out, int8_t* qx, float* dx, int threads) {
+    const int64_t blocks = K / QK, tiles = (N + 3) / 4;
+    for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * blocks);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t* wt = w + t * 4 * K;
+        const float* st = grouped ? ws + t * 4 * blocks : 0;
+        const float* row_scale = grouped ? 0 : ws;
+        for (int64_t m = 0; m < M; m += 2) {
+            const int64_t m1 = m + 1 < M ? m + 1 : m;
+            __m256 a[4], b[4];
+            q8_tile(wt, st, qx + m * K, qx + m1 * K, dx + m * blocks, dx + m1 * blocks, blocks, a, b);
+            store_tile(out + m * N, N, t * 4, a, row_scale, bias);
+            if (m1 != m) store_tile(out + m1 * N, N, t * 4, b, row_scale, bias);
+        }
+    }
+}
+
+static inline __m256 load_kv(const void* base, int64_t offset, int bf16) {
+    return bf16 ? widen_bf16((const uint16_t*)base + offset) : _mm256_loadu_ps((const float*)base + offset);
+}
+
+/* Decode attention straight from the paged arena: one query token per sequence, q [B, H, D] float32,
+ * keys/values [slots, KVH, D] (float32 or bfloat16) addressed through blocks [B, nb] of bs slots;
+ * mask [B, ctx] (1 = attend) or NULL for every position < ctx. Softmax in float32 (max-subtracted),
+ * one (sequence, KV head) pair per task; its H / KVH query heads share each key and value read. */
+void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int64_t D, const void* k,
+                         const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                         const uint8_t* mask, float scale, float* out, float* scratch, int threads) {
+    const int64_t group = H / KVH, vecs = D / 8;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t task = 0; task < B * KVH; task++) {
+        const int64_t b = task / KVH, h = task % KVH;
+        float* scores = scratch + task * group * ctx;
+        const uint8_t* keep = mask ? mask + b * ctx : 0;
+        float top[16];  /* group <= 16: MAX_HEADS_PER_KV_HEAD in cpu_gemm.py */
+        for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+        for (int64_t p = 0; p < ctx; p++) {
+            if (keep && !keep[p]) continue;
+            const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
+            for (int64_t g = 0; g < group; g++) {
+                const float* qh = q + (b * H + h * group + g) * D;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t i = 0; i < vecs; i++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(k, row * D + 8 * i, kv_bf16), acc);
+                const float s = hsum(acc) * scale;
+                scores[g * ctx + p] = s;
+                if (s > top[g]) top[g] = s;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float total = 0.0f;
+            for (int64_t p = 0; p < ctx; p++) {
+                const float e = (keep && !keep[p]) ? 0.0f : expf(scores[g * ctx + p] - top[g]);
+                scores[g * ctx + p] = e;
+                total += e;
+            }
+            const float inv = 1.0f / total;
+            for (int64_t p = 0; p < ctx; p++) scores[g * ctx + p] *= inv;
+        }
+        float* o = out + (b * H + h * group) * D;  /* the group's heads are consecutive */
+        for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
+        for (int64_t p = 0; p < ctx; p++) {
+            if (keep && !keep[p]) continue;
+            const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
+            for (int64_t i = 0; i < vecs; i++) {
+                const __m256 vv = load_kv(v, row * D + 8 * i, kv_bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    float* og = o + g * D + 8 * i;
+                    _mm256_storeu_ps(og, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * ctx + p]), vv, _mm256_loadu_ps(og)));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+"""tierserve's own CPU matmul kernels (``cpu_gemm.c``): weights packed per tile of 4 output rows, streamed once.
+
+PyTorch has no fast CPU path for two cases decode hits on AVX2 machines:
+bfloat16 weights without AVX512-BF16 (``F.linear`` widens the whole weight on
+every call; oneDNN refuses to prepack it) and int8 weights at batch 1-4
+(fbgemm's dynamic-quantized linear spends most of a small call outside the
+dot products). The C kernels read each weight once per call in a layout made
+for them and convert it in registers; llama.cpp's CPU backend works the same
+way. See ``cpu_gemm.c`` for the layouts and the arithmetic.
+
+The library is compiled at first use with the system C compiler (``$CC``,
+else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp``) into
+``<tierserve cache>/kernels/``, keyed by a hash of the source and flags, and
+loaded with ctypes; its OpenMP calls share the thread pool torch's bundled
+``libgomp`` already runs. Without an x86 CPU with AVX2 and FMA, or without a
+compiler, ``library()`` is None and callers keep torch's kernels
+(``unavailable_reason()`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+QK = 32  # q8 block: llama.cpp's Q8_0
+TILE = 4  # output rows packed together
+
+_unavailable: list[str] = []
+
+
+def unavailable_reason() -> str | None:
+    """Why ``library()`` is None, or None when it loaded."""
+    return None if library() is not None else _unavailable[0]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call; None where they cannot run (logged once)."""
+    try:
+        lib = _load()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        _unavailable.append(str(exc))
+        log.info("cpu_gemm_unavailable reason=%s; torch's kernels run instead", exc)
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in ("ts_f32_gemm", "ts_bf16_gemm"):
+        getattr(lib, name).argtypes = [p, i64, i64, p, p, i64, p, i32]
+        getattr(lib, name).restype = None
+    lib.ts_q8_gemm.argtypes = [p, i64, i64, p, p, i32, p, i64, p, p, p, i32]
+    lib.ts_q8_gemm.restype = None
+    lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, i32]
+    lib.ts_decode_attention.restype = None
+    return lib
+
+
+def _load() -> ctypes.CDLL:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the kernels need an x86-64 CPU, this is {platform.machine()}")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise RuntimeError(f"the kernels need AVX2 and FMA; torch reports {torch.backends.cpu.get_cpu_capability()}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    from tierserve.core.builtin_models import cache_root
+
+    target = cache_root() / "kernels" / f"cpu_gemm-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            result = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
+            os.replace(built, target)  # atomic: concurrent builders each publish a whole file
+        log.info("cpu_gemm_built path=%s", target)
+    return ctypes.CDLL(str(target))
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
+    extra = -weight.shape[0] % TILE
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
+
+
+class PackedFloat:
+    """A float32 or bfloat16 weight in the ``[N/4][K/8][4][8]`` layout; calls take and return float32 rows."""
+
+    __slots__ = ("weight", "bias", "out_features", "in_features", "function")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        lib = library()
+        assert lib is not None and supports_float(weight)
+        self.out_features, self.in_features = weight.shape
+        padded = _pad_rows(weight.contiguous())
+        tiles = padded.view(-1, TILE, self.in_features // 8, 8).permute(0, 2, 1, 3).contiguous()
+        self.weight = tiles.view(torch.int16) if weight.dtype == torch.bfloat16 else tiles
+        self.function = lib.ts_bf16_gemm if weight.dtype == torch.bfloat16 else lib.ts_f32_gemm
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float().contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        self.function(
+            rows.data_ptr(), rows.shape[0], self.in_features, self.weight.data_ptr(), _ptr(self.bias),
+            self.out_features, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+class PackedQ8:
+    """An int8 weight in the ``[N/4][K/32][4][32]`` layout with one scale per row or per 32 columns
+    (Q8_0); calls round the activations to Q8_0 blocks and return float32 rows."""
+
+    __slots__ = ("weight", "scale", "grouped", "bias", "out_features", "in_features")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert library() is not None and supports_q8(q)
+        self.out_features, self.in_features = q.shape
+        blocks = self.in_features // QK
+        # -128 has no positive twin for the sign trick (cpu_gemm.c); llama.cpp's quantizer never writes it
+        q = _pad_rows(q.clamp(-127, 127))
+        self.weight = q.view(-1, TILE, blocks, QK).permute(0, 2, 1, 3).contiguous()
+        self.grouped = scale.dim() == 2
+        scale = _pad_rows(scale.float())
+        self.scale = (scale.view(-1, TILE, blocks).permute(0, 2, 1) if self.grouped else scale).contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q [n, K], scale)`` of output rows ``index`` (an embedding lookup in a tied head)."""
+        tile, within = index // TILE, index % TILE
+        q = self.weight[tile, :, within, :].reshape(index.shape[0], self.in_features)
+        scale = self.scale[tile, :, within] if self.grouped else self.scale[index]
+        return q, scale
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float().contiguous()
+        m = rows.shape[0]
+        out = rows.new_empty(m, self.out_features)
+        quantized = torch.empty(m, self.in_features, dtype=torch.int8)
+        block_scales = rows.new_empty(m, self.in_features // QK)
+        library().ts_q8_gemm(
+            rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), self.scale.data_ptr(), int(self.grouped),
+            _ptr(self.bias), self.out_features, out.data_ptr(), quantized.data_ptr(), block_scales.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def supports_float(weight: torch.Tensor) -> bool:
+    """Whether ``PackedFloat`` can hold ``weight`` (CPU, float32/bfloat16, input width a multiple of 8)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 8 == 0
+
+
+def supports_q8(q: torch.Tensor) -> bool:
+    """Whether ``PackedQ8`` can hold ``q`` (CPU, input width a multiple of 32)."""
+    return q.device.type == "cpu" and q.shape[1] % QK == 0
+
+
+MAX_HEADS_PER_KV_HEAD = 16
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    ctx: int,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of one query token per sequence (``q: [batch, heads, head_dim]``) read straight from the
+    paged arena (``[slots, kv_heads, head_dim]``) through ``blocks: [batch, n]``, no gather; ``mask``
+    (bool, ``batch * ctx`` elements) keeps positions. None where the kernel cannot run (the caller's
+    torch path does)."""
+    lib = library()
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if (
+        lib is None
+        or q.device.type != "cpu"
+        or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or head_dim % 8
+        or heads % kv_heads
+        or heads // kv_heads > MAX_HEADS_PER_KV_HEAD
+    ):
+        return None
+    queries = q.float().contiguous()
+    out = torch.empty(batch, heads, head_dim)
+    scratch = torch.empty(batch * heads * ctx)
+    table = blocks.to(torch.int64).contiguous()
+    keep = None if mask is None else mask.reshape(batch, ctx).contiguous().view(torch.uint8)
+    lib.ts_decode_attention(
+        queries.data_ptr(), batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, _ptr(keep),
+        scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.to(q.dtype)

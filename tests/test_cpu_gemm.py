@@ -1,0 +1,119 @@
+"""tierserve's own CPU kernels (``cpu_gemm``): each computes what it says, a row's result does not depend on
+the rest of the batch, and without a compiler the engine keeps torch's kernels.
+
+The references are computed here in float64 from the same integers and scales: the q8 kernel is
+llama.cpp's Q8_0 dot product (activations rounded to int8 per block of 32, exact int32 block sums,
+float32 scaling), so it matches to float32 rounding of the block sums' scaling.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tierserve.plugins.backends import cpu_gemm
+from tierserve.plugins.backends.linear import Int8Linear, LinearFactory, quantize_groups, quantize_rows
+
+pytestmark = pytest.mark.skipif(
+    cpu_gemm.library() is None and not os.environ.get("CI"), reason=f"cpu_gemm: {cpu_gemm.unavailable_reason()}"
+)
+
+
+def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Q8_0 x Q8_0 in float64: ``scale`` per row ``[N]`` or per 32 columns ``[N, K/32]``."""
+    blocks = x.shape[1] // 32
+    xb = x.double().view(x.shape[0], blocks, 32)
+    dx = xb.abs().amax(dim=2) / 127
+    inverse = torch.where(dx == 0, torch.zeros_like(dx), 1 / dx.float().double())
+    qx = (xb * inverse[:, :, None]).float()
+    qx = (qx.sign() * (qx.abs() + 0.5).floor()).double()  # roundf: half away from zero
+    sums = torch.einsum("mbi,nbi->mnb", qx, q.double().view(q.shape[0], blocks, 32))
+    dw = scale.double() if scale.dim() == 2 else scale.double()[:, None].expand(-1, blocks)
+    return (sums * dx.float().double()[:, None, :] * dw[None]).sum(2)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-row", "per-32"])
+def test_q8_kernel_is_the_q8_0_dot_product(grouped):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(99, 96, generator=generator) * 0.05  # 99 rows: a partial last tile of 4
+    bias = torch.randn(99, generator=generator)
+    x = torch.randn(5, 96, generator=generator)
+    x[2, 32:64] = 0  # an all-zero block
+    if grouped:
+        g = quantize_groups(weight)
+        q, scale = g.q, g.scale
+        layer = Int8Linear(g, bias, "grouped", torch.float32, small_batch=True)
+        assert layer.kernel == "grouped-q8"
+    else:
+        q, scale = quantize_rows(weight)
+        layer = Int8Linear(weight, bias, "q8", torch.float32)
+    expected = q8_reference(x, q, scale) + bias.double()
+    assert torch.allclose(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    alone = layer(x[:1])
+    assert torch.equal(layer(torch.cat([x[:1], 1000 * x[1:2]]))[:1], alone)
+    assert torch.equal(layer(x)[:1], alone)
+
+
+def test_auto_int8_runs_q8_for_small_batches_and_fbgemm_above():
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("no fbgemm in this torch build")
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 64, generator=generator) * 0.05
+    x = torch.randn(8, 64, generator=generator)
+    layer = Int8Linear(weight, None, "fbgemm", torch.float32, small_batch=True)
+    q8, fbgemm = Int8Linear(weight, None, "q8", torch.float32), Int8Linear(weight, None, "fbgemm", torch.float32)
+    assert torch.equal(layer(x[:4]), q8(x[:4]))
+    assert torch.equal(layer(x), fbgemm(x))
+    factory = LinearFactory("auto", torch.device("cpu"), torch.float32, "int8")
+    assert factory.kernel == "int8-fbgemm+q8"
+    assert LinearFactory("torch", torch.device("cpu"), torch.float32, "int8").kernel == "int8-weight_only"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_kernels_compute_the_product_of_the_weights_held(dtype):
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(37, 48, generator=generator) * 0.05).to(dtype)
+    bias = torch.randn(37, generator=generator)
+    x = torch.randn(7, 48, generator=generator)
+    packed = cpu_gemm.PackedFloat(weight, bias)
+    expected = x.double() @ weight.double().T + bias.double()
+    assert torch.allclose(packed(x).double(), expected, rtol=1e-5, atol=1e-5)
+    alone = packed(x[:1])
+    assert torch.equal(packed(x)[:1], alone) and torch.equal(packed(x[:2])[:1], alone)
+    assert torch.equal(packed(x)[5:6], packed(x[5:6]))  # the odd row, run alone, sums in the same order
+
+
+def test_bfloat16_weights_run_the_own_kernel_where_onednn_lacks_them():
+    factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
+    from tierserve.plugins.backends.linear import _onednn_available
+
+    if _onednn_available(torch.device("cpu"), torch.bfloat16):
+        assert factory.kernel == "onednn"
+    else:
+        assert factory.kernel == "bf16-avx2"
+        layer = factory(torch.randn(16, 32).to(torch.bfloat16))
+        assert layer(torch.randn(2, 32).to(torch.bfloat16)).dtype == torch.bfloat16
+    assert LinearFactory("torch", torch.device("cpu"), torch.bfloat16).kernel == "torch"
+
+
+def test_without_a_compiler_torch_kernels_run(tmp_path):
+    """An empty kernel cache and a compiler that fails: the library is not loaded, the reason is given,
+    and int8 and bfloat16 layers fall back to torch's kernels."""
+    script = (
+        "import torch; from tierserve.plugins.backends import cpu_gemm;"
+        "from tierserve.plugins.backends.linear import LinearFactory;"
+        "assert cpu_gemm.library() is None; print(cpu_gemm.unavailable_reason());"
+        "print(LinearFactory('auto', torch.device('cpu'), torch.float32, 'int8').kernel);"
+        "print(LinearFactory('auto', torch.device('cpu'), torch.bfloat16).kernel)"
+    )
+    env = {**os.environ, "CC": "false", "TIERSERVE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    reason, int8_kernel, bf16_kernel = result.stdout.strip().splitlines()
+    assert reason.startswith("false failed")
+    assert "+q8" not in int8_kernel and bf16_kernel in ("onednn", "torch")
+    assert not list(tmp_path.glob("kernels/*.so"))
