@@ -117,3 +117,42 @@ def test_without_a_compiler_torch_kernels_run(tmp_path):
     assert reason.startswith("false failed")
     assert "+q8" not in int8_kernel and bf16_kernel in ("onednn", "torch")
     assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_few_row_elementwise_kernels_match_torch():
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 40, generator=generator) * 3  # q_norm's shape: [tokens, heads, head_dim], 40: a tail of 8
+    weight = torch.randn(40, generator=generator)
+    expected = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6)
+    assert torch.allclose(cpu_gemm.rms_norm(x, weight, 1e-6), expected, rtol=1e-5, atol=1e-6)
+    assert cpu_gemm.rms_norm(torch.randn(200, 40), weight, 1e-6) is None  # a prefill: torch's op
+    gate_up = torch.randn(2, 96, generator=generator) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(cpu_gemm.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert cpu_gemm.silu_mul(torch.randn(5, 96)) is None and cpu_gemm.silu_mul(gate_up.double()) is None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_the_blocks_in_place(kv_dtype):
+    """Three sequences of different lengths through scattered blocks, one with positions masked (a sliding
+    window), against softmax attention over the gathered keys and values."""
+    generator = torch.Generator().manual_seed(5)
+    block, kv_heads, head_dim = 4, 2, 16
+    keys = torch.randn(12 * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    values = torch.randn(12 * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    q = torch.randn(3, 6, head_dim, generator=generator)
+    blocks = torch.tensor([[7, 2, 9], [0, 11, 3], [5, 1, 0]])
+    lengths, ctx = [11, 9, 3], 11
+    mask = torch.zeros(3, 1, 1, ctx, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        mask[row, ..., :n] = True
+    mask[0, ..., :4] = False  # outside a window
+    out = cpu_gemm.decode_attention(q, keys, values, blocks, block, ctx, mask, 0.25)
+    for row in range(3):
+        slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in blocks[row].tolist()])[:ctx]
+        keep = mask[row, 0, 0]
+        k, v = keys[slots][keep].float(), values[slots][keep].float()  # [n, kv_heads, d]
+        for head in range(6):
+            kv = head // 3
+            weights = torch.softmax(k[:, kv] @ q[row, head] * 0.25, dim=0)
+            assert torch.allclose(out[row, head], weights @ v[:, kv], rtol=1e-5, atol=1e-5)

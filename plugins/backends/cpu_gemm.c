@@ -130,9 +130,28 @@ static inline void q8_tile(const int8_t* wt, const float* st, const int8_t* x0, 
     }
 }
 
+/* One activation row against a tile: the sums of q8_tile's first row, in the same order. */
+static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* x0, const float* d0, int64_t blocks,
+                               __m256* a) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const int8_t* wb = wt + k * 4 * QK;
+        _mm_prefetch((const char*)(wb + 8 * 4 * QK), _MM_HINT_T0);
+        const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
+        const __m256i au = _mm256_sign_epi8(u, u);
+        for (int r = 0; r < 4; r++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + r * QK));
+            const float ws = st ? st[k * 4 + r] : 1.0f;
+            const __m256 pu = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(w, u)), ones));
+            a[r] = _mm256_fmadd_ps(pu, _mm256_set1_ps(d0[k] * ws), a[r]);
+        }
+    }
+}
+
 /* grouped = 0: ws holds one scale per row [N]; grouped = 1: one per 32 columns, packed [N/4][K/32][4].
- * qx [M, K] and dx [M, K/32] are scratch for the rounded activations. A lone (odd) last row runs
- * as a pair with itself: the same sums in the same order. */
+ * qx [M, K] and dx [M, K/32] are scratch for the rounded activations. Rows run in pairs; a lone
+ * (odd) last row runs alone, with the same sums in the same order. */
 void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* ws, int grouped,
                 const float* bias, int64_t N, float* out, int8_t* qx, float* dx, int threads) {
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
@@ -142,12 +161,17 @@ void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
         const int8_t* wt = w + t * 4 * K;
         const float* st = grouped ? ws + t * 4 * blocks : 0;
         const float* row_scale = grouped ? 0 : ws;
-        for (int64_t m = 0; m < M; m += 2) {
-            const int64_t m1 = m + 1 < M ? m + 1 : m;
+        int64_t m = 0;
+        for (; m + 1 < M; m += 2) {
             __m256 a[4], b[4];
-            q8_tile(wt, st, qx + m * K, qx + m1 * K, dx + m * blocks, dx + m1 * blocks, blocks, a, b);
+            q8_tile(wt, st, qx + m * K, qx + (m + 1) * K, dx + m * blocks, dx + (m + 1) * blocks, blocks, a, b);
             store_tile(out + m * N, N, t * 4, a, row_scale, bias);
-            if (m1 != m) store_tile(out + m1 * N, N, t * 4, b, row_scale, bias);
+            store_tile(out + (m + 1) * N, N, t * 4, b, row_scale, bias);
+        }
+        if (m < M) {
+            __m256 a[4];
+            q8_tile_one(wt, st, qx + m * K, dx + m * blocks, blocks, a);
+            store_tile(out + m * N, N, t * 4, a, row_scale, bias);
         }
     }
 }
@@ -207,5 +231,36 @@ void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int6
                 }
             }
         }
+    }
+}
+
+/* Hugging Face's LlamaRMSNorm in float32 for a few rows: out = weight * x / sqrt(mean(x^2) + eps). */
+void ts_rms_norm(const float* x, int64_t M, int64_t H, const float* weight, float eps, float* out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * H;
+        float* o = out + m * H;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float total = hsum(acc);
+        for (; i < H; i++) total += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(total / (float)H + eps);
+        const __m256 s = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= H; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), s)));
+        for (; i < H; i++) o[i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* SwiGLU for a few rows: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, float32. */
+void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, float* out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* g = gate_up + m * 2 * I;
+        const float* u = g + I;
+        float* o = out + m * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

@@ -64,6 +64,10 @@ def library() -> ctypes.CDLL | None:
     lib.ts_q8_gemm.restype = None
     lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, i32]
     lib.ts_decode_attention.restype = None
+    lib.ts_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    lib.ts_rms_norm.restype = None
+    lib.ts_silu_mul.argtypes = [p, i64, i64, p]
+    lib.ts_silu_mul.restype = None
     return lib
 
 
@@ -217,3 +221,29 @@ def decode_attention(
         scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out.to(q.dtype)
+
+
+FEW_ROWS = 4  # rows up to which the elementwise kernels below beat torch's (whose ops cost 5-30 us each)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Hugging Face's RMSNorm of a few float32 CPU rows in one call; None where torch's ops should run."""
+    lib = library()
+    rows = x.numel() // x.shape[-1]
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or rows > FEW_ROWS * 16:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.ts_rms_norm(x.data_ptr(), rows, x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a few float32 CPU rows ``[M, 2I]`` (gate first); None where torch's ops should run."""
+    lib = library()
+    if lib is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[0] > FEW_ROWS:
+        return None
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
+    return out
