@@ -55,6 +55,14 @@ def _gguf_elements(path: Path) -> tuple[int, int]:
     return sum(t.n_elements for t in tensors), sum(t.n_bytes for t in tensors)
 
 
+def _per_row_int8_bytes(settings: Settings, device) -> int:
+    from tierserve.plugins.backends.linear import int8_copies
+
+    backend = "transformers" if settings.model.backend == "transformers" else "native"
+    kernel = settings.plugins.table(backend).get("linear_kernel", "auto")
+    return int8_copies(kernel, device)
+
+
 def estimate_memory(settings: Settings) -> MemoryEstimate:
     """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
     from tierserve.core.devices import resolve_placement
@@ -63,14 +71,15 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
     from tierserve.core.checkpoints import load_config
     from tierserve.core.gguf import is_gguf
 
-    directory, _, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype, model.gguf_file)
+    directory, device, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype, model.gguf_file)
     gguf = is_gguf(Path(directory))
     elements, stored = _gguf_elements(directory) if gguf else _weight_elements(Path(directory))
     config = load_config(directory).to_dict() if gguf else json.loads((Path(directory) / "config.json").read_text())
     per_weight: float = dtype.itemsize
     if model.quantization == "int8":
-        # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes)
-        per_weight = 1.125 if gguf else 1
+        # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes);
+        # per-row int8 is one byte, twice where ``auto`` keeps the small-batch q8 copy next to fbgemm's
+        per_weight = 1.125 if gguf else _per_row_int8_bytes(settings, device)
     weight_bytes = int(elements * per_weight) if elements else stored
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads

@@ -156,3 +156,34 @@ def test_decode_attention_reads_the_blocks_in_place(kv_dtype):
             kv = head // 3
             weights = torch.softmax(k[:, kv] @ q[row, head] * 0.25, dim=0)
             assert torch.allclose(out[row, head], weights @ v[:, kv], rtol=1e-5, atol=1e-5)
+
+
+def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
+    """``auto`` int8 holds the q8 kernel's copy next to fbgemm's: the pre-load estimate says so."""
+    from tests.engine_helpers import build_checkpoint
+    from tierserve.core.config import load_settings
+    from tierserve.core.model_memory import estimate_memory
+
+    path = build_checkpoint(tmp_path, "llama", "llama")
+    estimates = {}
+    for kernel in ("auto", "torch"):
+        overrides = {("model", "path"): str(path), ("model", "quantization"): "int8", ("model", "device"): "cpu",
+                     ("plugins.native", "linear_kernel"): kernel}  # fmt: skip
+        estimates[kernel] = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
+    assert estimates["auto"] == 2 * estimates["torch"]
+
+
+def test_torch_kernels_are_used_throughout_when_asked(tmp_path):
+    """``linear_kernel = "torch"``: no tierserve kernel runs, and the fingerprint says which set computed."""
+    from tests.engine_helpers import build_checkpoint
+    from tierserve.plugins.backends.native import NativeBackend
+    from tierserve.core.config import load_settings
+
+    path = build_checkpoint(tmp_path, "llama", "llama")
+    backends = {}
+    for kernel in ("auto", "torch"):
+        overrides = {("model", "path"): str(path), ("model", "device"): "cpu", ("plugins.native", "linear_kernel"): kernel}
+        backends[kernel] = NativeBackend(load_settings(None, environ={}, overrides=overrides).settings)
+    assert backends["torch"].model.own_kernels is False and backends["torch"].model.arena.own_kernels is False
+    assert backends["auto"].model.arena.own_kernels is True
+    assert backends["auto"].fingerprint != backends["torch"].fingerprint

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -51,11 +52,26 @@ def unavailable_reason() -> str | None:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first call; None where they cannot run (logged once)."""
     try:
-        lib = _load()
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        return _declare(_load())
+    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError, ValueError) as exc:
         _unavailable.append(str(exc))
-        log.info("cpu_gemm_unavailable reason=%s; torch's kernels run instead", exc)
+        log.warning("cpu_gemm_unavailable reason=%s; torch's kernels run instead", exc)
         return None
+
+
+def fingerprint_tag(device: torch.device) -> str:
+    """What the cache fingerprint adds where these kernels compute (their source's hash): KV computed
+    with them is never served to a process computing without them, or with another version."""
+    if device.type != "cpu" or library() is None:
+        return ""
+    return "/cpu-gemm-" + _key()[:8]
+
+
+def _key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("ts_f32_gemm", "ts_bf16_gemm"):
         getattr(lib, name).argtypes = [p, i64, i64, p, p, i64, p, i32]
@@ -76,26 +92,38 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"the kernels need an x86-64 CPU, this is {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the kernels need AVX2 and FMA; torch reports {torch.backends.cpu.get_cpu_capability()}")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     from tierserve.core.builtin_models import cache_root
 
-    target = cache_root() / "kernels" / f"cpu_gemm-{key}.so"
+    target = cache_root() / "kernels" / f"cpu_gemm-{_key()}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
-            os.replace(built, target)  # atomic: concurrent builders each publish a whole file
-        log.info("cpu_gemm_built path=%s", target)
-    return ctypes.CDLL(str(target))
+        _build(compiler, target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as exc:  # a damaged file: built again once, in its place
+        log.warning("cpu_gemm_rebuilt path=%s reason=%s", target, exc)
+        _build(compiler, target)
+        return ctypes.CDLL(str(target))
+
+
+def _build(compiler: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [*compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{shlex.join(compiler)} failed: {result.stderr.strip()[-400:]}")
+        with open(built, "rb") as handle:  # on disk before it has the final name: never a cut-off library
+            os.fsync(handle.fileno())
+        os.replace(built, target)  # atomic: concurrent builders each publish a whole file
+    for old in target.parent.glob("cpu_gemm-*.so"):  # earlier versions' builds
+        if old != target:
+            old.unlink(missing_ok=True)
+    log.info("cpu_gemm_built path=%s", target)
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -198,17 +226,20 @@ def decode_attention(
     paged arena (``[slots, kv_heads, head_dim]``) through ``blocks: [batch, n]``, no gather; ``mask``
     (bool, ``batch * ctx`` elements) keeps positions. None where the kernel cannot run (the caller's
     torch path does)."""
-    lib = library()
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if (
-        lib is None
-        or q.device.type != "cpu"
+        q.device.type != "cpu"
         or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or v_cache.dtype != k_cache.dtype
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or head_dim % 8
         or heads % kv_heads
         or heads // kv_heads > MAX_HEADS_PER_KV_HEAD
     ):
+        return None
+    lib = library()
+    if lib is None:
         return None
     queries = q.float().contiguous()
     out = torch.empty(batch, heads, head_dim)
@@ -228,9 +259,14 @@ FEW_ROWS = 4  # rows up to which the elementwise kernels below beat torch's (who
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Hugging Face's RMSNorm of a few float32 CPU rows in one call; None where torch's ops should run."""
-    lib = library()
     rows = x.numel() // x.shape[-1]
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or rows > FEW_ROWS * 16:
+    if (
+        x.dtype != torch.float32 or x.device.type != "cpu" or rows > FEW_ROWS * 16
+        or weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != x.shape[-1:]
+    ):  # fmt: skip
+        return None
+    lib = library()
+    if lib is None:
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -240,8 +276,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of a few float32 CPU rows ``[M, 2I]`` (gate first); None where torch's ops should run."""
+    if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[0] > FEW_ROWS:
+        return None
     lib = library()
-    if lib is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[0] > FEW_ROWS:
+    if lib is None:
         return None
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -289,6 +289,12 @@ class Int8Linear:
         return out
 
 
+def int8_copies(kernel: str, device: torch.device) -> int:
+    """Bytes held per int8 weight quantized per row: ``auto`` on a CPU where ``cpu_gemm`` runs keeps the
+    q8 kernel's packed copy next to fbgemm's (or the portable kernel's) weight."""
+    return 2 if kernel == "auto" and device.type == "cpu" and cpu_gemm.library() is not None else 1
+
+
 class LinearFactory:
     """Builds every dense layer of one model with one kernel choice.
 

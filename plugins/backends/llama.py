@@ -48,11 +48,12 @@ class LayerWeights:
     sliding_window: int | None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, own: bool = False) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: normalise in float32, scale in the input dtype; ``own``: a few rows
+    may run tierserve's kernel (``cpu_gemm``; torch's op costs ~30 us at decode)."""
     dtype = x.dtype
     if dtype == torch.float32:  # one call instead of five ops; the same float32 arithmetic
-        out = cpu_gemm.rms_norm(x, weight, eps)  # a few rows: tierserve's kernel (torch's op costs ~30 us)
+        out = cpu_gemm.rms_norm(x, weight, eps) if own else None
         return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -134,6 +135,8 @@ class PagedLlama:
         self.scaling = self.head_dim**-0.5
         linear = LinearFactory(linear_kernel, device, dtype, quantization)
         self.linear_kernel = linear.kernel
+        # tierserve's elementwise and decode attention kernels (cpu_gemm) run unless torch's are asked for
+        self.own_kernels = linear_kernel != "torch"
 
         def take(name: str, required: bool = True) -> torch.Tensor | GroupedInt8 | None:
             tensor = state.pop(name, None)
@@ -187,7 +190,9 @@ class PagedLlama:
         self.linear_kernel = linear.kernels
         self.windows, self.trained_window = window_layout([layer.sliding_window for layer in self.layers])
         self._build_rope(config)
-        self.arena = KVArena(len(self.layers), self.num_kv_heads, self.head_dim, self.kv_dtype, device)
+        self.arena = KVArena(
+            len(self.layers), self.num_kv_heads, self.head_dim, self.kv_dtype, device, own_kernels=self.own_kernels
+        )
         self.block_size = 0
         self.lora: LoraSlots | None = None
 
@@ -264,7 +269,7 @@ class PagedLlama:
         kv_size = kv_heads * self.head_dim
         tokens = hidden.shape[0]
         for index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, self.eps)
+            x = rms_norm(hidden, layer.input_norm, self.eps, self.own_kernels)
             qkv = layer.qkv(x)
             if slots is not None:
                 qkv = slots.apply(lora, "qkv", index, x, qkv)
@@ -274,14 +279,15 @@ class PagedLlama:
                 qk = qk * cos + qk.roll(half, -1) * sin
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
-                q = rms_norm(qkv[:, :q_size].view(tokens, heads, self.head_dim), layer.q_norm, self.eps)
-                k = rms_norm(qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, self.head_dim), layer.k_norm, self.eps)
+                q = rms_norm(qkv[:, :q_size].view(tokens, heads, self.head_dim), layer.q_norm, self.eps, self.own_kernels)
+                k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, self.head_dim)
+                k = rms_norm(k, layer.k_norm, self.eps, self.own_kernels)
                 q = q * cos + q.roll(half, -1) * sin
                 k = k * cos + k.roll(half, -1) * sin
             attn = attend(index, layer, q, k, v)
             if slots is None:
                 hidden = hidden + layer.o_proj(attn.reshape(tokens, q_size))
-                x = rms_norm(hidden, layer.post_norm, self.eps)
+                x = rms_norm(hidden, layer.post_norm, self.eps, self.own_kernels)
                 hidden = hidden + layer.down(self._gated(layer.gate_up(x)))
                 continue
             flat = attn.reshape(tokens, q_size)
@@ -294,7 +300,7 @@ class PagedLlama:
 
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up``; SiLU of a few rows in one call (``cpu_gemm``)."""
-        out = cpu_gemm.silu_mul(gate_up) if self.silu else None
+        out = cpu_gemm.silu_mul(gate_up) if self.silu and self.own_kernels else None
         if out is not None:
             return out
         gate, up = gate_up.chunk(2, dim=-1)

@@ -108,6 +108,10 @@ class NativeBackend(ModelBackend):
         self.max_model_len = context_length(model.max_model_len, self.config.max_position_embeddings, self.path)
         self.eos_token_ids = eos_token_ids(self.path, self.tokenizer)
         kernels = kernel_variant("native", self.model.linear_kernel, self.attention.forced, self.dtype, kv_dtype)
+        if self.model.own_kernels:
+            from tierserve.plugins.backends.cpu_gemm import fingerprint_tag
+
+            kernels += fingerprint_tag(self.device)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
         self.max_lora_rank = model.max_lora_rank

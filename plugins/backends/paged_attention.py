@@ -350,7 +350,16 @@ class KVArena:
     block_size, kv_heads, head_dim]`` on the CPU (``read_blocks``/``write_blocks``).
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        own_kernels: bool = True,
+    ) -> None:
+        self.own_kernels = own_kernels  # decode attention through tierserve's CPU kernel (cpu_gemm) where it runs
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.block_size = 0
@@ -479,7 +488,7 @@ class KVArena:
         """
         batch, kv_heads, head_dim = group.batch, self.kv_heads, self.head_dim
         heads = q.shape[1]
-        if group.shared is None and softcap is None:  # tierserve's CPU kernel reads the blocks in place
+        if self.own_kernels and group.shared is None and softcap is None:  # the CPU kernel reads blocks in place
             from tierserve.plugins.backends import cpu_gemm
 
             out = cpu_gemm.decode_attention(

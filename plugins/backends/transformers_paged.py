@@ -185,14 +185,17 @@ class PagedTransformersBackend(ModelBackend):
                                     setting="plugins.transformers.linear_kernel")  # fmt: skip
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if factory.packed or model.quantization != "none":  # else transformers' own layers are that kernel already
+        if factory.packed or factory.own or model.quantization != "none":  # else transformers' layers are that kernel
             swap_linear_layers(self.model, factory)
         self.quantization = model.quantization
         self.linear_kernel = factory.kernel
         self.layers = self._probe()
         first = self.layers[0]
         self.windows, self.trained_window = window_layout([layer.sliding_window for layer in self.layers])
-        self.arena: KVArena = KVArena(len(self.layers), first.kv_heads, first.head_dim, kv_dtype, self.device)
+        own_kernels = options.linear_kernel != "torch"  # tierserve's decode attention (cpu_gemm) where it runs
+        self.arena: KVArena = KVArena(
+            len(self.layers), first.kv_heads, first.head_dim, kv_dtype, self.device, own_kernels=own_kernels
+        )
         self.kv_dtype = kv_dtype
         self._batch: PagedBatch | None = None
         self.vocab_size = self.config.vocab_size
@@ -203,6 +206,10 @@ class PagedTransformersBackend(ModelBackend):
         softcapped = any(layer.softcap is not None for layer in self.layers)
         self.attention_kernel = "math (logit soft-capping)" if softcapped else self.attention.name
         kernels = kernel_variant("transformers-paged", factory.kernel, self.attention.forced, self.dtype, kv_dtype)
+        if own_kernels:
+            from tierserve.plugins.backends.cpu_gemm import fingerprint_tag
+
+            kernels += fingerprint_tag(self.device)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
