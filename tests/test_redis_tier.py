@@ -115,7 +115,9 @@ def test_a_server_evicting_under_maxmemory_gives_misses_not_errors(tmp_path):
             tier.put(item)
             tier.flush()
         found = [tier.get(item.key) for item in entries]
-        assert found[0] is None and found[-1] is not None and torch.equal(found[-1].kv, entries[-1].kv)
+        # the server's LRU is sampled (approximate): the oldest entries are mostly gone, not each one
+        assert sum(item is None for item in found[:100]) >= 50, [item is None for item in found[:100]]
+        assert found[-1] is not None and torch.equal(found[-1].kv, entries[-1].kv)
         assert len(tier) < len(entries)  # what the server evicted is forgotten once a lookup misses
         assert tier.stats.connection_errors == tier.stats.write_errors == tier.stats.corrupt == 0
     finally:
