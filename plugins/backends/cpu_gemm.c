@@ -21,6 +21,9 @@
 #include <stdint.h>
 
 #define QK 32
+#ifndef Q8_PREFETCH
+#define Q8_PREFETCH 8 /* blocks ahead */
+#endif
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -115,7 +118,7 @@ static inline void q8_tile(const int8_t* wt, const float* st, const int8_t* x0, 
     for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
         const int8_t* wb = wt + k * 4 * QK;
-        _mm_prefetch((const char*)(wb + 8 * 4 * QK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK), _MM_HINT_T0);
         const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
         const __m256i v = _mm256_loadu_si256((const __m256i*)(x1 + k * QK));
         const __m256i au = _mm256_sign_epi8(u, u), av = _mm256_sign_epi8(v, v);
@@ -137,7 +140,7 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
     for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
         const int8_t* wb = wt + k * 4 * QK;
-        _mm_prefetch((const char*)(wb + 8 * 4 * QK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK), _MM_HINT_T0);
         const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
         const __m256i au = _mm256_sign_epi8(u, u);
         for (int r = 0; r < 4; r++) {
