@@ -32,7 +32,7 @@ weight-only do, with a row instead of a 32-block). Kernels, fastest first:
   llama.cpp's Q8_0 dot product, the activations rounded to int8 in blocks of
   32. ``auto`` runs it for calls of at most ``SMALL_BATCH`` rows (decode of a
   few sequences), where it is 1.4-2x fbgemm's speed, and fbgemm above, where
-  fbgemm's blocked GEMM is 2x faster. Each kernel alone gives a row the same
+  fbgemm's blocked GEMM is 1.5x (32 rows) to 2x (128 rows) faster. Each kernel alone gives a row the same
   result whatever else is in the batch; a sequence decoded alone and in a
   batch of more than ``SMALL_BATCH`` runs different kernels, so its output may
   differ by that rounding.
