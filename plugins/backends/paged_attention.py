@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tierserve.core.batch import ScheduledChunk
+from tierserve.plugins.backends import cpu_gemm
 
 SHORT_CHUNK_TOKENS = 16  # chunks this short share one padded attention call
 # a decode batch reads a prefix its sequences share once, when it is at least this long
@@ -489,8 +490,6 @@ class KVArena:
         batch, kv_heads, head_dim = group.batch, self.kv_heads, self.head_dim
         heads = q.shape[1]
         if self.own_kernels and group.shared is None and softcap is None:  # the CPU kernel reads blocks in place
-            from tierserve.plugins.backends import cpu_gemm
-
             out = cpu_gemm.decode_attention(
                 q, k_cache, v_cache, group.blocks, self.block_size, group.ctx, group.masks[window], scale
             )
