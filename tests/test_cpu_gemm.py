@@ -187,3 +187,76 @@ def test_torch_kernels_are_used_throughout_when_asked(tmp_path):
     assert backends["torch"].model.own_kernels is False and backends["torch"].model.arena.own_kernels is False
     assert backends["auto"].model.arena.own_kernels is True
     assert backends["auto"].fingerprint != backends["torch"].fingerprint
+
+
+def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> tuple[list, list, int]:
+    """Every step's logits of one greedy batch decoded with the fused q8 decode (``ts_q8_decode_layers``) and
+    again through the Python layer loop, and how many steps the fused call computed (the engine should not
+    cache prefixes: the second run would prefill differently)."""
+    from tierserve.core.sampling_params import SamplingParams
+
+    model = engine.driver.core.backend.model  # white-box: the stack each step runs
+    fused = model.q8_decode
+    assert fused is not None
+    logits: list[torch.Tensor] = []
+    forward, run = model.forward, fused.run
+    fused_steps = []
+
+    def recording_forward(batch):
+        out = forward(batch)
+        logits.append(out[0].clone())
+        return out
+
+    def counted_run(batch):
+        hidden = run(batch)
+        fused_steps.append(hidden is not None)
+        return hidden
+
+    model.forward, fused.run = recording_forward, counted_run
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    try:
+        engine.generate(prompts, params)
+        with_fused = logits[:]
+        logits.clear()
+        model.q8_decode = None
+        engine.generate(prompts, params)
+    finally:
+        engine.close()
+    return with_fused, logits, sum(fused_steps)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "options"),
+    [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8}),
+     ("llama", {"kv_cache__dtype": "bfloat16"})],
+    ids=["llama", "qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window-8", "bfloat16-kv"],
+)  # fmt: skip
+def test_fused_q8_decode_equals_the_layer_loop(tmp_path, architecture, options):
+    """Decodes of at most 4 sequences with int8 weights run every layer in one C call: each step's logits are
+    the Python layer loop's to the bit (the same kernels, RoPE and residual adds in the same order)."""
+    from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
+
+    window = {"sliding_window": options["sliding_window"]} if "sliding_window" in options else {}
+    settings = {key: value for key, value in options.items() if "__" in key}
+    path = build_checkpoint(tmp_path, architecture, architecture, **window)
+    engine = make_engine(path, model__quantization="int8", kv_cache__enable_prefix_caching=False, **settings)
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
+    assert fused_steps == 11  # every decode step; the prefill runs the layer loop
+    assert len(fused) == len(loop) == 12
+    for step, (a, b) in enumerate(zip(fused, loop)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
+def test_fused_q8_decode_runs_only_plain_few_row_decodes(tmp_path):
+    """Five sequences (above the q8 kernel's batch) and float32 weights keep the layer loop."""
+    from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
+
+    path = build_checkpoint(tmp_path, "llama", "llama")
+    engine = make_engine(path, model__quantization="int8", kv_cache__enable_prefix_caching=False)
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, (PROMPTS * 2)[:5], steps=4)
+    assert fused_steps == 0 and all(torch.equal(a, b) for a, b in zip(fused, loop))
+    engine = make_engine(path)
+    try:
+        assert engine.driver.core.backend.model.q8_decode is None
+    finally:
+        engine.close()

@@ -130,6 +130,19 @@ def test_q8_0_runs_as_its_dequantized_weights(files, architecture, kernel):
         assert sum(firsts) * 2 >= len(firsts), firsts
 
 
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="the fused decode runs tierserve's kernels")
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2's embeddings are the tied Q8_0 head
+def test_q8_0_fused_decode_equals_the_layer_loop(files, architecture):
+    """A Q8_0 file's scales per 32 columns through the one-call decode: the layer loop's logits to the bit."""
+    from tests.test_cpu_gemm import fused_and_layer_loop_logits
+
+    _, gguf = files[architecture]
+    engine = make_engine(gguf["q8_0"], model__quantization="int8", kv_cache__enable_prefix_caching=False)
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:2])
+    assert fused_steps == 11 and len(fused) == len(loop) == 12
+    assert all(torch.equal(a, b) for a, b in zip(fused, loop))
+
+
 def argmax_continuation(model, seq: list[int]) -> list[int]:
     """``NEW_TOKENS`` argmax tokens, end-of-sequence ones included (as ``ignore_eos``)."""
     ids = list(seq)

@@ -1,6 +1,7 @@
 /* Small-batch matrix products for x86 CPUs with AVX2 and FMA: out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
  *
- * Built at first use by cpu_gemm.py (gcc -O3 -mavx2 -mfma -fopenmp) and called through ctypes.
+ * Built at first use by cpu_gemm.py (gcc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off: every product and
+ * sum rounded as written, so the elementwise code matches torch's to the bit) and called through ctypes.
  * Decode multiplies a few activation rows by every weight, so its speed is the rate at which
  * weights stream from memory. Each kernel reads its weight in a packed layout, one contiguous
  * stream per tile of 4 output rows, and converts it to float32 in registers:
@@ -15,10 +16,14 @@
  *
  * Every output element is computed by one thread, in a fixed order over K, whatever M, N or the
  * thread count: a row's result does not depend on the other rows of the batch.
+ *
+ * Decode attention, RMSNorm and SiLU-mul serve decode rows too, and ts_q8_decode_layers (at the end)
+ * runs a decode step's whole layer stack with them in one parallel region.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define QK 32
 #ifndef Q8_PREFETCH
@@ -152,14 +157,14 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
     }
 }
 
-/* grouped = 0: ws holds one scale per row [N]; grouped = 1: one per 32 columns, packed [N/4][K/32][4].
- * qx [M, K] and dx [M, K/32] are scratch for the rounded activations. Rows run in pairs; a lone
- * (odd) last row runs alone, with the same sums in the same order. */
-void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* ws, int grouped,
-                const float* bias, int64_t N, float* out, int8_t* qx, float* dx, int threads) {
+/* The products of already-rounded activation rows qx [M, K] (block scales dx [M, K/32]) with a packed
+ * weight; grouped = 0: ws holds one scale per row [N]; grouped = 1: one per 32 columns, packed
+ * [N/4][K/32][4]. The tiles are shared among the enclosing parallel region's threads (an orphaned
+ * omp for). Rows run in pairs; a lone (odd) last row runs alone, with the same sums in the same order. */
+static void q8_rows(const int8_t* qx, const float* dx, int64_t M, int64_t K, const int8_t* w, const float* ws,
+                    int grouped, const float* bias, int64_t N, float* out) {
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
-    for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * blocks);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < tiles; t++) {
         const int8_t* wt = w + t * 4 * K;
         const float* st = grouped ? ws + t * 4 * blocks : 0;
@@ -179,6 +184,14 @@ void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
     }
 }
 
+/* out [M, N] = x [M, K] @ W^T (+ bias), x rounded to Q8_0 blocks into the scratch qx [M, K], dx [M, K/32]. */
+void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* ws, int grouped,
+                const float* bias, int64_t N, float* out, int8_t* qx, float* dx, int threads) {
+    for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
+    _Pragma("omp parallel num_threads(threads)")
+    q8_rows(qx, dx, M, K, w, ws, grouped, bias, N, out);
+}
+
 static inline __m256 load_kv(const void* base, int64_t offset, int bf16) {
     return bf16 ? widen_bf16((const uint16_t*)base + offset) : _mm256_loadu_ps((const float*)base + offset);
 }
@@ -187,54 +200,59 @@ static inline __m256 load_kv(const void* base, int64_t offset, int bf16) {
  * keys/values [slots, KVH, D] (float32 or bfloat16) addressed through blocks [B, nb] of bs slots;
  * mask [B, ctx] (1 = attend) or NULL for every position < ctx. Softmax in float32 (max-subtracted),
  * one (sequence, KV head) pair per task; its H / KVH query heads share each key and value read. */
-void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int64_t D, const void* k,
-                         const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                         const uint8_t* mask, float scale, float* out, float* scratch, int threads) {
+static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
+                           const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                           const uint8_t* mask, float scale, float* out, float* scratch) {
     const int64_t group = H / KVH, vecs = D / 8;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t task = 0; task < B * KVH; task++) {
-        const int64_t b = task / KVH, h = task % KVH;
-        float* scores = scratch + task * group * ctx;
-        const uint8_t* keep = mask ? mask + b * ctx : 0;
-        float top[16];  /* group <= 16: MAX_HEADS_PER_KV_HEAD in cpu_gemm.py */
-        for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
-        for (int64_t p = 0; p < ctx; p++) {
-            if (keep && !keep[p]) continue;
-            const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
-            for (int64_t g = 0; g < group; g++) {
-                const float* qh = q + (b * H + h * group + g) * D;
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t i = 0; i < vecs; i++)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(k, row * D + 8 * i, kv_bf16), acc);
-                const float s = hsum(acc) * scale;
-                scores[g * ctx + p] = s;
-                if (s > top[g]) top[g] = s;
-            }
-        }
+    const int64_t b = task / KVH, h = task % KVH;
+    float* scores = scratch + task * group * ctx;
+    const uint8_t* keep = mask ? mask + b * ctx : 0;
+    float top[16];  /* group <= 16: MAX_HEADS_PER_KV_HEAD in cpu_gemm.py */
+    for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+    for (int64_t p = 0; p < ctx; p++) {
+        if (keep && !keep[p]) continue;
+        const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
         for (int64_t g = 0; g < group; g++) {
-            float total = 0.0f;
-            for (int64_t p = 0; p < ctx; p++) {
-                const float e = (keep && !keep[p]) ? 0.0f : expf(scores[g * ctx + p] - top[g]);
-                scores[g * ctx + p] = e;
-                total += e;
-            }
-            const float inv = 1.0f / total;
-            for (int64_t p = 0; p < ctx; p++) scores[g * ctx + p] *= inv;
+            const float* qh = q + (b * H + h * group + g) * D;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < vecs; i++)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(k, row * D + 8 * i, kv_bf16), acc);
+            const float s = hsum(acc) * scale;
+            scores[g * ctx + p] = s;
+            if (s > top[g]) top[g] = s;
         }
-        float* o = out + (b * H + h * group) * D;  /* the group's heads are consecutive */
-        for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float total = 0.0f;
         for (int64_t p = 0; p < ctx; p++) {
-            if (keep && !keep[p]) continue;
-            const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
-            for (int64_t i = 0; i < vecs; i++) {
-                const __m256 vv = load_kv(v, row * D + 8 * i, kv_bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    float* og = o + g * D + 8 * i;
-                    _mm256_storeu_ps(og, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * ctx + p]), vv, _mm256_loadu_ps(og)));
-                }
+            const float e = (keep && !keep[p]) ? 0.0f : expf(scores[g * ctx + p] - top[g]);
+            scores[g * ctx + p] = e;
+            total += e;
+        }
+        const float inv = 1.0f / total;
+        for (int64_t p = 0; p < ctx; p++) scores[g * ctx + p] *= inv;
+    }
+    float* o = out + (b * H + h * group) * D;  /* the group's heads are consecutive */
+    for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
+    for (int64_t p = 0; p < ctx; p++) {
+        if (keep && !keep[p]) continue;
+        const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
+        for (int64_t i = 0; i < vecs; i++) {
+            const __m256 vv = load_kv(v, row * D + 8 * i, kv_bf16);
+            for (int64_t g = 0; g < group; g++) {
+                float* og = o + g * D + 8 * i;
+                _mm256_storeu_ps(og, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * ctx + p]), vv, _mm256_loadu_ps(og)));
             }
         }
     }
+}
+
+void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int64_t D, const void* k,
+                         const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                         const uint8_t* mask, float scale, float* out, float* scratch, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t task = 0; task < B * KVH; task++)
+        attention_task(task, q, H, KVH, D, k, v, kv_bf16, blocks, nb, bs, ctx, mask, scale, out, scratch);
 }
 
 /* Hugging Face's LlamaRMSNorm in float32 for a few rows: out = weight * x / sqrt(mean(x^2) + eps). */
@@ -258,12 +276,129 @@ void ts_rms_norm(const float* x, int64_t M, int64_t H, const float* weight, floa
     }
 }
 
+static inline void silu_mul_span(const float* g, const float* u, int64_t n, float* o) {
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* SwiGLU for a few rows: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, float32. */
 void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, float* out) {
     for (int64_t m = 0; m < M; m++) {
         const float* g = gate_up + m * 2 * I;
         const float* u = g + I;
         float* o = out + m * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        silu_mul_span(g, u, I, o);
     }
+}
+
+/* A few decode rows through every layer of a Llama-family decoder with q8 weights, in one parallel region:
+ * the per-layer work of the Python path (llama.py) with no return to Python between operations, each
+ * operation computed by the same code in the same order as its single-call kernel above (RMSNorm, q8
+ * products, RoPE and the arena store as torch computes them, decode attention, SiLU-mul), so the
+ * result is the same to the bit. hidden [M, H] is updated in place; ptrs holds L_PTRS pointers per
+ * layer (NULL where the layer has no such tensor), flags L_FLAGS integers per layer; cos and sin_signed
+ * [M, D] are each row's RoPE factors, slots [M] the arena rows its key and value go to. */
+enum { L_INPUT_NORM, L_QKV_W, L_QKV_S, L_QKV_B, L_Q_NORM, L_K_NORM, L_O_W, L_O_S, L_O_B, L_POST_NORM,
+       L_GU_W, L_GU_S, L_DOWN_W, L_DOWN_S, L_K_CACHE, L_V_CACHE, L_MASK, L_PTRS };
+enum { F_QKV_GROUPED, F_O_GROUPED, F_GU_GROUPED, F_DOWN_GROUPED, L_FLAGS };
+
+static inline uint16_t to_bf16(float f) { /* torch's float -> bfloat16: round to nearest even */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* One head's RoPE as llama.py computes it: x * cos + roll(x, D/2) * sin_signed, each product rounded. */
+static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i++) {
+        const float a = x[i] * cos[i], b = x[(i + half) % D] * sin[i];
+        out[i] = a + b;
+    }
+}
+
+static void add_rows(float* hidden, const float* delta, int64_t n) {
+    for (int64_t i = 0; i < n; i++) hidden[i] = hidden[i] + delta[i];
+}
+
+void ts_q8_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t I,
+                         float eps, float scale, float* hidden, const float* cos, const float* sin,
+                         const int64_t* slots, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs,
+                         int64_t ctx, const void* const* ptrs, const int64_t* flags, float* work, int8_t* qx,
+                         float* dx, int threads) {
+    const int64_t qkv_n = (NH + 2 * KVH) * D, qsize = NH * D, kvsize = KVH * D;
+    float* x = work;                      /* [M, H] normed rows */
+    float* qkv = x + M * H;               /* [M, qkv_n] */
+    float* qh = qkv + M * qkv_n;          /* [M, NH * D] roped queries */
+    float* attn = qh + M * qsize;         /* [M, NH * D] */
+    float* delta = attn + M * qsize;      /* [M, H] a projection's output before the residual add */
+    float* gu = delta + M * H;            /* [M, 2I] */
+    float* act = gu + M * 2 * I;          /* [M, I] */
+    float* scores = act + M * I;          /* [M * NH * ctx] */
+    _Pragma("omp parallel num_threads(threads)")
+    for (int64_t l = 0; l < layers; l++) {
+        const void* const* p = ptrs + l * L_PTRS;
+        const int64_t* f = flags + l * L_FLAGS;
+        _Pragma("omp single")
+        {
+            if (l > 0) add_rows(hidden, delta, M * H);
+            ts_rms_norm(hidden, M, H, (const float*)p[L_INPUT_NORM], eps, x);
+            for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * H, H, qx + m * H, dx + m * (H / QK));
+        }
+        q8_rows(qx, dx, M, H, (const int8_t*)p[L_QKV_W], (const float*)p[L_QKV_S], (int)f[F_QKV_GROUPED],
+                (const float*)p[L_QKV_B], qkv_n, qkv);
+        _Pragma("omp single")
+        for (int64_t m = 0; m < M; m++) {
+            float* row = qkv + m * qkv_n;
+            const float *c = cos + m * D, *s = sin + m * D;
+            float normed[D];
+            for (int64_t h = 0; h < NH + KVH; h++) {
+                const float* head = row + h * D;
+                const float* norm = (const float*)p[h < NH ? L_Q_NORM : L_K_NORM];
+                if (norm) {
+                    ts_rms_norm(head, 1, D, norm, eps, normed);
+                    head = normed;
+                }
+                if (h < NH) {
+                    rope_head(head, c, s, D, qh + m * qsize + h * D);
+                    continue;
+                }
+                float roped[D];
+                rope_head(head, c, s, D, roped);
+                const int64_t at = (slots[m] * KVH + (h - NH)) * D;
+                const float* value = row + qsize + kvsize + (h - NH) * D;
+                if (kv_bf16) {
+                    uint16_t *kc = (uint16_t*)p[L_K_CACHE] + at, *vc = (uint16_t*)p[L_V_CACHE] + at;
+                    for (int64_t i = 0; i < D; i++) kc[i] = to_bf16(roped[i]), vc[i] = to_bf16(value[i]);
+                } else {
+                    memcpy((float*)p[L_K_CACHE] + at, roped, D * sizeof(float));
+                    memcpy((float*)p[L_V_CACHE] + at, value, D * sizeof(float));
+                }
+            }
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t task = 0; task < M * KVH; task++)
+            attention_task(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, blocks, nb, bs, ctx,
+                           (const uint8_t*)p[L_MASK], scale, attn, scores);
+        _Pragma("omp single")
+        for (int64_t m = 0; m < M; m++) ts_q8_quantize(attn + m * qsize, qsize, qx + m * qsize, dx + m * (qsize / QK));
+        q8_rows(qx, dx, M, qsize, (const int8_t*)p[L_O_W], (const float*)p[L_O_S], (int)f[F_O_GROUPED],
+                (const float*)p[L_O_B], H, delta);
+        _Pragma("omp single")
+        {
+            add_rows(hidden, delta, M * H);
+            ts_rms_norm(hidden, M, H, (const float*)p[L_POST_NORM], eps, x);
+            for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * H, H, qx + m * H, dx + m * (H / QK));
+        }
+        q8_rows(qx, dx, M, H, (const int8_t*)p[L_GU_W], (const float*)p[L_GU_S], (int)f[F_GU_GROUPED], 0, 2 * I, gu);
+        _Pragma("omp for schedule(static)")
+        for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul, then its Q8_0 block rounded */
+            const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;
+            silu_mul_span(gu + m * 2 * I + at, gu + m * 2 * I + I + at, QK, act + m * I + at);
+            ts_q8_quantize(act + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
+        }
+        q8_rows(qx, dx, M, I, (const int8_t*)p[L_DOWN_W], (const float*)p[L_DOWN_S], (int)f[F_DOWN_GROUPED], 0, H,
+                delta);
+    }
+    add_rows(hidden, delta, M * H);
 }

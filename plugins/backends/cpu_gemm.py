@@ -6,10 +6,11 @@ every call; oneDNN refuses to prepack it) and int8 weights at batch 1-4
 (fbgemm's dynamic-quantized linear spends most of a small call outside the
 dot products). The C kernels read each weight once per call in a layout made
 for them and convert it in registers; llama.cpp's CPU backend works the same
-way. See ``cpu_gemm.c`` for the layouts and the arithmetic.
+way. See ``cpu_gemm.c`` for the layouts and the arithmetic; ``q8_decode.py``
+runs a whole decode step's layers through its ``ts_q8_decode_layers``.
 
 The library is compiled at first use with the system C compiler (``$CC``,
-else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp``) into
+else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``) into
 ``<tierserve cache>/kernels/``, keyed by a hash of the source and flags, and
 loaded with ctypes; its OpenMP calls share the thread pool torch's bundled
 ``libgomp`` already runs. Without an x86 CPU with AVX2 and FMA, or without a
@@ -36,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows packed together
 
@@ -84,6 +85,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ts_rms_norm.restype = None
     lib.ts_silu_mul.argtypes = [p, i64, i64, p]
     lib.ts_silu_mul.restype = None
+    lib.ts_q8_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, p, p, p,
+                                        p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
+    lib.ts_q8_decode_layers.restype = None
     return lib
 
 
@@ -255,13 +259,14 @@ def decode_attention(
 
 
 FEW_ROWS = 4  # rows up to which the elementwise kernels below beat torch's (whose ops cost 5-30 us each)
+NORM_ROWS = FEW_ROWS * 16  # rows up to which rms_norm runs the kernel (heads of a few tokens included)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Hugging Face's RMSNorm of a few float32 CPU rows in one call; None where torch's ops should run."""
     rows = x.numel() // x.shape[-1]
     if (
-        x.dtype != torch.float32 or x.device.type != "cpu" or rows > FEW_ROWS * 16
+        x.dtype != torch.float32 or x.device.type != "cpu" or rows > NORM_ROWS
         or weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != x.shape[-1:]
     ):  # fmt: skip
         return None

@@ -29,6 +29,7 @@ from tierserve.plugins.backends.linear import (
 )
 from tierserve.plugins.backends.lora import LoraBatch, LoraSlots
 from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch, window_layout
+from tierserve.plugins.backends.q8_decode import Q8DecodeLayers
 
 
 # attend(layer_index, layer, q, k, v) -> attention output shaped like q
@@ -195,6 +196,8 @@ class PagedLlama:
         )
         self.block_size = 0
         self.lora: LoraSlots | None = None
+        # every layer in one C call for decodes of a few rows, where all matrices run the q8 kernel
+        self.q8_decode = Q8DecodeLayers.build(self)
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
         """Reserve ``max_loras`` adapter slots of rank ``max_rank`` on every layer's projections."""
@@ -314,7 +317,9 @@ class PagedLlama:
             self.arena.store(index, batch.slot_mapping, k, v)
             return self.arena.attend(index, q, batch.groups, layer.sliding_window, self.scaling)
 
-        hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention, batch.lora)
+        hidden = self.q8_decode.run(batch) if self.q8_decode is not None else None
+        if hidden is None:
+            hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention, batch.lora)
         last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)
         return self.lm_head(last).float(), last
 
