@@ -190,13 +190,13 @@ def test_torch_kernels_are_used_throughout_when_asked(tmp_path):
 
 
 def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> tuple[list, list, int]:
-    """Every step's logits of one greedy batch decoded with the fused q8 decode (``ts_q8_decode_layers``) and
+    """Every step's logits of one greedy batch decoded with the fused decode (``ts_decode_layers``) and
     again through the Python layer loop, and how many steps the fused call computed (the engine should not
     cache prefixes: the second run would prefill differently)."""
     from tierserve.core.sampling_params import SamplingParams
 
     model = engine.driver.core.backend.model  # white-box: the stack each step runs
-    fused = model.q8_decode
+    fused = model.fused_decode
     assert fused is not None
     logits: list[torch.Tensor] = []
     forward, run = model.forward, fused.run
@@ -218,7 +218,7 @@ def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> 
         engine.generate(prompts, params)
         with_fused = logits[:]
         logits.clear()
-        model.q8_decode = None
+        model.fused_decode = None
         engine.generate(prompts, params)
     finally:
         engine.close()
@@ -228,18 +228,27 @@ def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> 
 @pytest.mark.parametrize(
     ("architecture", "options"),
     [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8}),
-     ("llama", {"kv_cache__dtype": "bfloat16"})],
-    ids=["llama", "qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window-8", "bfloat16-kv"],
+     ("llama", {"kv_cache__dtype": "bfloat16"}), ("llama", {"model__dtype": "bfloat16"}),
+     ("qwen3", {"model__dtype": "bfloat16"}), ("mistral", {"sliding_window": 8, "model__dtype": "bfloat16"})],
+    ids=["llama", "qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window-8", "bfloat16-kv", "bf16-llama", "bf16-qwen3",
+         "bf16-mistral-window-8"],
 )  # fmt: skip
-def test_fused_q8_decode_equals_the_layer_loop(tmp_path, architecture, options):
-    """Decodes of at most 4 sequences with int8 weights run every layer in one C call: each step's logits are
-    the Python layer loop's to the bit (the same kernels, RoPE and residual adds in the same order)."""
+def test_fused_decode_equals_the_layer_loop(tmp_path, architecture, options):
+    """Decodes of at most 4 sequences whose matrices all run tierserve's kernels (int8 weights on q8, or
+    bfloat16 weights on bf16-avx2) run every layer in one C call: each step's logits are the Python layer
+    loop's to the bit (the same kernels, RoPE, roundings and residual adds in the same order)."""
     from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 
     window = {"sliding_window": options["sliding_window"]} if "sliding_window" in options else {}
     settings = {key: value for key, value in options.items() if "__" in key}
+    if "model__dtype" not in settings:
+        settings["model__quantization"] = "int8"
     path = build_checkpoint(tmp_path, architecture, architecture, **window)
-    engine = make_engine(path, model__quantization="int8", kv_cache__enable_prefix_caching=False, **settings)
+    engine = make_engine(path, kv_cache__enable_prefix_caching=False, **settings)
+    if engine.driver.core.backend.model.fused_decode is None:
+        engine.close()
+        assert engine.info.linear_kernel == "onednn"  # bfloat16 prepacked by oneDNN (AVX512-BF16): no own kernel
+        pytest.skip("bfloat16 matmuls run oneDNN on this CPU")
     fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
     assert fused_steps == 11  # every decode step; the prefill runs the layer loop
     assert len(fused) == len(loop) == 12
@@ -247,7 +256,7 @@ def test_fused_q8_decode_equals_the_layer_loop(tmp_path, architecture, options):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
 
 
-def test_fused_q8_decode_runs_only_plain_few_row_decodes(tmp_path):
+def test_fused_decode_runs_only_plain_few_row_decodes(tmp_path):
     """Five sequences (above the q8 kernel's batch) and float32 weights keep the layer loop."""
     from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 
@@ -257,6 +266,6 @@ def test_fused_q8_decode_runs_only_plain_few_row_decodes(tmp_path):
     assert fused_steps == 0 and all(torch.equal(a, b) for a, b in zip(fused, loop))
     engine = make_engine(path)
     try:
-        assert engine.driver.core.backend.model.q8_decode is None
+        assert engine.driver.core.backend.model.fused_decode is None
     finally:
         engine.close()

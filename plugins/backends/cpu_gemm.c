@@ -17,8 +17,8 @@
  * Every output element is computed by one thread, in a fixed order over K, whatever M, N or the
  * thread count: a row's result does not depend on the other rows of the batch.
  *
- * Decode attention, RMSNorm and SiLU-mul serve decode rows too, and ts_q8_decode_layers (at the end)
- * runs a decode step's whole layer stack with them in one parallel region.
+ * Decode attention, RMSNorm and SiLU-mul serve decode rows too, and ts_decode_layers (at the end) runs
+ * a decode step's whole layer stack with them in one parallel region.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -55,10 +55,10 @@ static inline __m256 widen_bf16(const uint16_t* p) {
 /* Float weights: two activation rows at a time share each weight vector loaded (and widened); an odd
  * last row runs alone. Both loops sum each row in the same order. */
 #define FLOAT_GEMM(NAME, WTYPE, LOAD)                                                                     \
-    void NAME(const float* x, int64_t M, int64_t K, const WTYPE* w, const float* bias, int64_t N,          \
-              float* out, int threads) {                                                                  \
+    static void NAME##_rows(const float* x, int64_t M, int64_t K, const WTYPE* w, const float* bias, int64_t N, \
+                            float* out) {                                                                 \
         const int64_t tiles = (N + 3) / 4, steps = K / 8;                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+        _Pragma("omp for schedule(static)")                                                               \
         for (int64_t t = 0; t < tiles; t++) {                                                             \
             const WTYPE* wt = w + t * 4 * K;                                                              \
             int64_t m = 0;                                                                                \
@@ -92,6 +92,11 @@ static inline __m256 widen_bf16(const uint16_t* p) {
                 store_tile(out + m * N, N, t * 4, a, 0, bias);                                            \
             }                                                                                             \
         }                                                                                                 \
+    }                                                                                                     \
+    void NAME(const float* x, int64_t M, int64_t K, const WTYPE* w, const float* bias, int64_t N,          \
+              float* out, int threads) {                                                                  \
+        _Pragma("omp parallel num_threads(threads)")                                                      \
+        NAME##_rows(x, M, K, w, bias, N, out);                                                            \
     }
 
 FLOAT_GEMM(ts_f32_gemm, float, _mm256_loadu_ps)
@@ -255,121 +260,167 @@ void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int6
         attention_task(task, q, H, KVH, D, k, v, kv_bf16, blocks, nb, bs, ctx, mask, scale, out, scratch);
 }
 
+/* torch's float -> bfloat16 conversion (round to nearest even), the result widened back to float32 */
+static inline float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits = f != f ? 0x7FC00000u : ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float rounded(float f, int bf16) { return bf16 ? round_bf16(f) : f; }
+
+static inline uint16_t bf16_bits(float f) { /* f already a bfloat16 value */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)(bits >> 16);
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row, summed in float32 eight lanes at a time. */
+static inline float norm_scale(const float* xr, int64_t H, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float total = hsum(acc);
+    for (; i < H; i++) total += xr[i] * xr[i];
+    return 1.0f / sqrtf(total / (float)H + eps);
+}
+
 /* Hugging Face's LlamaRMSNorm in float32 for a few rows: out = weight * x / sqrt(mean(x^2) + eps). */
 void ts_rms_norm(const float* x, int64_t M, int64_t H, const float* weight, float eps, float* out) {
     for (int64_t m = 0; m < M; m++) {
         const float* xr = x + m * H;
         float* o = out + m * H;
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= H; i += 8) {
-            const __m256 v = _mm256_loadu_ps(xr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float total = hsum(acc);
-        for (; i < H; i++) total += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(total / (float)H + eps);
+        const float inv = norm_scale(xr, H, eps);
         const __m256 s = _mm256_set1_ps(inv);
-        for (i = 0; i + 8 <= H; i += 8)
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8)
             _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), s)));
         for (; i < H; i++) o[i] = weight[i] * (xr[i] * inv);
     }
 }
 
-static inline void silu_mul_span(const float* g, const float* u, int64_t n, float* o) {
-    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
-/* SwiGLU for a few rows: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, float32. */
-void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, float* out) {
+/* The same for bfloat16 rows (held as float32 values): normalised in float32, rounded to bfloat16, then
+ * multiplied by the (bfloat16) weight and rounded again, as llama.py's rms_norm does in that dtype. */
+void ts_rms_norm_bf16(const float* x, int64_t M, int64_t H, const float* weight, float eps, float* out) {
     for (int64_t m = 0; m < M; m++) {
-        const float* g = gate_up + m * 2 * I;
-        const float* u = g + I;
-        float* o = out + m * I;
-        silu_mul_span(g, u, I, o);
+        const float* xr = x + m * H;
+        const float inv = norm_scale(xr, H, eps);
+        for (int64_t i = 0; i < H; i++) out[m * H + i] = round_bf16(weight[i] * round_bf16(xr[i] * inv));
     }
 }
 
-/* A few decode rows through every layer of a Llama-family decoder with q8 weights, in one parallel region:
- * the per-layer work of the Python path (llama.py) with no return to Python between operations, each
- * operation computed by the same code in the same order as its single-call kernel above (RMSNorm, q8
- * products, RoPE and the arena store as torch computes them, decode attention, SiLU-mul), so the
- * result is the same to the bit. hidden [M, H] is updated in place; ptrs holds L_PTRS pointers per
- * layer (NULL where the layer has no such tensor), flags L_FLAGS integers per layer; cos and sin_signed
- * [M, D] are each row's RoPE factors, slots [M] the arena rows its key and value go to. */
+static inline void silu_mul_span(const float* g, const float* u, int64_t n, int bf16, float* o) {
+    if (!bf16) {
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) o[i] = round_bf16(round_bf16(g[i] / (1.0f + expf(-g[i]))) * u[i]);
+}
+
+/* SwiGLU for a few rows: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, in float32, or
+ * with bf16 = 1 for bfloat16 rows (held as float32 values): silu rounded to bfloat16, then the product. */
+void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, int bf16, float* out) {
+    for (int64_t m = 0; m < M; m++) silu_mul_span(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, bf16, out + m * I);
+}
+
+/* A few decode rows through every layer of a Llama-family decoder, in one parallel region: the per-layer
+ * work of the Python path (llama.py) with no return to Python between operations. Each operation is
+ * computed by the same code in the same order as its single-call kernel above (RMSNorm, q8 or bfloat16
+ * products, decode attention, SiLU-mul), and RoPE, the arena store and the residual adds as torch
+ * computes them, so the result is the same to the bit. With act_bf16 the activations are bfloat16 values
+ * held in float32, rounded wherever the Python path's bfloat16 tensors round them.
+ *
+ * hidden [M, H] is updated in place; ptrs holds L_PTRS pointers per layer (NULL where the layer has no
+ * such tensor; norm weights as float32), kinds L_KINDS integers per layer (K_* per projection); cos and
+ * sin_signed [M, D] are each row's RoPE factors, slots [M] the arena rows its key and value go to. */
 enum { L_INPUT_NORM, L_QKV_W, L_QKV_S, L_QKV_B, L_Q_NORM, L_K_NORM, L_O_W, L_O_S, L_O_B, L_POST_NORM,
        L_GU_W, L_GU_S, L_DOWN_W, L_DOWN_S, L_K_CACHE, L_V_CACHE, L_MASK, L_PTRS };
-enum { F_QKV_GROUPED, F_O_GROUPED, F_GU_GROUPED, F_DOWN_GROUPED, L_FLAGS };
-
-static inline uint16_t to_bf16(float f) { /* torch's float -> bfloat16: round to nearest even */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
+enum { P_QKV, P_O, P_GU, P_DOWN, L_KINDS };
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16 };
 
 /* One head's RoPE as llama.py computes it: x * cos + roll(x, D/2) * sin_signed, each product rounded. */
-static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, int bf16, float* out) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < D; i++) {
-        const float a = x[i] * cos[i], b = x[(i + half) % D] * sin[i];
-        out[i] = a + b;
+        const float a = rounded(x[i] * cos[i], bf16), b = rounded(x[(i + half) % D] * sin[i], bf16);
+        out[i] = rounded(a + b, bf16);
     }
 }
 
-static void add_rows(float* hidden, const float* delta, int64_t n) {
-    for (int64_t i = 0; i < n; i++) hidden[i] = hidden[i] + delta[i];
+/* Rows x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
+static void prepare_rows(int kind, const float* x, int64_t M, int64_t K, int8_t* qx, float* dx) {
+    if (kind == K_BF16) return;
+    for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
 }
 
-void ts_q8_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t I,
-                         float eps, float scale, float* hidden, const float* cos, const float* sin,
-                         const int64_t* slots, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs,
-                         int64_t ctx, const void* const* ptrs, const int64_t* flags, float* work, int8_t* qx,
-                         float* dx, int threads) {
+static void project(int kind, const float* x, const int8_t* qx, const float* dx, int64_t M, int64_t K,
+                    const void* w, const float* ws, const float* bias, int64_t N, float* out) {
+    if (kind == K_BF16)
+        ts_bf16_gemm_rows(x, M, K, (const uint16_t*)w, bias, N, out);
+    else
+        q8_rows(qx, dx, M, K, (const int8_t*)w, ws, kind == K_Q8_GROUPED, bias, N, out);
+}
+
+static void add_rows(float* hidden, const float* delta, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i++) hidden[i] = rounded(hidden[i] + rounded(delta[i], bf16), bf16);
+}
+
+void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t I,
+                      float eps, float scale, int act_bf16, float* hidden, const float* cos, const float* sin,
+                      const int64_t* slots, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                      const void* const* ptrs, const int64_t* kinds, float* work, int8_t* qx, float* dx,
+                      int threads) {
     const int64_t qkv_n = (NH + 2 * KVH) * D, qsize = NH * D, kvsize = KVH * D;
-    float* x = work;                      /* [M, H] normed rows */
-    float* qkv = x + M * H;               /* [M, qkv_n] */
+    void (*norm)(const float*, int64_t, int64_t, const float*, float, float*) = act_bf16 ? ts_rms_norm_bf16 : ts_rms_norm;
+    float* x = work;                      /* [M, max(H, I)] a projection's input rows */
+    float* qkv = x + M * (H > I ? H : I); /* [M, qkv_n] */
     float* qh = qkv + M * qkv_n;          /* [M, NH * D] roped queries */
     float* attn = qh + M * qsize;         /* [M, NH * D] */
     float* delta = attn + M * qsize;      /* [M, H] a projection's output before the residual add */
     float* gu = delta + M * H;            /* [M, 2I] */
-    float* act = gu + M * 2 * I;          /* [M, I] */
-    float* scores = act + M * I;          /* [M * NH * ctx] */
+    float* scores = gu + M * 2 * I;       /* [M * NH * ctx] */
     _Pragma("omp parallel num_threads(threads)")
     for (int64_t l = 0; l < layers; l++) {
         const void* const* p = ptrs + l * L_PTRS;
-        const int64_t* f = flags + l * L_FLAGS;
+        const int64_t* kind = kinds + l * L_KINDS;
         _Pragma("omp single")
         {
-            if (l > 0) add_rows(hidden, delta, M * H);
-            ts_rms_norm(hidden, M, H, (const float*)p[L_INPUT_NORM], eps, x);
-            for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * H, H, qx + m * H, dx + m * (H / QK));
+            if (l > 0) add_rows(hidden, delta, M * H, act_bf16);
+            norm(hidden, M, H, (const float*)p[L_INPUT_NORM], eps, x);
+            prepare_rows((int)kind[P_QKV], x, M, H, qx, dx);
         }
-        q8_rows(qx, dx, M, H, (const int8_t*)p[L_QKV_W], (const float*)p[L_QKV_S], (int)f[F_QKV_GROUPED],
-                (const float*)p[L_QKV_B], qkv_n, qkv);
+        project((int)kind[P_QKV], x, qx, dx, M, H, p[L_QKV_W], (const float*)p[L_QKV_S], (const float*)p[L_QKV_B],
+                qkv_n, qkv);
         _Pragma("omp single")
         for (int64_t m = 0; m < M; m++) {
             float* row = qkv + m * qkv_n;
             const float *c = cos + m * D, *s = sin + m * D;
-            float normed[D];
+            if (act_bf16)
+                for (int64_t i = 0; i < qkv_n; i++) row[i] = round_bf16(row[i]);
+            float normed[D], roped[D];
             for (int64_t h = 0; h < NH + KVH; h++) {
                 const float* head = row + h * D;
-                const float* norm = (const float*)p[h < NH ? L_Q_NORM : L_K_NORM];
-                if (norm) {
-                    ts_rms_norm(head, 1, D, norm, eps, normed);
+                const float* weight = (const float*)p[h < NH ? L_Q_NORM : L_K_NORM];
+                if (weight) {
+                    norm(head, 1, D, weight, eps, normed);
                     head = normed;
                 }
                 if (h < NH) {
-                    rope_head(head, c, s, D, qh + m * qsize + h * D);
+                    rope_head(head, c, s, D, act_bf16, qh + m * qsize + h * D);
                     continue;
                 }
-                float roped[D];
-                rope_head(head, c, s, D, roped);
+                rope_head(head, c, s, D, act_bf16, roped);
                 const int64_t at = (slots[m] * KVH + (h - NH)) * D;
                 const float* value = row + qsize + kvsize + (h - NH) * D;
                 if (kv_bf16) {
                     uint16_t *kc = (uint16_t*)p[L_K_CACHE] + at, *vc = (uint16_t*)p[L_V_CACHE] + at;
-                    for (int64_t i = 0; i < D; i++) kc[i] = to_bf16(roped[i]), vc[i] = to_bf16(value[i]);
+                    for (int64_t i = 0; i < D; i++)
+                        kc[i] = bf16_bits(round_bf16(roped[i])), vc[i] = bf16_bits(round_bf16(value[i]));
                 } else {
                     memcpy((float*)p[L_K_CACHE] + at, roped, D * sizeof(float));
                     memcpy((float*)p[L_V_CACHE] + at, value, D * sizeof(float));
@@ -381,24 +432,32 @@ void ts_q8_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64
             attention_task(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, blocks, nb, bs, ctx,
                            (const uint8_t*)p[L_MASK], scale, attn, scores);
         _Pragma("omp single")
-        for (int64_t m = 0; m < M; m++) ts_q8_quantize(attn + m * qsize, qsize, qx + m * qsize, dx + m * (qsize / QK));
-        q8_rows(qx, dx, M, qsize, (const int8_t*)p[L_O_W], (const float*)p[L_O_S], (int)f[F_O_GROUPED],
-                (const float*)p[L_O_B], H, delta);
+        {
+            if (act_bf16)
+                for (int64_t i = 0; i < M * qsize; i++) attn[i] = round_bf16(attn[i]);
+            prepare_rows((int)kind[P_O], attn, M, qsize, qx, dx);
+        }
+        project((int)kind[P_O], attn, qx, dx, M, qsize, p[L_O_W], (const float*)p[L_O_S], (const float*)p[L_O_B], H,
+                delta);
         _Pragma("omp single")
         {
-            add_rows(hidden, delta, M * H);
-            ts_rms_norm(hidden, M, H, (const float*)p[L_POST_NORM], eps, x);
-            for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * H, H, qx + m * H, dx + m * (H / QK));
+            add_rows(hidden, delta, M * H, act_bf16);
+            norm(hidden, M, H, (const float*)p[L_POST_NORM], eps, x);
+            prepare_rows((int)kind[P_GU], x, M, H, qx, dx);
         }
-        q8_rows(qx, dx, M, H, (const int8_t*)p[L_GU_W], (const float*)p[L_GU_S], (int)f[F_GU_GROUPED], 0, 2 * I, gu);
+        project((int)kind[P_GU], x, qx, dx, M, H, p[L_GU_W], (const float*)p[L_GU_S], 0, 2 * I, gu);
+        const int q8_down = kind[P_DOWN] != K_BF16;
         _Pragma("omp for schedule(static)")
-        for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul, then its Q8_0 block rounded */
+        for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul of 32 columns, then their Q8_0 block rounded */
             const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;
-            silu_mul_span(gu + m * 2 * I + at, gu + m * 2 * I + I + at, QK, act + m * I + at);
-            ts_q8_quantize(act + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
+            float* g = gu + m * 2 * I + at;
+            float* u = g + I;
+            if (act_bf16)
+                for (int i = 0; i < QK; i++) g[i] = round_bf16(g[i]), u[i] = round_bf16(u[i]);
+            silu_mul_span(g, u, QK, act_bf16, x + m * I + at);
+            if (q8_down) ts_q8_quantize(x + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
         }
-        q8_rows(qx, dx, M, I, (const int8_t*)p[L_DOWN_W], (const float*)p[L_DOWN_S], (int)f[F_DOWN_GROUPED], 0, H,
-                delta);
+        project((int)kind[P_DOWN], x, qx, dx, M, I, p[L_DOWN_W], (const float*)p[L_DOWN_S], 0, H, delta);
     }
-    add_rows(hidden, delta, M * H);
+    add_rows(hidden, delta, M * H, act_bf16);
 }

@@ -6,8 +6,8 @@ every call; oneDNN refuses to prepack it) and int8 weights at batch 1-4
 (fbgemm's dynamic-quantized linear spends most of a small call outside the
 dot products). The C kernels read each weight once per call in a layout made
 for them and convert it in registers; llama.cpp's CPU backend works the same
-way. See ``cpu_gemm.c`` for the layouts and the arithmetic; ``q8_decode.py``
-runs a whole decode step's layers through its ``ts_q8_decode_layers``.
+way. See ``cpu_gemm.c`` for the layouts and the arithmetic; ``fused_decode.py``
+runs a whole decode step's layers through its ``ts_decode_layers``.
 
 The library is compiled at first use with the system C compiler (``$CC``,
 else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``) into
@@ -81,13 +81,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ts_q8_gemm.restype = None
     lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, i32]
     lib.ts_decode_attention.restype = None
-    lib.ts_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
-    lib.ts_rms_norm.restype = None
-    lib.ts_silu_mul.argtypes = [p, i64, i64, p]
+    for name in ("ts_rms_norm", "ts_rms_norm_bf16"):
+        getattr(lib, name).argtypes = [p, i64, i64, p, ctypes.c_float, p]
+        getattr(lib, name).restype = None
+    lib.ts_silu_mul.argtypes = [p, i64, i64, i32, p]
     lib.ts_silu_mul.restype = None
-    lib.ts_q8_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, p, p, p,
-                                        p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
-    lib.ts_q8_decode_layers.restype = None
+    lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
+                                     p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
+    lib.ts_decode_layers.restype = None
     return lib
 
 
@@ -263,16 +264,22 @@ NORM_ROWS = FEW_ROWS * 16  # rows up to which rms_norm runs the kernel (heads of
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """Hugging Face's RMSNorm of a few float32 CPU rows in one call; None where torch's ops should run."""
+    """Hugging Face's RMSNorm of a few float32 or bfloat16 CPU rows in one call (bfloat16: normalised in
+    float32, rounded, times the weight, rounded, as ``llama.rms_norm``); None where torch's ops should run."""
     rows = x.numel() // x.shape[-1]
     if (
-        x.dtype != torch.float32 or x.device.type != "cpu" or rows > NORM_ROWS
-        or weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != x.shape[-1:]
+        x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or rows > NORM_ROWS
+        or weight.dtype != x.dtype or not weight.is_contiguous() or weight.shape != x.shape[-1:]
     ):  # fmt: skip
         return None
     lib = library()
     if lib is None:
         return None
+    if x.dtype == torch.bfloat16:  # bfloat16 values are exact in float32
+        rows_f32, weight_f32 = x.float().contiguous(), weight.float()  # held until the call returns
+        out = torch.empty(x.shape)
+        lib.ts_rms_norm_bf16(rows_f32.data_ptr(), rows, x.shape[-1], weight_f32.data_ptr(), eps, out.data_ptr())
+        return out.to(torch.bfloat16)
     x = x.contiguous()
     out = torch.empty_like(x)
     lib.ts_rms_norm(x.data_ptr(), rows, x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
@@ -280,13 +287,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a few float32 CPU rows ``[M, 2I]`` (gate first); None where torch's ops should run."""
-    if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[0] > FEW_ROWS:
+    """``silu(gate) * up`` of a few float32 or bfloat16 CPU rows ``[M, 2I]`` (gate first; bfloat16: each
+    result rounded as torch's ops round it); None where torch's ops should run."""
+    dtype = gate_up.dtype
+    if gate_up.dim() != 2 or dtype not in (torch.float32, torch.bfloat16) or gate_up.device.type != "cpu":
+        return None
+    if gate_up.shape[0] > FEW_ROWS:
         return None
     lib = library()
     if lib is None:
         return None
-    gate_up = gate_up.contiguous()
+    gate_up = gate_up.float().contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
-    return out
+    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], int(dtype == torch.bfloat16), out.data_ptr())
+    return out.to(dtype)

@@ -29,7 +29,7 @@ from tierserve.plugins.backends.linear import (
 )
 from tierserve.plugins.backends.lora import LoraBatch, LoraSlots
 from tierserve.plugins.backends.paged_attention import KVArena, PagedBatch, window_layout
-from tierserve.plugins.backends.q8_decode import Q8DecodeLayers
+from tierserve.plugins.backends.fused_decode import FusedDecode
 
 
 # attend(layer_index, layer, q, k, v) -> attention output shaped like q
@@ -51,11 +51,14 @@ class LayerWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, own: bool = False) -> torch.Tensor:
     """Hugging Face's LlamaRMSNorm: normalise in float32, scale in the input dtype; ``own``: a few rows
-    may run tierserve's kernel (``cpu_gemm``; torch's op costs ~30 us at decode)."""
+    may run tierserve's kernel (``cpu_gemm``; torch's ops cost ~30 us at decode), which sums the squares
+    in its own order."""
     dtype = x.dtype
+    out = cpu_gemm.rms_norm(x, weight, eps) if own else None
+    if out is not None:
+        return out
     if dtype == torch.float32:  # one call instead of five ops; the same float32 arithmetic
-        out = cpu_gemm.rms_norm(x, weight, eps) if own else None
-        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
@@ -196,8 +199,8 @@ class PagedLlama:
         )
         self.block_size = 0
         self.lora: LoraSlots | None = None
-        # every layer in one C call for decodes of a few rows, where all matrices run the q8 kernel
-        self.q8_decode = Q8DecodeLayers.build(self)
+        # every layer in one C call for decodes of a few rows, where all matrices run tierserve's kernels
+        self.fused_decode = FusedDecode.build(self)
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
         """Reserve ``max_loras`` adapter slots of rank ``max_rank`` on every layer's projections."""
@@ -317,7 +320,7 @@ class PagedLlama:
             self.arena.store(index, batch.slot_mapping, k, v)
             return self.arena.attend(index, q, batch.groups, layer.sliding_window, self.scaling)
 
-        hidden = self.q8_decode.run(batch) if self.q8_decode is not None else None
+        hidden = self.fused_decode.run(batch) if self.fused_decode is not None else None
         if hidden is None:
             hidden = self._run_layers(batch.input_ids, batch.positions, paged_attention, batch.lora)
         last = rms_norm(hidden[batch.sample_rows], self.norm, self.eps)

@@ -100,6 +100,10 @@ def build_paged_batch(
     (``None`` for full attention), ``dtype`` the model's (additive masks are built in it)."""
     from tierserve.core.token_tree import tree_depths, tree_visibility
 
+    if len(chunks) == 1:
+        lone = lone_decode(chunks[0], block_size, windows, device)
+        if lone is not None:
+            return lone
     bs = block_size
     short = [c for c in chunks if c.num_tokens <= SHORT_CHUNK_TOKENS or c.tree_parents is not None]
     # decodes (one token each) attend as their own group, so a step's longer short chunks (drafts, trees,
@@ -226,6 +230,36 @@ def build_paged_batch(
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         max_position=max(positions),
         order=short + long,
+    )
+
+
+def lone_decode(
+    chunk: ScheduledChunk, block_size: int, windows: Seq[int | None], device: torch.device
+) -> PagedBatch | None:
+    """The batch of a step that decodes one sequence's next token (one client), in five small tensors instead
+    of ``build_paged_batch``'s fifty (about 0.5 ms at batch 1); None where a mask would be needed (a window
+    shorter than the context, released KV), a draft or a longer chunk (the general path builds it).
+
+    The result is the general path's: one group of one row reading every position before it, no mask."""
+    start = chunk.start
+    ctx = start + 1
+    drop_start, drop_end = chunk.released
+    if chunk.num_tokens != 1 or chunk.num_draft or drop_end > drop_start:
+        return None
+    if any(window is not None and ctx > window for window in windows):
+        return None
+    table = chunk.seq.block_table
+    blocks = torch.tensor([table[: -(-ctx // block_size)]], dtype=torch.long)
+    slot = table[start // block_size] * block_size + start % block_size
+    group = AttentionGroup(slice(0, 1), blocks.to(device), ctx, dict.fromkeys(windows), 1, 1)
+    return PagedBatch(
+        input_ids=torch.tensor(chunk.token_ids, dtype=torch.long, device=device),
+        positions=torch.tensor([start], dtype=torch.long, device=device),
+        slot_mapping=torch.tensor([slot], dtype=torch.long, device=device),
+        groups=[group],
+        sample_rows=torch.tensor([0] if chunk.num_logits else [], dtype=torch.long, device=device),
+        max_position=start,
+        order=[chunk],
     )
 
 

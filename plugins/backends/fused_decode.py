@@ -1,0 +1,148 @@
+"""Decode of a few sequences through every layer in one call of tierserve's C kernels (``ts_decode_layers``).
+
+``PagedLlama._run_layers`` calls about fifteen kernels and torch ops per layer.
+At batch 1 each spends 5-30 µs in Python, dispatch and an OpenMP fork/join
+around a few µs of work: on the 77M-parameter bench model, about 2 ms of an
+11 ms int8 step. Where every matrix of the model runs one of tierserve's
+kernels (``cpu_gemm``: q8 for int8 weights or a GGUF Q8_0 file, ``bf16-avx2``
+for bfloat16 weights) and the step is a plain decode of at most
+``SMALL_BATCH`` sequences, the same operations run in one OpenMP parallel
+region instead, the threads meeting at a barrier between operations, as
+llama.cpp's graph does. Each operation is computed by the same C code in the
+same order as the Python path's kernel for it, and bfloat16 activations are
+rounded wherever the Python path's bfloat16 tensors round them, so the hidden
+states are the Python path's to the bit (tests/test_cpu_gemm.py checks).
+
+Anything else (prefill chunks, drafts, LoRA rows, a shared prefix read once
+for the batch, more rows) runs the Python path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierserve.plugins.backends import cpu_gemm
+from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear
+from tierserve.plugins.backends.paged_attention import PagedBatch
+
+if TYPE_CHECKING:
+    from tierserve.plugins.backends.llama import LayerWeights, PagedLlama
+
+# the per-layer pointer layout of ts_decode_layers (cpu_gemm.c: L_*), and its projection kinds (K_*)
+POINTERS = ("input_norm", "qkv_w", "qkv_s", "qkv_b", "q_norm", "k_norm", "o_w", "o_s", "o_b", "post_norm",
+            "gate_up_w", "gate_up_s", "down_w", "down_s", "k_cache", "v_cache", "mask")  # fmt: skip
+MASK, K_CACHE, V_CACHE = POINTERS.index("mask"), POINTERS.index("k_cache"), POINTERS.index("v_cache")
+Q8_ROW, Q8_GROUPED, BF16 = 0, 1, 2
+
+
+def _kind(linear: Linear | Int8Linear, dtype: torch.dtype) -> int | None:
+    """How ts_decode_layers computes this projection, or None where it cannot (the layer loop runs)."""
+    if isinstance(linear, Int8Linear) and linear.q8 is not None and dtype == torch.float32:
+        return Q8_GROUPED if linear.q8.grouped else Q8_ROW
+    if isinstance(linear, Linear) and linear.own is not None and dtype == torch.bfloat16:
+        return BF16 if linear.own.weight.dtype == torch.int16 else None  # bfloat16 bits
+    return None
+
+
+def _projections(layer: LayerWeights) -> tuple:
+    return layer.qkv, layer.o_proj, layer.gate_up, layer.down
+
+
+class FusedDecode:
+    """The layer stack of one ``PagedLlama`` as ``ts_decode_layers`` reads it: a pointer table per layer."""
+
+    def __init__(self, model: PagedLlama, kinds: list[list[int]]) -> None:
+        self.model = model
+        self.function = cpu_gemm.library().ts_decode_layers
+        self.windows = [layer.sliding_window for layer in model.layers]
+        self.norms: list[torch.Tensor] = []  # float32 copies the table points at (kept alive here)
+        rows = []
+        for layer in model.layers:
+            packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.own for linear in _projections(layer)]
+            scales = [getattr(weights, "scale", None) for weights in packed]
+            input_norm, q_norm, k_norm, post_norm = (
+                None if norm is None else norm.float().contiguous()
+                for norm in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)
+            )
+            self.norms += [norm for norm in (input_norm, q_norm, k_norm, post_norm) if norm is not None]
+            rows.append([
+                _ptr(input_norm), _ptr(packed[0].weight), _ptr(scales[0]), _ptr(packed[0].bias), _ptr(q_norm),
+                _ptr(k_norm), _ptr(packed[1].weight), _ptr(scales[1]), _ptr(packed[1].bias), _ptr(post_norm),
+                _ptr(packed[2].weight), _ptr(scales[2]), _ptr(packed[3].weight), _ptr(scales[3]), 0, 0, 0,
+            ])  # fmt: skip
+        self.pointers = torch.tensor(rows, dtype=torch.int64)
+        self.kinds = torch.tensor(kinds, dtype=torch.int64)
+        self.arena_at = 0  # the first key buffer's address the table holds (the arena may be allocated again)
+
+    @classmethod
+    def build(cls, model: PagedLlama) -> FusedDecode | None:
+        """The fused stack where ``model`` can run it (CPU, every matrix on q8 with float32 activations or on
+        the bfloat16 kernel with bfloat16 ones, SiLU, full-width RoPE, heads the attention kernel takes);
+        None otherwise."""
+        lib = cpu_gemm.library() if model.own_kernels and model.device.type == "cpu" else None
+        if lib is None or not model.silu:
+            return None
+        heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+        if (
+            heads % kv_heads or heads // kv_heads > cpu_gemm.MAX_HEADS_PER_KV_HEAD or head_dim % 8
+            or model.cos.shape[-1] != head_dim or model.kv_dtype not in (torch.float32, torch.bfloat16)
+        ):  # fmt: skip
+            return None
+        kinds = []
+        for layer in model.layers:
+            layer_kinds = [_kind(linear, model.dtype) for linear in _projections(layer)]
+            if None in layer_kinds or layer.gate_up.bias is not None or layer.down.bias is not None:
+                return None
+            if (layer.q_norm is None) != (layer.k_norm is None):
+                return None
+            kinds.append(layer_kinds)
+        return cls(model, kinds)
+
+    def run(self, batch: PagedBatch) -> torch.Tensor | None:
+        """The hidden states after the last layer (before the final norm), KV written to the arena; None
+        where the batch is not a plain decode of at most ``SMALL_BATCH`` rows (the Python path runs it)."""
+        model = self.model
+        rows = batch.input_ids.shape[0]
+        if rows > SMALL_BATCH or batch.lora is not None or len(batch.groups) != 1:
+            return None
+        group = batch.groups[0]
+        if group.q_len != 1 or group.shared is not None or group.rows != slice(0, rows):
+            return None
+        if model.layers[0].q_norm is not None and rows * model.num_heads > cpu_gemm.NORM_ROWS:
+            return None  # the Python path normalises that many head rows with torch's op
+        arena = model.arena
+        if arena.k[0].data_ptr() != self.arena_at:
+            self.pointers[:, K_CACHE] = torch.tensor([k.data_ptr() for k in arena.k])
+            self.pointers[:, V_CACHE] = torch.tensor([v.data_ptr() for v in arena.v])
+            self.arena_at = arena.k[0].data_ptr()
+        ctx = group.ctx
+        masks = {
+            window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
+            for window, mask in group.masks.items()
+        }
+        self.pointers[:, MASK] = torch.tensor([_ptr(masks[window]) for window in self.windows])
+        heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+        hidden_size, inter = model.config.hidden_size, model.config.intermediate_size
+        q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+        widest = max(hidden_size, q_size, inter)
+        work = torch.empty(rows * (max(hidden_size, inter) + qkv_size + 2 * q_size + hidden_size + 2 * inter + heads * ctx))
+        quantized = torch.empty(rows * widest, dtype=torch.int8)
+        block_scales = torch.empty(rows * widest // cpu_gemm.QK)
+        hidden = model.embed(batch.input_ids).float().contiguous()  # a new tensor: updated in place
+        cos = model.cos[batch.positions].float().contiguous()
+        sin = model.sin_signed[batch.positions].float().contiguous()
+        blocks = group.blocks.to(torch.int64).contiguous()
+        self.function(
+            rows, len(model.layers), hidden_size, heads, kv_heads, head_dim, inter, model.eps, model.scaling,
+            int(model.dtype == torch.bfloat16), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            batch.slot_mapping.data_ptr(), int(arena.dtype == torch.bfloat16), blocks.data_ptr(), blocks.shape[1],
+            arena.block_size, ctx, self.pointers.data_ptr(), self.kinds.data_ptr(), work.data_ptr(),
+            quantized.data_ptr(), block_scales.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return hidden.to(model.dtype)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
