@@ -119,17 +119,23 @@ def test_without_a_compiler_torch_kernels_run(tmp_path):
     assert not list(tmp_path.glob("kernels/*.so"))
 
 
-def test_few_row_elementwise_kernels_match_torch():
+def test_elementwise_kernels_match_torch():
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(3, 5, 40, generator=generator) * 3  # q_norm's shape: [tokens, heads, head_dim], 40: a tail of 8
     weight = torch.randn(40, generator=generator)
     expected = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6)
     assert torch.allclose(cpu_gemm.rms_norm(x, weight, 1e-6), expected, rtol=1e-5, atol=1e-6)
     assert cpu_gemm.rms_norm(torch.randn(200, 40), weight, 1e-6) is None  # a prefill: torch's op
-    gate_up = torch.randn(2, 96, generator=generator) * 4
-    gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.allclose(cpu_gemm.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
-    assert cpu_gemm.silu_mul(torch.randn(5, 96)) is None and cpu_gemm.silu_mul(gate_up.double()) is None
+    for rows in (2, 37):  # decode rows; prefill rows, shared among the threads
+        gate_up = torch.randn(rows, 84, generator=generator) * 4  # 42 columns: a tail of 2
+        gate_up[0, :4] = torch.tensor([-100.0, -87.5, 60.0, 0.0])  # clamped exponents, and zero
+        gate, up = gate_up.chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate.double()) * up.double()
+        assert torch.allclose(cpu_gemm.silu_mul(gate_up).double(), expected, rtol=1e-6, atol=1e-7)
+        bf16 = gate_up.bfloat16()
+        gate, up = bf16.chunk(2, dim=-1)
+        assert torch.equal(cpu_gemm.silu_mul(bf16), (torch.nn.functional.silu(gate.float()).bfloat16() * up))
+    assert cpu_gemm.silu_mul(gate_up.double()) is None
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

@@ -201,53 +201,102 @@ static inline __m256 load_kv(const void* base, int64_t offset, int bf16) {
     return bf16 ? widen_bf16((const uint16_t*)base + offset) : _mm256_loadu_ps((const float*)base + offset);
 }
 
+/* e^x for eight floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within 2 ulp of
+ * expf; x is clamped to [-87, 88.7] (e^-87 ~ 1.6e-38 stands in for the smaller results). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
+#define ATTN_CHUNK 8 /* output vectors (of 8 floats) one pass over the values accumulates in registers */
+
 /* Decode attention straight from the paged arena: one query token per sequence, q [B, H, D] float32,
  * keys/values [slots, KVH, D] (float32 or bfloat16) addressed through blocks [B, nb] of bs slots;
  * mask [B, ctx] (1 = attend) or NULL for every position < ctx. Softmax in float32 (max-subtracted),
- * one (sequence, KV head) pair per task; its H / KVH query heads share each key and value read. */
+ * one (sequence, KV head) pair per task; its H / KVH query heads share each key and value read. Positions
+ * are walked block by block; each head's output is summed in registers, ATTN_CHUNK vectors per pass. */
 static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
                            const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
                            const uint8_t* mask, float scale, float* out, float* scratch) {
     const int64_t group = H / KVH, vecs = D / 8;
     const int64_t b = task / KVH, h = task % KVH;
+    const int64_t* table = blocks + b * nb;
     float* scores = scratch + task * group * ctx;
     const uint8_t* keep = mask ? mask + b * ctx : 0;
+    const float* qg = q + (b * H + h * group) * D;  /* the group's heads are consecutive */
     float top[16];  /* group <= 16: MAX_HEADS_PER_KV_HEAD in cpu_gemm.py */
     for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
-    for (int64_t p = 0; p < ctx; p++) {
-        if (keep && !keep[p]) continue;
-        const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
-        for (int64_t g = 0; g < group; g++) {
-            const float* qh = q + (b * H + h * group + g) * D;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < vecs; i++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(k, row * D + 8 * i, kv_bf16), acc);
-            const float s = hsum(acc) * scale;
-            scores[g * ctx + p] = s;
-            if (s > top[g]) top[g] = s;
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+        const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t p = p0 + t;
+            if (keep && !keep[p]) {
+                for (int64_t g = 0; g < group; g++) scores[g * ctx + p] = -INFINITY;
+                continue;
+            }
+            const int64_t row = ((base + t) * KVH + h) * D;
+            for (int64_t g = 0; g < group; g++) {
+                const float* qh = qg + g * D;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t i = 0; i < vecs; i++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(k, row + 8 * i, kv_bf16), acc);
+                const float sc = hsum(acc) * scale;
+                scores[g * ctx + p] = sc;
+                if (sc > top[g]) top[g] = sc;
+            }
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float total = 0.0f;
-        for (int64_t p = 0; p < ctx; p++) {
-            const float e = (keep && !keep[p]) ? 0.0f : expf(scores[g * ctx + p] - top[g]);
-            scores[g * ctx + p] = e;
-            total += e;
+        float* sg = scores + g * ctx;
+        const __m256 mx = _mm256_set1_ps(top[g]);
+        __m256 sum = _mm256_setzero_ps();
+        int64_t p = 0;
+        for (; p + 8 <= ctx; p += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx));
+            _mm256_storeu_ps(sg + p, e);
+            sum = _mm256_add_ps(sum, e);
         }
+        float total = hsum(sum);
+        for (; p < ctx; p++) {
+            float lane[8] = {sg[p] - top[g]};
+            _mm256_storeu_ps(lane, exp8(_mm256_loadu_ps(lane)));
+            sg[p] = lane[0];
+            total += lane[0];
+        }
+        /* masked positions hold e^-87 from the clamp: lost in a total of at least 1 (the top score's), never read */
         const float inv = 1.0f / total;
-        for (int64_t p = 0; p < ctx; p++) scores[g * ctx + p] *= inv;
+        for (p = 0; p < ctx; p++) sg[p] *= inv;
     }
-    float* o = out + (b * H + h * group) * D;  /* the group's heads are consecutive */
-    for (int64_t i = 0; i < group * D; i++) o[i] = 0.0f;
-    for (int64_t p = 0; p < ctx; p++) {
-        if (keep && !keep[p]) continue;
-        const int64_t row = (blocks[b * nb + p / bs] * bs + p % bs) * KVH + h;
-        for (int64_t i = 0; i < vecs; i++) {
-            const __m256 vv = load_kv(v, row * D + 8 * i, kv_bf16);
-            for (int64_t g = 0; g < group; g++) {
-                float* og = o + g * D + 8 * i;
-                _mm256_storeu_ps(og, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * ctx + p]), vv, _mm256_loadu_ps(og)));
+    for (int64_t g = 0; g < group; g++) {
+        const float* sg = scores + g * ctx;
+        for (int64_t c0 = 0; c0 < vecs; c0 += ATTN_CHUNK) {
+            const int64_t width = vecs - c0 < ATTN_CHUNK ? vecs - c0 : ATTN_CHUNK;
+            __m256 acc[ATTN_CHUNK];
+            for (int64_t i = 0; i < width; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+                const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
+                for (int64_t t = 0; t < n; t++) {
+                    if (keep && !keep[p0 + t]) continue;
+                    const __m256 weight = _mm256_set1_ps(sg[p0 + t]);
+                    const int64_t row = ((base + t) * KVH + h) * D + 8 * c0;
+                    for (int64_t i = 0; i < width; i++)
+                        acc[i] = _mm256_fmadd_ps(weight, load_kv(v, row + 8 * i, kv_bf16), acc[i]);
+                }
             }
+            float* o = out + (b * H + h * group + g) * D + 8 * c0;
+            for (int64_t i = 0; i < width; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
         }
     }
 }
@@ -314,17 +363,38 @@ void ts_rms_norm_bf16(const float* x, int64_t M, int64_t H, const float* weight,
     }
 }
 
-static inline void silu_mul_span(const float* g, const float* u, int64_t n, int bf16, float* o) {
-    if (!bf16) {
-        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) o[i] = round_bf16(round_bf16(g[i] / (1.0f + expf(-g[i]))) * u[i]);
+static inline __m256 silu8(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
-/* SwiGLU for a few rows: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, in float32, or
- * with bf16 = 1 for bfloat16 rows (held as float32 values): silu rounded to bfloat16, then the product. */
-void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, int bf16, float* out) {
+/* silu(g) * u, eight at a time (a last partial vector through the same lanes, so every element is computed
+ * alike wherever it lies); bf16: silu rounded to bfloat16, then the product. */
+static inline void silu_mul8(const float* g, const float* u, int bf16, float* o) {
+    const __m256 silu = silu8(_mm256_loadu_ps(g));
+    if (!bf16) {
+        _mm256_storeu_ps(o, _mm256_mul_ps(silu, _mm256_loadu_ps(u)));
+        return;
+    }
+    _mm256_storeu_ps(o, silu);
+    for (int j = 0; j < 8; j++) o[j] = round_bf16(round_bf16(o[j]) * u[j]);
+}
+
+static inline void silu_mul_span(const float* g, const float* u, int64_t n, int bf16, float* o) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) silu_mul8(g + i, u + i, bf16, o + i);
+    if (i < n) {
+        float gl[8] = {0}, ul[8] = {0}, ol[8];
+        for (int64_t j = i; j < n; j++) gl[j - i] = g[j], ul[j - i] = u[j];
+        silu_mul8(gl, ul, bf16, ol);
+        for (int64_t j = i; j < n; j++) o[j] = ol[j - i];
+    }
+}
+
+/* SwiGLU: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, in float32, or with bf16 = 1
+ * for bfloat16 rows (held as float32 values): silu rounded to bfloat16, then the product. Rows are shared
+ * among the threads. */
+void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, int bf16, float* out, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 4)")
     for (int64_t m = 0; m < M; m++) silu_mul_span(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, bf16, out + m * I);
 }
 

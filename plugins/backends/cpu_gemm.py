@@ -84,7 +84,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("ts_rms_norm", "ts_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, i64, i64, p, ctypes.c_float, p]
         getattr(lib, name).restype = None
-    lib.ts_silu_mul.argtypes = [p, i64, i64, i32, p]
+    lib.ts_silu_mul.argtypes = [p, i64, i64, i32, p, i32]
     lib.ts_silu_mul.restype = None
     lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
                                      p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
@@ -259,8 +259,8 @@ def decode_attention(
     return out.to(q.dtype)
 
 
-FEW_ROWS = 4  # rows up to which the elementwise kernels below beat torch's (whose ops cost 5-30 us each)
-NORM_ROWS = FEW_ROWS * 16  # rows up to which rms_norm runs the kernel (heads of a few tokens included)
+# rows up to which rms_norm (one thread) beats torch's five ops (5-30 us each): decode rows, or their heads
+NORM_ROWS = 64
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -287,17 +287,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a few float32 or bfloat16 CPU rows ``[M, 2I]`` (gate first; bfloat16: each
-    result rounded as torch's ops round it); None where torch's ops should run."""
+    """``silu(gate) * up`` of float32 or bfloat16 CPU rows ``[M, 2I]`` (gate first; bfloat16: each result
+    rounded as torch's ops round it), the rows shared among torch's threads; None where torch's ops should run."""
     dtype = gate_up.dtype
     if gate_up.dim() != 2 or dtype not in (torch.float32, torch.bfloat16) or gate_up.device.type != "cpu":
-        return None
-    if gate_up.shape[0] > FEW_ROWS:
         return None
     lib = library()
     if lib is None:
         return None
     gate_up = gate_up.float().contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], int(dtype == torch.bfloat16), out.data_ptr())
+    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], int(dtype == torch.bfloat16), out.data_ptr(),
+                    torch.get_num_threads())  # fmt: skip
     return out.to(dtype)

@@ -88,6 +88,7 @@ class FusedDecode:
         if (
             heads % kv_heads or heads // kv_heads > cpu_gemm.MAX_HEADS_PER_KV_HEAD or head_dim % 8
             or model.cos.shape[-1] != head_dim or model.kv_dtype not in (torch.float32, torch.bfloat16)
+            or model.config.intermediate_size % cpu_gemm.QK  # SiLU-mul runs in blocks of 32 columns
         ):  # fmt: skip
             return None
         kinds = []
