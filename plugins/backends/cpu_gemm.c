@@ -52,55 +52,71 @@ static inline __m256 widen_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-/* Float weights: two activation rows at a time share each weight vector loaded (and widened); an odd
- * last row runs alone. Both loops sum each row in the same order. */
-#define FLOAT_GEMM(NAME, WTYPE, LOAD)                                                                     \
-    static void NAME##_rows(const float* x, int64_t M, int64_t K, const WTYPE* w, const float* bias, int64_t N, \
-                            float* out) {                                                                 \
-        const int64_t tiles = (N + 3) / 4, steps = K / 8;                                                 \
-        _Pragma("omp for schedule(static)")                                                               \
-        for (int64_t t = 0; t < tiles; t++) {                                                             \
-            const WTYPE* wt = w + t * 4 * K;                                                              \
-            int64_t m = 0;                                                                                \
-            for (; m + 1 < M; m += 2) {                                                                   \
-                const float* x0 = x + m * K;                                                              \
-                const float* x1 = x0 + K;                                                                 \
-                __m256 a[4], b[4];                                                                        \
-                for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();                            \
-                for (int64_t s = 0; s < steps; s++) {                                                     \
-                    const WTYPE* ws = wt + s * 32;                                                        \
-                    __m256 u = _mm256_loadu_ps(x0 + s * 8), v = _mm256_loadu_ps(x1 + s * 8);               \
-                    for (int r = 0; r < 4; r++) {                                                         \
-                        __m256 wv = LOAD(ws + 8 * r);                                                     \
-                        a[r] = _mm256_fmadd_ps(wv, u, a[r]);                                              \
-                        b[r] = _mm256_fmadd_ps(wv, v, b[r]);                                              \
-                    }                                                                                     \
-                }                                                                                         \
-                store_tile(out + m * N, N, t * 4, a, 0, bias);                                            \
-                store_tile(out + (m + 1) * N, N, t * 4, b, 0, bias);                                      \
-            }                                                                                             \
-            if (m < M) {                                                                                  \
-                const float* x0 = x + m * K;                                                              \
-                __m256 a[4];                                                                              \
-                for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();                                   \
-                for (int64_t s = 0; s < steps; s++) {                                                     \
-                    const WTYPE* ws = wt + s * 32;                                                        \
-                    _mm_prefetch((const char*)(ws + 8 * 32), _MM_HINT_T0);                                \
-                    __m256 u = _mm256_loadu_ps(x0 + s * 8);                                               \
-                    for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(LOAD(ws + 8 * r), u, a[r]);        \
-                }                                                                                         \
-                store_tile(out + m * N, N, t * 4, a, 0, bias);                                            \
-            }                                                                                             \
-        }                                                                                                 \
-    }                                                                                                     \
-    void NAME(const float* x, int64_t M, int64_t K, const WTYPE* w, const float* bias, int64_t N,          \
-              float* out, int threads) {                                                                  \
-        _Pragma("omp parallel num_threads(threads)")                                                      \
-        NAME##_rows(x, M, K, w, bias, N, out);                                                            \
+/* Float weights, one tile of 4 output rows (t): two activation rows at a time share each weight vector
+ * loaded (and widened); an odd last row runs alone. Both loops sum each row in the same order. */
+#define FLOAT_TILE(NAME, WTYPE, LOAD)                                                                     \
+    static inline void NAME(const float* x, int64_t M, int64_t K, const WTYPE* wt, const float* bias,      \
+                            int64_t N, int64_t t, float* out) {                                           \
+        const int64_t steps = K / 8;                                                                      \
+        int64_t m = 0;                                                                            \
+        for (; m + 1 < M; m += 2) {                                                               \
+            const float* x0 = x + m * K;                                                          \
+            const float* x1 = x0 + K;                                                             \
+            __m256 a[4], b[4];                                                                    \
+            for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();                        \
+            for (int64_t s = 0; s < steps; s++) {                                                 \
+                const WTYPE* ws = wt + s * 32;                                                    \
+                __m256 u = _mm256_loadu_ps(x0 + s * 8), v = _mm256_loadu_ps(x1 + s * 8);           \
+                for (int r = 0; r < 4; r++) {                                                     \
+                    __m256 wv = LOAD(ws + 8 * r);                                                 \
+                    a[r] = _mm256_fmadd_ps(wv, u, a[r]);                                          \
+                    b[r] = _mm256_fmadd_ps(wv, v, b[r]);                                          \
+                }                                                                                 \
+            }                                                                                     \
+            store_tile(out + m * N, N, t * 4, a, 0, bias);                                        \
+            store_tile(out + (m + 1) * N, N, t * 4, b, 0, bias);                                  \
+        }                                                                                         \
+        if (m < M) {                                                                              \
+            const float* x0 = x + m * K;                                                          \
+            __m256 a[4];                                                                          \
+            for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();                               \
+            for (int64_t s = 0; s < steps; s++) {                                                 \
+                const WTYPE* ws = wt + s * 32;                                                    \
+                _mm_prefetch((const char*)(ws + 8 * 32), _MM_HINT_T0);                            \
+                __m256 u = _mm256_loadu_ps(x0 + s * 8);                                           \
+                for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(LOAD(ws + 8 * r), u, a[r]);    \
+            }                                                                                     \
+            store_tile(out + m * N, N, t * 4, a, 0, bias);                                        \
+        }                                                                                         \
     }
 
-FLOAT_GEMM(ts_f32_gemm, float, _mm256_loadu_ps)
-FLOAT_GEMM(ts_bf16_gemm, uint16_t, widen_bf16)
+FLOAT_TILE(f32_tile, float, _mm256_loadu_ps)
+FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
+
+/* out [M, N] = x [M, K] @ W^T (+ bias), the tiles shared among the enclosing parallel region's threads. */
+static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N,
+                             float* out) {
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < (N + 3) / 4; t++) f32_tile(x, M, K, w + t * 4 * K, bias, N, t, out);
+}
+
+static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N,
+                              float* out) {
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < (N + 3) / 4; t++) bf16_tile(x, M, K, w + t * 4 * K, bias, N, t, out);
+}
+
+void ts_f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* out,
+                 int threads) {
+    _Pragma("omp parallel num_threads(threads)")
+    ts_f32_gemm_rows(x, M, K, w, bias, N, out);
+}
+
+void ts_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* out,
+                  int threads) {
+    _Pragma("omp parallel num_threads(threads)")
+    ts_bf16_gemm_rows(x, M, K, w, bias, N, out);
+}
 
 /* llama.cpp's quantize_row_q8_0 rule: d = max|x| / 127, q = round(x / d), half away from zero. */
 void ts_q8_quantize(const float* x, int64_t K, int8_t* q, float* d) {
@@ -382,11 +398,12 @@ static inline void silu_mul8(const float* g, const float* u, int bf16, float* o)
 static inline void silu_mul_span(const float* g, const float* u, int64_t n, int bf16, float* o) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) silu_mul8(g + i, u + i, bf16, o + i);
-    if (i < n) {
+    const int rest = (int)(n - i);  /* 0-7 */
+    if (rest > 0) {
         float gl[8] = {0}, ul[8] = {0}, ol[8];
-        for (int64_t j = i; j < n; j++) gl[j - i] = g[j], ul[j - i] = u[j];
+        for (int j = 0; j < rest && j < 8; j++) gl[j] = g[i + j], ul[j] = u[i + j];
         silu_mul8(gl, ul, bf16, ol);
-        for (int64_t j = i; j < n; j++) o[j] = ol[j - i];
+        for (int j = 0; j < rest && j < 8; j++) o[i + j] = ol[j];
     }
 }
 
