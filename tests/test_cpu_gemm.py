@@ -94,10 +94,32 @@ def test_bfloat16_weights_run_the_own_kernel_where_onednn_lacks_them():
     if _onednn_available(torch.device("cpu"), torch.bfloat16):
         assert factory.kernel == "onednn"
     else:
-        assert factory.kernel == "bf16-avx2"
+        assert factory.kernel.startswith("bf16-avx2")
         layer = factory(torch.randn(16, 32).to(torch.bfloat16))
         assert layer(torch.randn(2, 32).to(torch.bfloat16)).dtype == torch.bfloat16
     assert LinearFactory("torch", torch.device("cpu"), torch.bfloat16).kernel == "torch"
+
+
+def test_bfloat16_prefill_chunks_run_onednn_on_the_widened_weight():
+    """From WIDE_ROWS rows a bf16-avx2 layer runs oneDNN's float32 GEMM on its weight widened for the call:
+    the product of the same bfloat16 weights (within float32 summation order of the kernel's result)."""
+    from tierserve.plugins.backends.linear import WIDE_ROWS, _onednn_available
+
+    factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
+    if not factory.kernel.startswith("bf16-avx2"):
+        pytest.skip("bfloat16 matmuls run oneDNN on this CPU")
+    assert factory.kernel.endswith("+onednn-f32") == _onednn_available(torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(37, 64, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(37, generator=generator).bfloat16()
+    layer = factory(weight, bias)
+    assert torch.equal(layer.own.unpacked(), weight.float())
+    x = torch.randn(WIDE_ROWS + 3, 64, generator=generator).bfloat16()
+    expected = (x.double() @ weight.double().T + bias.double()).bfloat16()
+    wide, kernel = layer(x), layer(x[:WIDE_ROWS - 1])
+    assert wide.dtype == torch.bfloat16 and torch.allclose(wide.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    differing = (wide[: WIDE_ROWS - 1] != kernel).float().mean()  # bfloat16 rounding of two float32 sum orders
+    assert differing < 0.05, differing
 
 
 def test_without_a_compiler_torch_kernels_run(tmp_path):

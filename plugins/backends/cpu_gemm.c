@@ -385,14 +385,22 @@ static inline __m256 silu8(__m256 g) {
 
 /* silu(g) * u, eight at a time (a last partial vector through the same lanes, so every element is computed
  * alike wherever it lies); bf16: silu rounded to bfloat16, then the product. */
+/* round_bf16 of eight floats */
+static inline __m256 round_bf16_8(__m256 f) {
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xFFFF0000u)));
+    return _mm256_blendv_ps(rounded, _mm256_set1_ps(NAN), _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+}
+
 static inline void silu_mul8(const float* g, const float* u, int bf16, float* o) {
     const __m256 silu = silu8(_mm256_loadu_ps(g));
     if (!bf16) {
         _mm256_storeu_ps(o, _mm256_mul_ps(silu, _mm256_loadu_ps(u)));
         return;
     }
-    _mm256_storeu_ps(o, silu);
-    for (int j = 0; j < 8; j++) o[j] = round_bf16(round_bf16(o[j]) * u[j]);
+    _mm256_storeu_ps(o, round_bf16_8(_mm256_mul_ps(round_bf16_8(silu), _mm256_loadu_ps(u))));
 }
 
 static inline void silu_mul_span(const float* g, const float* u, int64_t n, int bf16, float* o) {

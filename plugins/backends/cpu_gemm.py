@@ -155,6 +155,12 @@ class PackedFloat:
         self.function = lib.ts_bf16_gemm if weight.dtype == torch.bfloat16 else lib.ts_f32_gemm
         self.bias = None if bias is None else bias.float().contiguous()
 
+    def unpacked(self) -> torch.Tensor:
+        """The weight as a float32 ``[N, K]`` matrix (a new tensor; bfloat16 widens exactly)."""
+        tiles = self.weight.view(torch.bfloat16) if self.weight.dtype == torch.int16 else self.weight
+        rows = tiles.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
+        return rows.float() if rows.dtype != torch.float32 else rows.contiguous()
+
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)

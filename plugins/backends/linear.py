@@ -50,7 +50,13 @@ dequantized weight's up to float summation order; 3-7x slower.
 bfloat16 weights run oneDNN where the CPU has AVX512-BF16; elsewhere ``auto``
 runs tierserve's ``bf16`` kernel (``cpu_gemm.py``: the weight widened to
 float32 in registers, float32 sums), 1.5x torch's ``F.linear`` at batch 1 and
-5x at batch 32 on the AVX2 machine.
+5x at batch 32 on the AVX2 machine. Its two-rows-by-four-columns blocking
+reaches ~90 GFLOP/s on that machine, so calls of ``WIDE_ROWS`` rows or more
+(prefill chunks) widen the weight to float32 for the call and run oneDNN's
+float32 GEMM (``bf16-avx2+onednn-f32``): the same float32 products of the
+same bfloat16 values, summed in oneDNN's order. A decode row that shares its
+step with a long prefill chunk therefore runs oneDNN's sums, not the bf16
+kernel's, and may differ in its last bits from the same row run without one.
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ QUANTIZATIONS = ("none", "int8")
 GROUP_SIZE = 32  # llama.cpp's Q8_0 block
 GROUPED_KERNEL = "int8-g32"
 SMALL_BATCH = 4  # rows up to which ``auto`` int8 runs the q8 kernel instead of fbgemm
+# rows (a prefill chunk) from which bf16-avx2 hands a call to oneDNN's float32 GEMM, the weight widened for it
+WIDE_ROWS = 256
 _TILE_BYTES = 4 << 20  # float bytes of one converted column tile of a group-wise matrix
 
 
@@ -132,15 +140,21 @@ def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Linear:
     """``y = x @ weight.T + bias`` with the weight stored in the kernel's preferred layout: oneDNN's
-    (``packed``), tierserve's (``own``: ``cpu_gemm.PackedFloat``), or as it is for ``F.linear``."""
+    (``packed``), tierserve's (``own``: ``cpu_gemm.PackedFloat``), or as it is for ``F.linear``.
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "own")
+    ``wide_prefill`` (with ``own``): calls of at least ``WIDE_ROWS`` rows run oneDNN's float32 GEMM on the
+    weight widened to float32 for that call."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, own: bool = False) -> None:
+    __slots__ = ("weight", "bias", "packed", "out_features", "own", "wide_prefill")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, own: bool = False, wide_prefill: bool = False
+    ) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = packed
         self.own = cpu_gemm.PackedFloat(weight, bias) if own else None
+        self.wide_prefill = wide_prefill and own
         if own:
             self.weight = self.own.weight
         else:
@@ -148,8 +162,13 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.own is not None:
-            out = self.own(x.reshape(-1, x.shape[-1])).to(x.dtype)
-            return out.view(*x.shape[:-1], self.out_features)
+            rows = x.reshape(-1, x.shape[-1])
+            if self.wide_prefill and rows.shape[0] >= WIDE_ROWS:
+                weight = torch.ops.mkldnn._reorder_linear_weight(self.own.unpacked())
+                out = torch.ops.mkldnn._linear_pointwise(rows.float(), weight, self.own.bias, "none", [], "")
+            else:
+                out = self.own(rows)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.packed:
             rows = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
@@ -327,7 +346,7 @@ class LinearFactory:
             kernels = int8_kernels(device)
             if kernel == "torch":
                 kernels = [k for k in kernels if k != "fbgemm"]
-            self.packed = self.own = False
+            self.packed = self.own = self.wide_prefill = False
             self._int8_kernel = kernels[0]
             self.small_batch = kernel == "auto" and device.type == "cpu" and cpu_gemm.library() is not None
             self.kernel = f"int8-{kernels[0]}" + ("+q8" if self.small_batch else "")
@@ -344,7 +363,10 @@ class LinearFactory:
             kernel == "auto" and not available and dtype == torch.bfloat16
             and device.type == "cpu" and cpu_gemm.library() is not None
         )  # fmt: skip
+        self.wide_prefill = self.own and _onednn_available(device, torch.float32)
         self.kernel = "onednn" if self.packed else "bf16-avx2" if self.own else "torch"
+        if self.wide_prefill:
+            self.kernel += "+onednn-f32"
 
     def __call__(self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         """A layer for ``weight``: group-wise int8 stays so (``int8-g32``), float follows the factory's choice."""
@@ -356,7 +378,8 @@ class LinearFactory:
             return layer
         if self.quantization == "int8":
             return Int8Linear(weight, bias, self._int8_kernel, self.dtype, self.small_batch)
-        return Linear(weight, bias, self.packed, self.own and cpu_gemm.supports_float(weight))
+        own = self.own and cpu_gemm.supports_float(weight)
+        return Linear(weight, bias, self.packed, own, self.wide_prefill)
 
     @property
     def kernels(self) -> str:
