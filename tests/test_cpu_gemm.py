@@ -161,20 +161,22 @@ def test_elementwise_kernels_match_torch():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_the_blocks_in_place(kv_dtype):
+@pytest.mark.parametrize("block", [4, 16])  # 16: positions also run eight at a time
+def test_decode_attention_reads_the_blocks_in_place(kv_dtype, block):
     """Three sequences of different lengths through scattered blocks, one with positions masked (a sliding
     window), against softmax attention over the gathered keys and values."""
     generator = torch.Generator().manual_seed(5)
-    block, kv_heads, head_dim = 4, 2, 16
+    kv_heads, head_dim = 2, 16
     keys = torch.randn(12 * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
     values = torch.randn(12 * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
     q = torch.randn(3, 6, head_dim, generator=generator)
     blocks = torch.tensor([[7, 2, 9], [0, 11, 3], [5, 1, 0]])
-    lengths, ctx = [11, 9, 3], 11
+    ctx = 3 * block - 1
+    lengths = [ctx, ctx - 2, 3]
     mask = torch.zeros(3, 1, 1, ctx, dtype=torch.bool)
     for row, n in enumerate(lengths):
         mask[row, ..., :n] = True
-    mask[0, ..., :4] = False  # outside a window
+    mask[0, ..., : block + 3] = False  # outside a window
     out = cpu_gemm.decode_attention(q, keys, values, blocks, block, ctx, mask, 0.25)
     for row in range(3):
         slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in blocks[row].tolist()])[:ctx]

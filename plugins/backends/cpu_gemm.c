@@ -213,6 +213,14 @@ void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
     q8_rows(qx, dx, M, K, w, ws, grouped, bias, N, out);
 }
 
+/* The lane sums of eight vectors, as one vector (element j: the sum of a[j]'s lanes). */
+static inline __m256 hsum8(const __m256* a) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo4 = _mm256_hadd_ps(h01, h23), hi4 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
+}
+
 static inline __m256 load_kv(const void* base, int64_t offset, int bf16) {
     return bf16 ? widen_bf16((const uint16_t*)base + offset) : _mm256_loadu_ps((const float*)base + offset);
 }
@@ -256,7 +264,27 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
     for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
         const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
-        for (int64_t t = 0; t < n; t++) {
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {  /* eight positions' dot products at once, summed across lanes together */
+            const int64_t row = ((base + t) * KVH + h) * D, stride = KVH * D;
+            for (int64_t g = 0; g < group; g++) {
+                const float* qh = qg + g * D;
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < vecs; i++) {
+                    const __m256 qv = _mm256_loadu_ps(qh + 8 * i);
+                    for (int j = 0; j < 8; j++)
+                        acc[j] = _mm256_fmadd_ps(qv, load_kv(k, row + j * stride + 8 * i, kv_bf16), acc[j]);
+                }
+                float* out8 = scores + g * ctx + p0 + t;
+                _mm256_storeu_ps(out8, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+                for (int j = 0; j < 8; j++) {
+                    if (keep && !keep[p0 + t + j]) out8[j] = -INFINITY;
+                    else if (out8[j] > top[g]) top[g] = out8[j];
+                }
+            }
+        }
+        for (; t < n; t++) {
             const int64_t p = p0 + t;
             if (keep && !keep[p]) {
                 for (int64_t g = 0; g < group; g++) scores[g * ctx + p] = -INFINITY;
