@@ -57,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, own: bool = Fals
     out = cpu_gemm.rms_norm(x, weight, eps) if own else None
     if out is not None:
         return out
-    if dtype == torch.float32:  # one call instead of five ops; the same float32 arithmetic
+    if dtype == torch.float32:  # torch's fused op instead of five; the same float32 arithmetic
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
