@@ -9,6 +9,8 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from tierserve.core import __version__
 from tierserve.core.config import LoadedSettings, load_settings, parse_override
 from tierserve.core.errors import TierserveError
@@ -370,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not structlog.is_configured():
+        # structlog's default prints to stdout, where a command's output goes (``config show --json`` that
+        # writes the builtin model on first use logged it into the JSON); log lines belong on stderr
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
     try:
         return args.handler(args)
     except TierserveError as exc:

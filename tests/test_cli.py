@@ -146,3 +146,11 @@ def test_config_show_says_which_backend_auto_runs(tmp_path):
         loaded = load_settings(None, environ={}, overrides={("model", "path"): str(path)})
         chosen[architecture] = backend_candidates(loaded.settings, loaded.plugins.registry("backends"))[0]
     assert chosen == {"llama": "native", "bloom": "transformers-unpaged"}
+
+
+def test_config_show_json_stays_json_when_the_builtin_model_is_written_first(tmp_path):
+    """On a fresh cache ``config show`` writes the default builtin model; its log line goes to stderr."""
+    result = run("config", "show", "--json", env={"TIERSERVE_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["server"]["host"]["value"] == "127.0.0.1"
+    assert "writing builtin model" in result.stderr
