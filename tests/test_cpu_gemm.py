@@ -188,6 +188,22 @@ def test_decode_attention_reads_the_blocks_in_place(kv_dtype, block):
             assert torch.allclose(out[row, head], weights @ v[:, kv], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_of_a_row_does_not_depend_on_its_batch(kv_dtype):
+    """A sequence of 20 tokens alone, and next to one of 40 (so the call reads 40 positions, the first
+    row's last 20 masked): the same bits, whatever the 16-token blocks' fill."""
+    generator = torch.Generator().manual_seed(6)
+    keys = torch.randn(8 * 16, 4, 64, generator=generator).to(kv_dtype)
+    values = torch.randn(8 * 16, 4, 64, generator=generator).to(kv_dtype)
+    q = torch.randn(2, 12, 64, generator=generator)
+    blocks = torch.tensor([[5, 1, 0], [2, 7, 3]])
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., 20:] = False
+    alone = cpu_gemm.decode_attention(q[:1], keys, values, blocks[:1, :2], 16, 20, None, 0.125)
+    batched = cpu_gemm.decode_attention(q, keys, values, blocks, 16, 40, mask, 0.125)
+    assert torch.equal(batched[:1], alone)
+
+
 def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
     """``auto`` int8 holds the q8 kernel's copy next to fbgemm's: the pre-load estimate says so."""
     from tests.engine_helpers import build_checkpoint

@@ -226,9 +226,13 @@ static inline __m256 load_kv(const void* base, int64_t offset, int bf16) {
 }
 
 /* e^x for eight floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within 2 ulp of
- * expf; x is clamped to [-87, 88.7] (e^-87 ~ 1.6e-38 stands in for the smaller results). */
+ * expf. Above 88 the argument is lowered by ln 2 and the result doubled, so 2^n stays a normal float and
+ * results past FLT_MAX become +inf as expf's do; below -87 it is clamped (e^-87 ~ 1.6e-38 stands in for the
+ * smaller results); a NaN stays NaN (the clamps take their second operand when either is NaN). */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.0f));
+    const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
+    x = _mm256_sub_ps(x, _mm256_and_ps(big, _mm256_set1_ps(0.693147180559945f)));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -241,7 +245,8 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+    const __m256 doubled = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f), big);
+    return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(power)), doubled);
 }
 
 #define ATTN_CHUNK 8 /* output vectors (of 8 floats) one pass over the values accumulates in registers */
@@ -262,10 +267,14 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
     const float* qg = q + (b * H + h * group) * D;  /* the group's heads are consecutive */
     float top[16];  /* group <= 16: MAX_HEADS_PER_KV_HEAD in cpu_gemm.py */
     for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+    /* Positions go eight at a time where blocks hold whole groups of eight: each one's dot product is summed in
+     * the same order whatever the context (a group reaching past it reads slots of its own block, whose
+     * results are dropped), so a row's result does not depend on the longest context of its batch. */
+    const int wide = bs % 8 == 0;
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
         const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
         int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {  /* eight positions' dot products at once, summed across lanes together */
+        for (; wide && t < n; t += 8) {  /* eight positions' dot products at once, summed across lanes together */
             const int64_t row = ((base + t) * KVH + h) * D, stride = KVH * D;
             for (int64_t g = 0; g < group; g++) {
                 const float* qh = qg + g * D;
@@ -276,11 +285,12 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
                     for (int j = 0; j < 8; j++)
                         acc[j] = _mm256_fmadd_ps(qv, load_kv(k, row + j * stride + 8 * i, kv_bf16), acc[j]);
                 }
+                float dots[8];
+                _mm256_storeu_ps(dots, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
                 float* out8 = scores + g * ctx + p0 + t;
-                _mm256_storeu_ps(out8, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
-                for (int j = 0; j < 8; j++) {
-                    if (keep && !keep[p0 + t + j]) out8[j] = -INFINITY;
-                    else if (out8[j] > top[g]) top[g] = out8[j];
+                for (int j = 0; j < 8 && t + j < n; j++) {
+                    out8[j] = keep && !keep[p0 + t + j] ? -INFINITY : dots[j];
+                    if (out8[j] > top[g]) top[g] = out8[j];
                 }
             }
         }
@@ -302,24 +312,22 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
+    for (int64_t g = 0; g < group; g++) {  /* e^(s - top) eight at a time; the total summed in position order */
         float* sg = scores + g * ctx;
         const __m256 mx = _mm256_set1_ps(top[g]);
-        __m256 sum = _mm256_setzero_ps();
         int64_t p = 0;
-        for (; p + 8 <= ctx; p += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx));
-            _mm256_storeu_ps(sg + p, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        float total = hsum(sum);
-        for (; p < ctx; p++) {
-            float lane[8] = {sg[p] - top[g]};
+        for (; p + 8 <= ctx; p += 8) _mm256_storeu_ps(sg + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx)));
+        if (p < ctx) {
+            float lane[8] = {0};
+            for (int64_t j = p; j < ctx; j++) lane[j - p] = sg[j] - top[g];
             _mm256_storeu_ps(lane, exp8(_mm256_loadu_ps(lane)));
-            sg[p] = lane[0];
-            total += lane[0];
+            for (int64_t j = p; j < ctx; j++) sg[j] = lane[j - p];
         }
-        /* masked positions hold e^-87 from the clamp: lost in a total of at least 1 (the top score's), never read */
+        float total = 0.0f;
+        for (p = 0; p < ctx; p++) {
+            if (keep && !keep[p]) sg[p] = 0.0f;  /* e^-87 from the clamp: exactly nothing instead */
+            total += sg[p];
+        }
         const float inv = 1.0f / total;
         for (p = 0; p < ctx; p++) sg[p] *= inv;
     }
@@ -353,7 +361,7 @@ void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int6
         attention_task(task, q, H, KVH, D, k, v, kv_bf16, blocks, nb, bs, ctx, mask, scale, out, scratch);
 }
 
-/* torch's float -> bfloat16 conversion (round to nearest even), the result widened back to float32 */
+/* torch's float -> bfloat16 conversion (round to nearest even; a NaN becomes a quiet NaN), widened back */
 static inline float round_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, 4);

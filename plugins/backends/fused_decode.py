@@ -74,7 +74,7 @@ class FusedDecode:
             ])  # fmt: skip
         self.pointers = torch.tensor(rows, dtype=torch.int64)
         self.kinds = torch.tensor(kinds, dtype=torch.int64)
-        self.arena_at = 0  # the first key buffer's address the table holds (the arena may be allocated again)
+        self.arena_keys: list[torch.Tensor] | None = None  # the arena's key list the table points into
 
     @classmethod
     def build(cls, model: PagedLlama) -> FusedDecode | None:
@@ -96,8 +96,8 @@ class FusedDecode:
             layer_kinds = [_kind(linear, model.dtype) for linear in _projections(layer)]
             if None in layer_kinds or layer.gate_up.bias is not None or layer.down.bias is not None:
                 return None
-            if (layer.q_norm is None) != (layer.k_norm is None):
-                return None
+            if (layer.q_norm is None) != (layer.k_norm is None) or (layer.q_norm is None) != (model.layers[0].q_norm is None):
+                return None  # run() checks the first layer's norms for every layer
             kinds.append(layer_kinds)
         return cls(model, kinds)
 
@@ -114,10 +114,12 @@ class FusedDecode:
         if model.layers[0].q_norm is not None and rows * model.num_heads > cpu_gemm.NORM_ROWS:
             return None  # the Python path normalises that many head rows with torch's op
         arena = model.arena
-        if arena.k[0].data_ptr() != self.arena_at:
+        if not arena.k:
+            return None  # no arena (cleared): the layer loop says so
+        if arena.k is not self.arena_keys:  # allocated (again) since the table was filled: new lists, new buffers
             self.pointers[:, K_CACHE] = torch.tensor([k.data_ptr() for k in arena.k])
             self.pointers[:, V_CACHE] = torch.tensor([v.data_ptr() for v in arena.v])
-            self.arena_at = arena.k[0].data_ptr()
+            self.arena_keys = arena.k
         ctx = group.ctx
         masks = {
             window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
