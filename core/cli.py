@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
-
-import structlog
 
 from tierserve.core import __version__
 from tierserve.core.config import LoadedSettings, load_settings, parse_override
@@ -78,15 +77,18 @@ def _print_table(header: str, values: dict[str, dict[str, Any]]) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    loaded = _settings_from(args)
-    explained = loaded.explain()
-    backend = explained["model"]["backend"]
-    if str(backend["value"]).lower() == "auto":  # say which backend auto picks for this checkpoint
-        from tierserve.core.backend_choice import backend_candidates
+    # logging is not configured for this command, and structlog's default prints to stdout: resolving the
+    # model may write the builtin one first and log that, which belongs on stderr, not in the output
+    with contextlib.redirect_stdout(sys.stderr):
+        loaded = _settings_from(args)
+        explained = loaded.explain()
+        backend = explained["model"]["backend"]
+        if str(backend["value"]).lower() == "auto":  # say which backend auto picks for this checkpoint
+            from tierserve.core.backend_choice import backend_candidates
 
-        candidates = backend_candidates(loaded.settings, loaded.plugins.registry("backends"))
-        backend["chosen"] = candidates[0]
-        backend["source"] += f"; runs {candidates[0]} for this checkpoint"
+            candidates = backend_candidates(loaded.settings, loaded.plugins.registry("backends"))
+            backend["chosen"] = candidates[0]
+            backend["source"] += f"; runs {candidates[0]} for this checkpoint"
     if args.json:
         print(json.dumps(explained, indent=2))
         return 0
@@ -372,10 +374,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not structlog.is_configured():
-        # structlog's default prints to stdout, where a command's output goes (``config show --json`` that
-        # writes the builtin model on first use logged it into the JSON); log lines belong on stderr
-        structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
     try:
         return args.handler(args)
     except TierserveError as exc:
