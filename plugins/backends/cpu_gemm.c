@@ -149,10 +149,8 @@ static inline void q8_tile(const int8_t* wt, const float* st, const int8_t* x0, 
         const __m256i v = _mm256_loadu_si256((const __m256i*)(x1 + k * QK));
         const __m256i au = _mm256_sign_epi8(u, u), av = _mm256_sign_epi8(v, v);
         for (int r = 0; r < 4; r++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + r * QK));
             const float ws = st ? st[k * 4 + r] : 1.0f;
-            const __m256 pu = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(w, u)), ones));
-            const __m256 pv = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w, v)), ones));
+            const __m256 pu = block_dot(au, u, wb + r * QK, ones), pv = block_dot(av, v, wb + r * QK, ones);
             a[r] = _mm256_fmadd_ps(pu, _mm256_set1_ps(d0[k] * ws), a[r]);
             b[r] = _mm256_fmadd_ps(pv, _mm256_set1_ps(d1[k] * ws), b[r]);
         }
@@ -170,9 +168,8 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
         const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
         const __m256i au = _mm256_sign_epi8(u, u);
         for (int r = 0; r < 4; r++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + r * QK));
             const float ws = st ? st[k * 4 + r] : 1.0f;
-            const __m256 pu = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(w, u)), ones));
+            const __m256 pu = block_dot(au, u, wb + r * QK, ones);
             a[r] = _mm256_fmadd_ps(pu, _mm256_set1_ps(d0[k] * ws), a[r]);
         }
     }

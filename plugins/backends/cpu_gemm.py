@@ -131,8 +131,9 @@ def _build(compiler: list[str], target: Path) -> None:
     log.info("cpu_gemm_built path=%s", target)
 
 
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
+def address(tensor: torch.Tensor | None) -> int:
+    """A tensor's data address for the kernels; 0 (NULL) for None."""
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -165,7 +166,7 @@ class PackedFloat:
         rows = rows.float().contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)
         self.function(
-            rows.data_ptr(), rows.shape[0], self.in_features, self.weight.data_ptr(), _ptr(self.bias),
+            rows.data_ptr(), rows.shape[0], self.in_features, self.weight.data_ptr(), address(self.bias),
             self.out_features, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -204,7 +205,7 @@ class PackedQ8:
         block_scales = rows.new_empty(m, self.in_features // QK)
         library().ts_q8_gemm(
             rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), self.scale.data_ptr(), int(self.grouped),
-            _ptr(self.bias), self.out_features, out.data_ptr(), quantized.data_ptr(), block_scales.data_ptr(),
+            address(self.bias), self.out_features, out.data_ptr(), quantized.data_ptr(), block_scales.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -259,7 +260,7 @@ def decode_attention(
     keep = None if mask is None else mask.reshape(batch, ctx).contiguous().view(torch.uint8)
     lib.ts_decode_attention(
         queries.data_ptr(), batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, _ptr(keep),
+        int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
         scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out.to(q.dtype)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
+from tierserve.plugins.backends.cpu_gemm import address
 from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear
 from tierserve.plugins.backends.paged_attention import PagedBatch
 
@@ -68,9 +69,9 @@ class FusedDecode:
             )
             self.norms += [norm for norm in (input_norm, q_norm, k_norm, post_norm) if norm is not None]
             rows.append([
-                _ptr(input_norm), _ptr(packed[0].weight), _ptr(scales[0]), _ptr(packed[0].bias), _ptr(q_norm),
-                _ptr(k_norm), _ptr(packed[1].weight), _ptr(scales[1]), _ptr(packed[1].bias), _ptr(post_norm),
-                _ptr(packed[2].weight), _ptr(scales[2]), _ptr(packed[3].weight), _ptr(scales[3]), 0, 0, 0,
+                address(input_norm), address(packed[0].weight), address(scales[0]), address(packed[0].bias), address(q_norm),
+                address(k_norm), address(packed[1].weight), address(scales[1]), address(packed[1].bias), address(post_norm),
+                address(packed[2].weight), address(scales[2]), address(packed[3].weight), address(scales[3]), 0, 0, 0,
             ])  # fmt: skip
         self.pointers = torch.tensor(rows, dtype=torch.int64)
         self.kinds = torch.tensor(kinds, dtype=torch.int64)
@@ -125,7 +126,7 @@ class FusedDecode:
             window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
             for window, mask in group.masks.items()
         }
-        self.pointers[:, MASK] = torch.tensor([_ptr(masks[window]) for window in self.windows])
+        self.pointers[:, MASK] = torch.tensor([address(masks[window]) for window in self.windows])
         heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
         hidden_size, inter = model.config.hidden_size, model.config.intermediate_size
         q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
@@ -146,6 +147,3 @@ class FusedDecode:
         )  # fmt: skip
         return hidden.to(model.dtype)
 
-
-def _ptr(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
