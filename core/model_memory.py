@@ -63,6 +63,13 @@ def _per_row_int8_bytes(settings: Settings, device) -> int:
     return int8_copies(kernel, device)
 
 
+def _bf16_copies(settings: Settings, device) -> int:
+    from tierserve.plugins.backends.linear import bf16_copies
+
+    backend = "transformers" if settings.model.backend == "transformers" else "native"
+    return bf16_copies(settings.plugins.table(backend).get("linear_kernel", "auto"), device)
+
+
 def estimate_memory(settings: Settings) -> MemoryEstimate:
     """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
     from tierserve.core.devices import resolve_placement
@@ -80,6 +87,8 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
         # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes);
         # per-row int8 is one byte, twice where ``auto`` keeps the small-batch q8 copy next to fbgemm's
         per_weight = 1.125 if gguf else _per_row_int8_bytes(settings, device)
+    elif str(dtype) == "torch.bfloat16":  # oneDNN's copy and, where it runs, the bf16-dot kernel's for decode rows
+        per_weight *= _bf16_copies(settings, device)
     weight_bytes = int(elements * per_weight) if elements else stored
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads

@@ -78,7 +78,8 @@ def test_float_kernels_compute_the_product_of_the_weights_held(dtype):
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(37, 48, generator=generator) * 0.05).to(dtype)
     bias = torch.randn(37, generator=generator)
-    x = torch.randn(7, 48, generator=generator)
+    # a bfloat16 model's rows are bfloat16 values (the AVX-512 build's vdpbf16ps takes them as such)
+    x = torch.randn(7, 48, generator=generator).to(dtype).float()
     packed = cpu_gemm.PackedFloat(weight, bias)
     expected = x.double() @ weight.double().T + bias.double()
     assert torch.allclose(packed(x).double(), expected, rtol=1e-5, atol=1e-5)
@@ -87,17 +88,72 @@ def test_float_kernels_compute_the_product_of_the_weights_held(dtype):
     assert torch.equal(packed(x)[5:6], packed(x[5:6]))  # the odd row, run alone, sums in the same order
 
 
+def test_avx512_build_gives_the_avx2_builds_q8_bits(tmp_path):
+    """The AVX-512 build sums a q8 block with vpdpbusd: the same int32 lanes as AVX2's maddubs + madd, so
+    the same float32 results to the bit (the AVX2 build runs in a subprocess, on its own kernel cache)."""
+    if cpu_gemm.isa() != "avx512":
+        pytest.skip("this CPU runs the AVX2 build only")
+    generator = torch.Generator().manual_seed(11)
+    weight, x = torch.randn(70, 128, generator=generator) * 0.05, torch.randn(5, 128, generator=generator)
+    torch.save({"weight": weight, "x": x}, tmp_path / "inputs.pt")
+    script = (
+        "import sys, torch; from tierserve.plugins.backends import cpu_gemm;"
+        "from tierserve.plugins.backends.linear import Int8Linear, quantize_groups;"
+        "assert cpu_gemm.isa() == 'avx2' and not cpu_gemm.bf16_dot(), cpu_gemm.unavailable_reason();"
+        "d = torch.load(sys.argv[1]);"
+        "rows = Int8Linear(d['weight'], None, 'q8', torch.float32)(d['x']);"
+        "groups = Int8Linear(quantize_groups(d['weight']), None, 'grouped', torch.float32, True)(d['x']);"
+        "torch.save({'rows': rows, 'groups': groups}, sys.argv[2])"
+    )
+    env = {**os.environ, cpu_gemm.ISA_VARIABLE: "avx2", "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    avx2 = torch.load(tmp_path / "out.pt")
+    assert torch.equal(Int8Linear(weight, None, "q8", torch.float32)(x), avx2["rows"])
+    assert torch.equal(Int8Linear(quantize_groups(weight), None, "grouped", torch.float32, True)(x), avx2["groups"])
+
+
+def test_an_unknown_isa_is_refused_with_the_allowed_values(tmp_path):
+    script = "from tierserve.plugins.backends import cpu_gemm; print(cpu_gemm.library(), cpu_gemm.unavailable_reason())"
+    env = {**os.environ, cpu_gemm.ISA_VARIABLE: "sse9", "TIERSERVE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "None TIERSERVE_CPU_GEMM_ISA: got 'sse9', allowed: auto, avx2, avx512" in done.stdout
+
+
 def test_bfloat16_weights_run_the_own_kernel_where_onednn_lacks_them():
     factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
     from tierserve.plugins.backends.linear import _onednn_available
 
     if _onednn_available(torch.device("cpu"), torch.bfloat16):
-        assert factory.kernel == "onednn"
+        assert factory.kernel == ("onednn+bf16-dot" if cpu_gemm.bf16_dot() else "onednn")
     else:
         assert factory.kernel.startswith("bf16-avx2")
         layer = factory(torch.randn(16, 32).to(torch.bfloat16))
         assert layer(torch.randn(2, 32).to(torch.bfloat16)).dtype == torch.bfloat16
     assert LinearFactory("torch", torch.device("cpu"), torch.bfloat16).kernel == "torch"
+
+
+def test_bfloat16_decode_rows_run_the_dot_kernel_and_batches_onednn():
+    """On an AVX512-BF16 CPU ``auto`` holds both layouts: up to SMALL_BATCH rows run the bf16-dot kernel (a
+    row's bits the same in any such batch), more rows oneDNN's bfloat16 GEMM; both the same bfloat16 product."""
+    from tierserve.plugins.backends.linear import SMALL_BATCH
+
+    factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
+    if not factory.kernel.endswith("+bf16-dot"):
+        pytest.skip("no AVX512-BF16 dot kernel on this CPU")
+    generator = torch.Generator().manual_seed(6)
+    weight = (torch.randn(37, 96, generator=generator) * 0.05).bfloat16()
+    layer = factory(weight)
+    x = torch.randn(SMALL_BATCH + 3, 96, generator=generator).bfloat16()
+    expected = (x.double() @ weight.double().T).bfloat16().float()
+    small, batch = layer(x[:SMALL_BATCH]), layer(x)
+    assert torch.equal(small, layer.own(x[:SMALL_BATCH].float()).bfloat16())  # the dot kernel's own result
+    assert torch.equal(layer(x[:1]), small[:1]) and torch.equal(layer(x[2:3]), small[2:3])
+    for out in (small, batch):
+        assert torch.allclose(out.float(), expected[: out.shape[0]], rtol=1e-2, atol=1e-2)
+    assert (batch[:SMALL_BATCH] != small).float().mean() < 0.05  # two float32 sum orders, rounded to bfloat16
 
 
 def test_bfloat16_prefill_chunks_run_onednn_on_the_widened_weight():
@@ -205,7 +261,8 @@ def test_decode_attention_of_a_row_does_not_depend_on_its_batch(kv_dtype):
 
 
 def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
-    """``auto`` int8 holds the q8 kernel's copy next to fbgemm's: the pre-load estimate says so."""
+    """``auto`` int8 holds the q8 kernel's copy next to fbgemm's, and bfloat16 the bf16-dot kernel's next to
+    oneDNN's where both run: the pre-load estimate says so."""
     from tests.engine_helpers import build_checkpoint
     from tierserve.core.config import load_settings
     from tierserve.core.model_memory import estimate_memory
@@ -217,6 +274,13 @@ def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
                      ("plugins.native", "linear_kernel"): kernel}  # fmt: skip
         estimates[kernel] = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
     assert estimates["auto"] == 2 * estimates["torch"]
+    bf16 = {}
+    for kernel in ("auto", "torch"):
+        overrides = {("model", "path"): str(path), ("model", "dtype"): "bfloat16", ("model", "device"): "cpu",
+                     ("plugins.native", "linear_kernel"): kernel}  # fmt: skip
+        bf16[kernel] = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
+    two_layouts = LinearFactory("auto", torch.device("cpu"), torch.bfloat16).kernel.endswith("+bf16-dot")
+    assert bf16["auto"] == (2 if two_layouts else 1) * bf16["torch"]
 
 
 def test_torch_kernels_are_used_throughout_when_asked(tmp_path):
@@ -282,7 +346,8 @@ def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> 
 def test_fused_decode_equals_the_layer_loop(tmp_path, architecture, options):
     """Decodes of at most 4 sequences whose matrices all run tierserve's kernels (int8 weights on q8, or
     bfloat16 weights on bf16-avx2) run every layer in one C call: each step's logits are the Python layer
-    loop's to the bit (the same kernels, RoPE, roundings and residual adds in the same order)."""
+    loop's to the bit (the same kernels, RoPE, roundings and residual adds in the same order). bfloat16 runs
+    bf16-avx2, or bf16-dot where oneDNN prepacks bfloat16 (AVX512-BF16)."""
     from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 
     window = {"sliding_window": options["sliding_window"]} if "sliding_window" in options else {}
@@ -293,7 +358,7 @@ def test_fused_decode_equals_the_layer_loop(tmp_path, architecture, options):
     engine = make_engine(path, kv_cache__enable_prefix_caching=False, **settings)
     if engine.driver.core.backend.model.fused_decode is None:
         engine.close()
-        assert engine.info.linear_kernel == "onednn"  # bfloat16 prepacked by oneDNN (AVX512-BF16): no own kernel
+        assert engine.info.linear_kernel == "onednn"  # bfloat16 prepacked by oneDNN, no bf16-dot kernel here
         pytest.skip("bfloat16 matmuls run oneDNN on this CPU")
     fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
     assert fused_steps == 11  # every decode step; the prefill runs the layer loop

@@ -19,13 +19,31 @@
  *
  * Decode attention, RMSNorm and SiLU-mul serve decode rows too, and ts_decode_layers (at the end) runs
  * a decode step's whole layer stack with them in one parallel region.
+ *
+ * On CPUs with AVX-512 VNNI and BF16 (cpu_gemm.py adds -mavx512f -mavx512bw -mavx512vl -mavx512vnni
+ * -mavx512bf16 there; TS_AVX512 below), two things change:
+ *   q8    a block's int8 products are summed by vpdpbusd instead of maddubs + madd: the same exact int32
+ *         lane sums, so the results are the AVX2 build's to the bit;
+ *   bf16  vdpbf16ps multiplies the weight by the activation rows rounded to bfloat16 (exact for a bfloat16
+ *         model's rows, which are bfloat16 values) and adds pairs of products into float32 lanes: half the
+ *         instructions of widening, with its own fixed summation order (not the AVX2 build's bits).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 32
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BF16__)
+#define TS_AVX512 1
+#else
+#define TS_AVX512 0
+#endif
+
+/* What this build computes with: 1 = the AVX-512 VNNI/BF16 paths above, 0 = AVX2 and FMA only. */
+int ts_features(void) { return TS_AVX512; }
 #ifndef Q8_PREFETCH
 #define Q8_PREFETCH 8 /* blocks ahead */
 #endif
@@ -91,7 +109,73 @@ static inline __m256 widen_bf16(const uint16_t* p) {
     }
 
 FLOAT_TILE(f32_tile, float, _mm256_loadu_ps)
+#if TS_AVX512
+/* A tile's 4 rows x 8 columns of one step are 32 bfloat16 values, one 512-bit vector: float32 lane 4r + i
+ * gathers row r's products with columns 2i and 2i + 1, against the 8 activations of the step broadcast to
+ * each 128-bit quarter. Even and odd steps go to two accumulators (two dependency chains; an odd last step
+ * to the even one), added at the end; a row's four lanes are then summed in order. */
+static inline __m512bh bf16_step(const uint16_t* x) {
+    return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x));
+}
+
+static inline void store_dot_tile(float* out, int64_t N, int64_t n0, __m512 even, __m512 odd, const float* bias) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, _mm512_add_ps(even, odd));
+    for (int r = 0; r < 4 && n0 + r < N; r++) {
+        float y = ((lanes[4 * r] + lanes[4 * r + 1]) + lanes[4 * r + 2]) + lanes[4 * r + 3];
+        if (bias) y += bias[n0 + r];
+        out[n0 + r] = y;
+    }
+}
+
+/* R activation rows (1 <= R <= 4) against one tile, steps in pairs (even, odd: two chains per row). */
+static inline void bf16_rows(const uint16_t* x, int R, int64_t K, const uint16_t* wt, const float* bias, int64_t N,
+                             int64_t t, float* out) {
+    const int64_t steps = K / 8;
+    __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    int64_t s = 0;
+    for (; s + 1 < steps; s += 2) {
+        _mm_prefetch((const char*)(wt + (s + 8) * 32), _MM_HINT_T0);
+        const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(wt + s * 32));
+        const __m512bh v = (__m512bh)_mm512_loadu_si512((const void*)(wt + (s + 1) * 32));
+        e0 = _mm512_dpbf16_ps(e0, w, bf16_step(x0 + s * 8)), o0 = _mm512_dpbf16_ps(o0, v, bf16_step(x0 + s * 8 + 8));
+        if (R > 1) e1 = _mm512_dpbf16_ps(e1, w, bf16_step(x1 + s * 8)), o1 = _mm512_dpbf16_ps(o1, v, bf16_step(x1 + s * 8 + 8));
+        if (R > 2) e2 = _mm512_dpbf16_ps(e2, w, bf16_step(x2 + s * 8)), o2 = _mm512_dpbf16_ps(o2, v, bf16_step(x2 + s * 8 + 8));
+        if (R > 3) e3 = _mm512_dpbf16_ps(e3, w, bf16_step(x3 + s * 8)), o3 = _mm512_dpbf16_ps(o3, v, bf16_step(x3 + s * 8 + 8));
+    }
+    if (s < steps) { /* an odd last step: into the even chain */
+        const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(wt + s * 32));
+        e0 = _mm512_dpbf16_ps(e0, w, bf16_step(x0 + s * 8));
+        if (R > 1) e1 = _mm512_dpbf16_ps(e1, w, bf16_step(x1 + s * 8));
+        if (R > 2) e2 = _mm512_dpbf16_ps(e2, w, bf16_step(x2 + s * 8));
+        if (R > 3) e3 = _mm512_dpbf16_ps(e3, w, bf16_step(x3 + s * 8));
+    }
+    store_dot_tile(out, N, t * 4, e0, o0, bias);
+    if (R > 1) store_dot_tile(out + N, N, t * 4, e1, o1, bias);
+    if (R > 2) store_dot_tile(out + 2 * N, N, t * 4, e2, o2, bias);
+    if (R > 3) store_dot_tile(out + 3 * N, N, t * 4, e3, o3, bias);
+}
+
+/* Rows four at a time (x: the rows already rounded to bfloat16); each row's sums are the same whichever
+ * group of rows it runs in. */
+static inline void bf16_tile(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wt, const float* bias, int64_t N,
+                             int64_t t, float* out) {
+    for (int64_t m = 0; m < M; m += 4) {
+        const int R = M - m < 4 ? (int)(M - m) : 4;
+        const uint16_t* xm = x + m * K;
+        float* om = out + m * N;
+        switch (R) { /* constant R per call: the compiler drops the unused chains */
+            case 1: bf16_rows(xm, 1, K, wt, bias, N, t, om); break;
+            case 2: bf16_rows(xm, 2, K, wt, bias, N, t, om); break;
+            case 3: bf16_rows(xm, 3, K, wt, bias, N, t, om); break;
+            default: bf16_rows(xm, 4, K, wt, bias, N, t, om); break;
+        }
+    }
+}
+#else
 FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
+#endif
 
 /* out [M, N] = x [M, K] @ W^T (+ bias), the tiles shared among the enclosing parallel region's threads. */
 static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N,
@@ -102,8 +186,23 @@ static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* 
 
 static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N,
                               float* out) {
+#if TS_AVX512
+    /* each thread rounds the rows to bfloat16 once (round to nearest even), for all of its tiles */
+    uint16_t small[4 * 4096];
+    uint16_t* xb = M * K <= 4 * 4096 ? small : (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
+    for (int64_t m = 0; m < M; m++) { /* K is a multiple of 8: every element rounded by one of two twins */
+        int64_t i = m * K;
+        for (; i + 16 <= (m + 1) * K; i += 16)
+            _mm256_storeu_si256((__m256i*)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+        if (i < (m + 1) * K) _mm_storeu_si128((__m128i*)(xb + i), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(x + i)));
+    }
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < (N + 3) / 4; t++) bf16_tile(xb, M, K, w + t * 4 * K, bias, N, t, out);
+    if (xb != small) free(xb);
+#else
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < (N + 3) / 4; t++) bf16_tile(x, M, K, w + t * 4 * K, bias, N, t, out);
+#endif
 }
 
 void ts_f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* out,
@@ -134,7 +233,12 @@ void ts_q8_quantize(const float* x, int64_t K, int8_t* q, float* d) {
  * multiplies unsigned by signed bytes, and |x|, |w| <= 127 keeps each pair sum under int16's limit. */
 static inline __m256 block_dot(__m256i abs_x, __m256i x, const int8_t* w, __m256i ones) {
     __m256i signed_w = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)w), x);
+#if TS_AVX512
+    (void)ones; /* vpdpbusd: each lane the same four products' exact sum */
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), abs_x, signed_w));
+#else
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(abs_x, signed_w), ones));
+#endif
 }
 
 /* Four output rows x two activation rows per pass: each weight block loaded once for two rows. */

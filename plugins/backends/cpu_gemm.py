@@ -10,12 +10,19 @@ way. See ``cpu_gemm.c`` for the layouts and the arithmetic; ``fused_decode.py``
 runs a whole decode step's layers through its ``ts_decode_layers``.
 
 The library is compiled at first use with the system C compiler (``$CC``,
-else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``) into
-``<tierserve cache>/kernels/``, keyed by a hash of the source and flags, and
-loaded with ctypes; its OpenMP calls share the thread pool torch's bundled
-``libgomp`` already runs. Without an x86 CPU with AVX2 and FMA, or without a
-compiler, ``library()`` is None and callers keep torch's kernels
-(``unavailable_reason()`` says why).
+else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``, plus
+``-mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16`` on a CPU that
+has all five: see ``ISAS``) into ``<tierserve cache>/kernels/``, keyed by a
+hash of the source and flags, and loaded with ctypes; its OpenMP calls share
+the thread pool torch's bundled ``libgomp`` already runs. Without an x86 CPU
+with AVX2 and FMA, or without a compiler, ``library()`` is None and callers
+keep torch's kernels (``unavailable_reason()`` says why).
+
+``TIERSERVE_CPU_GEMM_ISA`` (``auto``, ``avx2``, ``avx512``) picks the build:
+``auto`` is ``avx512`` where ``/proc/cpuinfo`` lists every flag it needs.
+The AVX-512 build's q8 results are the AVX2 build's to the bit (vpdpbusd sums
+the same int32 lanes); its bfloat16 products run vdpbf16ps (``bf16_dot()``),
+in their own summation order. The fingerprint names the build either way.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+ISAS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")}
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+ISA_VARIABLE = "TIERSERVE_CPU_GEMM_ISA"
 QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows packed together
 
@@ -65,11 +75,38 @@ def fingerprint_tag(device: torch.device) -> str:
     with them is never served to a process computing without them, or with another version."""
     if device.type != "cpu" or library() is None:
         return ""
-    return "/cpu-gemm-" + _key()[:8]
+    return f"/cpu-gemm-{isa()}-{_key()[:8]}"
+
+
+@functools.cache
+def isa() -> str:
+    """The instruction set the kernels are built for: ``$TIERSERVE_CPU_GEMM_ISA``, or (``auto``) ``avx512``
+    where the CPU has AVX-512 F/BW/VL/VNNI/BF16, else ``avx2``."""
+    asked = os.environ.get(ISA_VARIABLE, "auto").strip().lower() or "auto"
+    if asked not in ("auto", *ISAS):
+        raise ValueError(f"{ISA_VARIABLE}: got {asked!r}, allowed: auto, {', '.join(ISAS)}")
+    if asked != "auto":
+        return asked
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return "avx2"
+    return "avx512" if flags.issuperset(AVX512_CPU_FLAGS) else "avx2"
+
+
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of this machine's build."""
+    return FLAGS + ISAS[isa()]
+
+
+def bf16_dot() -> bool:
+    """Whether bfloat16 weights multiply with vdpbf16ps (the AVX-512 build): activations rounded to bfloat16."""
+    lib = library()
+    return lib is not None and bool(lib.ts_features())
 
 
 def _key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode()).hexdigest()[:16]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -89,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
                                      p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
     lib.ts_decode_layers.restype = None
+    lib.ts_features.argtypes = []
+    lib.ts_features.restype = i32
     return lib
 
 
@@ -118,7 +157,7 @@ def _build(compiler: list[str], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [*compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+            [*compiler, *build_flags(), str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
         )
         if result.returncode != 0:
             raise RuntimeError(f"{shlex.join(compiler)} failed: {result.stderr.strip()[-400:]}")

@@ -47,7 +47,13 @@ are converted to float and multiplied by the unrounded activations group by
 group (one bmm), and the per-group sums scaled and added, so the output is the
 dequantized weight's up to float summation order; 3-7x slower.
 
-bfloat16 weights run oneDNN where the CPU has AVX512-BF16; elsewhere ``auto``
+bfloat16 weights run oneDNN where the CPU has AVX512-BF16, and there ``auto``
+also keeps a copy for tierserve's ``bf16-dot`` kernel (``cpu_gemm.py``'s
+AVX-512 build: vdpbf16ps on its packed layout), which runs calls of at most
+``SMALL_BATCH`` rows (decode) and lets a decode step run as one C call
+(``fused_decode.py``): ``onednn+bf16-dot``, two bytes more per weight held.
+A row decoded alone and in a batch of more than ``SMALL_BATCH`` therefore
+runs different kernels and may differ in its last bits. Elsewhere ``auto``
 runs tierserve's ``bf16`` kernel (``cpu_gemm.py``: the weight widened to
 float32 in registers, float32 sums), 1.5x torch's ``F.linear`` at batch 1 and
 5x at batch 32 on the AVX2 machine. Its two-rows-by-four-columns blocking
@@ -145,23 +151,32 @@ class Linear:
     ``wide_prefill`` (with ``own``): calls of at least ``WIDE_ROWS`` rows run oneDNN's float32 GEMM on the
     weight widened to float32 for that call."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "own", "wide_prefill")
+    __slots__ = ("weight", "bias", "packed", "out_features", "own", "wide_prefill", "own_rows")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, own: bool = False, wide_prefill: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        packed: bool,
+        own: bool = False,
+        wide_prefill: bool = False,
+        own_rows: int | None = None,
     ) -> None:
+        """``own_rows`` (with ``own`` and ``packed``): both layouts are held; calls of at most ``own_rows`` rows
+        run tierserve's kernel, larger ones oneDNN's."""
         self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = packed
         self.own = cpu_gemm.PackedFloat(weight, bias) if own else None
         self.wide_prefill = wide_prefill and own
-        if own:
+        self.own_rows = own_rows if own and packed else None
+        if own and self.own_rows is None:
             self.weight = self.own.weight
         else:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own is not None:
+        if self.own is not None and (self.own_rows is None or x.numel() <= self.own_rows * x.shape[-1]):
             rows = x.reshape(-1, x.shape[-1])
             if self.wide_prefill and rows.shape[0] >= WIDE_ROWS:
                 weight = torch.ops.mkldnn._reorder_linear_weight(self.own.unpacked())
@@ -192,10 +207,15 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> object:
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
+# torch._weight_int8pack_mm's AVX-512 kernel (torch 2.13) reads past the input of a width that is not a
+# multiple of 32: garbage or a segmentation fault. weight_only runs such matrices as dequantize does.
+WEIGHT_ONLY_WIDTH = 32
+
+
 def int8_kernels(device: torch.device) -> list[str]:
     """The int8 kernels that work here, fastest first (a tiny call is the probe)."""
-    q, scale = quantize_rows(torch.arange(32, dtype=torch.float32).view(4, 8) - 16)
-    x = torch.ones(2, 8)
+    q, scale = quantize_rows(torch.arange(4 * WEIGHT_ONLY_WIDTH, dtype=torch.float32).view(4, -1) / 8 - 8)
+    x = torch.ones(2, WEIGHT_ONLY_WIDTH)
     expected = x @ (q.float() * scale[:, None]).T
     found = []
     if device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines:
@@ -255,6 +275,8 @@ class Int8Linear:
             return
         q, scale = quantize_rows(weight.cpu())
         device = weight.device
+        if kernel == "weight_only" and q.shape[1] % WEIGHT_ONLY_WIDTH:
+            kernel = "dequantize"
         self.kernel = kernel
         if kernel == "q8" or (small_batch and cpu_gemm.supports_q8(q)):
             self.q8 = cpu_gemm.PackedQ8(q, scale, bias)
@@ -306,6 +328,16 @@ class Int8Linear:
                 values.mul_(self.scale[:, None, part])
                 out[:, part] = rows @ values.view(-1, values.shape[-1])
         return out
+
+
+def bf16_copies(kernel: str, device: torch.device) -> int:
+    """Copies held of each bfloat16 weight: ``auto`` on a CPU where oneDNN runs bfloat16 and ``cpu_gemm`` has
+    its vdpbf16ps kernel keeps that kernel's packed copy (decode rows, the fused decode) next to oneDNN's."""
+    return 2 if kernel == "auto" and _small_bf16_kernel(device) else 1
+
+
+def _small_bf16_kernel(device: torch.device) -> bool:
+    return device.type == "cpu" and cpu_gemm.bf16_dot() and _onednn_available(device, torch.bfloat16)
 
 
 def int8_copies(kernel: str, device: torch.device) -> int:
@@ -367,6 +399,11 @@ class LinearFactory:
         self.kernel = "onednn" if self.packed else "bf16-avx2" if self.own else "torch"
         if self.wide_prefill:
             self.kernel += "+onednn-f32"
+        # oneDNN's bfloat16 (AVX512-BF16) for prefill and batches, the bf16-dot kernel for decode rows
+        self.small_own = self.packed and kernel == "auto" and dtype == torch.bfloat16 and _small_bf16_kernel(device)
+        if self.small_own:
+            self.own = True
+            self.kernel += "+bf16-dot"
 
     def __call__(self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         """A layer for ``weight``: group-wise int8 stays so (``int8-g32``), float follows the factory's choice."""
@@ -379,7 +416,7 @@ class LinearFactory:
         if self.quantization == "int8":
             return Int8Linear(weight, bias, self._int8_kernel, self.dtype, self.small_batch)
         own = self.own and cpu_gemm.supports_float(weight)
-        return Linear(weight, bias, self.packed, own, self.wide_prefill)
+        return Linear(weight, bias, self.packed, own, self.wide_prefill, SMALL_BATCH if self.small_own else None)
 
     @property
     def kernels(self) -> str:
