@@ -45,7 +45,10 @@ TIERSERVE_BACKENDS = {
     "tierserve-transformers": ['model.backend="transformers"'],
     "tierserve-unpaged": ['model.backend="transformers-unpaged"'],
 }
-TIERSERVE_VARIANTS = {**TIERSERVE_PRECISIONS, **TIERSERVE_BACKENDS}
+# the production preset with new prompts prefilled together up to max_num_batched_tokens (no group limit)
+TIERSERVE_POLICIES = {"tierserve-ungrouped": ["scheduler.prefill_group_tokens=0"],
+                      "tierserve-grouped": ["scheduler.prefill_group_tokens=256"]}
+TIERSERVE_VARIANTS = {**TIERSERVE_PRECISIONS, **TIERSERVE_BACKENDS, **TIERSERVE_POLICIES}
 TIERSERVES = (*TIERSERVE_MODES, *TIERSERVE_VARIANTS)
 SERVERS = (*TIERSERVES, "transformers-serve-cb", "transformers-serve", *PRECISIONS)
 

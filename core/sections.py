@@ -243,6 +243,14 @@ class SchedulerSettings(Section):
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(2048, gt=0)
     max_waiting_requests: int = Field(512, gt=0)
+    prefill_group_tokens: int = Field(
+        0,
+        ge=0,
+        description="new prompts share a step only while their tokens together stay within this many (the first "
+        "prompt's uncached tokens, then each further one's whole prompt; the first always runs): a burst of "
+        "prompts is prefilled one group a step, so the first get their first token sooner; 0 = no limit but "
+        "max_num_batched_tokens",
+    )
 
 
 class KVCacheSettings(Section):

@@ -143,6 +143,16 @@ def scheduler_max_num_batched_tokens(lab: Lab) -> None:
     assert lab.shared.stats().counters.steps == before + 1
 
 
+def scheduler_prefill_group_tokens(lab: Lab) -> None:
+    for limit, running in ((1, 1), (0, 3)):  # one prompt a step, or all three together
+        with lab.engine({"scheduler.prefill_group_tokens": limit}) as engine:
+            for prompt in ("a b c", "d e f", "g h i"):
+                engine.submit(engine.encode_prompt(prompt), greedy())
+            engine.step()
+            stats = engine.stats()
+            assert (stats.requests_running, stats.requests_waiting) == (running, 3 - running)
+
+
 def scheduler_max_waiting_requests(lab: Lab) -> None:
     with lab.engine({"scheduler.max_waiting_requests": 2}) as engine:
         ids = engine.encode_prompt("a")
@@ -423,6 +433,7 @@ PROBES = {
     "scheduler.max_num_seqs": scheduler_max_num_seqs,
     "scheduler.max_num_batched_tokens": scheduler_max_num_batched_tokens,
     "scheduler.max_waiting_requests": scheduler_max_waiting_requests,
+    "scheduler.prefill_group_tokens": scheduler_prefill_group_tokens,
     "speculative.method": speculative_method,
     "speculative.num_speculative_tokens": speculative_num_speculative_tokens,
     "speculative.adaptive": speculative_adaptive,

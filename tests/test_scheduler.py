@@ -77,12 +77,14 @@ class FakeEngine:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 32,
         max_waiting_requests: int = 512,
+        prefill_group_tokens: int = 0,
     ) -> None:
         self.settings = SchedulerSettings(
             name=name,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_waiting_requests=max_waiting_requests,
+            prefill_group_tokens=prefill_group_tokens,
         )
         self.pool = BlockPool(num_blocks, block_size, _POLICIES.get("lru").factory(num_blocks))
         self.scheduler: Scheduler = _SCHEDULERS.get(name).factory(self.settings, KVCacheManager(self.pool))
@@ -204,6 +206,45 @@ def test_prompt_longer_than_budget_is_prefilled_in_chunks(name):
     engine.run()
     assert engine.chunks_of(seq) == [16, 16, 16, 2, 1, 1]
     engine.check_all_done([seq])
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_a_burst_of_prompts_is_prefilled_one_group_a_step(name):
+    """prefill_group_tokens = 24: 10-token prompts arriving together start two a step (the first's 10
+    tokens, then a second whole prompt, stay within 24; a third would not), each group's first token a
+    step earlier than the next; without the limit all six start in the first step."""
+    grouped = FakeEngine(name, max_num_batched_tokens=64, num_blocks=128, prefill_group_tokens=24)
+    together = FakeEngine(name, max_num_batched_tokens=64, num_blocks=128)
+    for engine in (grouped, together):
+        seqs = [make_seq(i, prompt_len=10, max_tokens=3) for i in range(6)]
+        for seq in seqs:
+            engine.add(seq)
+        first_token_step = {}
+        while engine.scheduler.has_unfinished:
+            engine.step()
+            for seq in seqs:
+                if seq.num_output_tokens and seq not in first_token_step:
+                    first_token_step[seq] = len(engine.outputs)
+        engine.check_all_done(seqs)
+        if engine is grouped:
+            assert [first_token_step[s] for s in seqs] == [1, 1, 2, 2, 3, 3]
+            assert [c.num_tokens for c in engine.outputs[1].chunks] == [1, 1, 10, 10]  # two decodes, two prompts
+        else:
+            assert [first_token_step[s] for s in seqs] == [1] * 6
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_a_long_prompt_in_a_group_of_its_own_still_fills_the_budget(name):
+    """A prompt longer than the group size runs when it heads the queue (the first always does), chunked
+    by the token budget as before; the prompt after it waits for the next step's group."""
+    engine = FakeEngine(name, max_num_batched_tokens=32, num_blocks=128, prefill_group_tokens=8)
+    long, short = make_seq(0, prompt_len=40, max_tokens=2), make_seq(1, prompt_len=4, max_tokens=2)
+    engine.add(long)
+    engine.add(short)
+    first = engine.step()
+    assert [(c.seq, c.num_tokens) for c in first.chunks] == [(long, 32)]
+    engine.run()
+    engine.check_all_done([long, short])
 
 
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)

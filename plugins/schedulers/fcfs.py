@@ -18,7 +18,12 @@ class FCFSScheduler(Scheduler):
     Each step: sequences that are decoding get one token each first (so a long
     prefill never starves them), then running prefills continue in chunks,
     then waiting sequences are admitted while the token budget, the sequence
-    cap and free blocks allow. When a running sequence needs a block and none
+    cap and free blocks allow, and (``prefill_group_tokens``) while the new
+    prompts' tokens together stay within that group size (the first prompt's
+    uncached tokens, then each further one's whole prompt): on a
+    compute-bound device a step's time grows with its prefill tokens, so
+    prefilling a burst one group a step gives the first prompts their first
+    token after their own prefill instead of after everyone's. When a running sequence needs a block and none
     is free, the last-admitted running sequence is preempted: its blocks are
     freed and it goes back to the front of the queue, to be recomputed from
     its prompt plus what it already generated.
@@ -104,14 +109,19 @@ class FCFSScheduler(Scheduler):
         output.chunks = [c for c in output.chunks if c.seq.status is SequenceStatus.RUNNING]
         budget = self.settings.max_num_batched_tokens - output.num_tokens
 
+        group_limit, group_tokens = self.settings.prefill_group_tokens, 0
         if not output.preempted:
             while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
                 seq = self._waiting[0][-1]
+                # judged on the whole prompt, before the cache is asked: a deferred prompt is looked up once
+                if group_limit and group_tokens and group_tokens + min(seq.num_uncomputed_tokens, budget) > group_limit:
+                    break
                 self.kv.match_prefix(seq)  # cached prefix blocks are shared, not recomputed
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if not self.kv.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
                     self.kv.reset(seq)  # the matched blocks stay cached for the next try
                     break
+                group_tokens += num_tokens
                 heapq.heappop(self._waiting)
                 seq.status = SequenceStatus.RUNNING
                 self._running.append(seq)
