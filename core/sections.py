@@ -246,8 +246,8 @@ class SchedulerSettings(Section):
     prefill_group_tokens: int = Field(
         0,
         ge=0,
-        description="new prompts share a step only while their tokens together stay within this many (the first "
-        "prompt's uncached tokens, then each further one's whole prompt; the first always runs): a burst of "
+        description="new prompts share a step only while their tokens together stay within this many (the uncached "
+        "tokens of those admitted this step plus the next one's whole prompt; the first always runs): a burst of "
         "prompts is prefilled one group a step, so the first get their first token sooner; 0 = no limit but "
         "max_num_batched_tokens",
     )

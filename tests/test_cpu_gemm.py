@@ -114,6 +114,26 @@ def test_avx512_build_gives_the_avx2_builds_q8_bits(tmp_path):
     assert torch.equal(Int8Linear(quantize_groups(weight), None, "grouped", torch.float32, True)(x), avx2["groups"])
 
 
+def test_a_compiler_without_avx512_bf16_builds_for_avx2(tmp_path):
+    """``auto`` on an AVX-512 CPU with a compiler that refuses -mavx512bf16: the AVX2 build loads instead
+    (warned), and the fingerprint says avx2."""
+    if cpu_gemm.isa() != "avx512":
+        pytest.skip("this CPU runs the AVX2 build only")
+    compiler = tmp_path / "old-cc"
+    compiler.write_text('#!/bin/sh\ncase "$*" in *-mavx512bf16*) echo "unrecognized option" >&2; exit 1;; esac\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    script = (
+        "import torch; from tierserve.plugins.backends import cpu_gemm;"
+        "print(cpu_gemm.library() is not None, cpu_gemm.isa(), cpu_gemm.bf16_dot(), cpu_gemm.fingerprint_tag(torch.device('cpu')))"
+    )
+    env = {**os.environ, "CC": str(compiler), "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop(cpu_gemm.ISA_VARIABLE, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:3] == ["True", "avx2", "False"] and "/cpu-gemm-avx2-" in done.stdout
+    assert "cpu_gemm_avx512_build_failed" in done.stdout + done.stderr
+
+
 def test_an_unknown_isa_is_refused_with_the_allowed_values(tmp_path):
     script = "from tierserve.plugins.backends import cpu_gemm; print(cpu_gemm.library(), cpu_gemm.unavailable_reason())"
     env = {**os.environ, cpu_gemm.ISA_VARIABLE: "sse9", "TIERSERVE_CACHE_DIR": str(tmp_path)}

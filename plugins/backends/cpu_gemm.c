@@ -7,7 +7,7 @@
  * stream per tile of 4 output rows, and converts it to float32 in registers:
  *
  *   f32   [N/4][K/8][4][8]   float32
- *   bf16  [N/4][K/8][4][8]   bfloat16 bits, widened by a 16-bit shift (exact)
+ *   bf16  [N/4][K/8][4][8]   bfloat16 bits, widened by a 16-bit shift (exact; the AVX-512 build: vdpbf16ps)
  *   q8    [N/4][K/32][4][32] int8; one float scale per row ([N]) or per 32 columns ([N/4][K/32][4])
  *
  * q8 is llama.cpp's Q8_0 dot product: each activation row is rounded to int8 in blocks of 32
@@ -25,12 +25,14 @@
  *   q8    a block's int8 products are summed by vpdpbusd instead of maddubs + madd: the same exact int32
  *         lane sums, so the results are the AVX2 build's to the bit;
  *   bf16  vdpbf16ps multiplies the weight by the activation rows rounded to bfloat16 (exact for a bfloat16
- *         model's rows, which are bfloat16 values) and adds pairs of products into float32 lanes: half the
- *         instructions of widening, with its own fixed summation order (not the AVX2 build's bits).
+ *         model's rows, which are bfloat16 values, but for subnormals, which vcvtneps2bf16 and vdpbf16ps
+ *         flush to zero) and adds pairs of products into float32 lanes: half the instructions of widening,
+ *         with its own fixed summation order (not the AVX2 build's bits).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -190,6 +192,10 @@ static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16
     /* each thread rounds the rows to bfloat16 once (round to nearest even), for all of its tiles */
     uint16_t small[4 * 4096];
     uint16_t* xb = M * K <= 4 * 4096 ? small : (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
+    if (!xb) { /* no memory for a few rows: nothing sensible is left to compute with */
+        fputs("cpu_gemm: out of memory rounding activation rows\n", stderr);
+        abort();
+    }
     for (int64_t m = 0; m < M; m++) { /* K is a multiple of 8: every element rounded by one of two twins */
         int64_t i = m * K;
         for (; i + 16 <= (m + 1) * K; i += 16)

@@ -85,13 +85,23 @@ def isa() -> str:
     asked = os.environ.get(ISA_VARIABLE, "auto").strip().lower() or "auto"
     if asked not in ("auto", *ISAS):
         raise ValueError(f"{ISA_VARIABLE}: got {asked!r}, allowed: auto, {', '.join(ISAS)}")
+    has_avx512 = _cpu_flags().issuperset(AVX512_CPU_FLAGS)
+    if asked == "avx512" and not has_avx512:  # the build would die of SIGILL at its first call
+        missing = sorted(set(AVX512_CPU_FLAGS) - _cpu_flags())
+        raise ValueError(f"{ISA_VARIABLE}=avx512: this CPU lacks {', '.join(missing)}; allowed here: auto, avx2")
     if asked != "auto":
         return asked
+    return "avx512" if has_avx512 and not _avx512_build_failed else "avx2"
+
+
+_avx512_build_failed: list[str] = []  # auto: the compiler could not build avx512 (too old): avx2 instead
+
+
+def _cpu_flags() -> set[str]:
     try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return "avx2"
-    return "avx512" if flags.issuperset(AVX512_CPU_FLAGS) else "avx2"
+        return set()
 
 
 def build_flags() -> tuple[str, ...]:
@@ -141,9 +151,17 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     from tierserve.core.builtin_models import cache_root
 
-    target = cache_root() / "kernels" / f"cpu_gemm-{_key()}.so"
+    target = cache_root() / "kernels" / f"cpu_gemm-{isa()}-{_key()}.so"
     if not target.exists():
-        _build(compiler, target)
+        try:
+            _build(compiler, target)
+        except RuntimeError as exc:
+            if isa() != "avx512" or os.environ.get(ISA_VARIABLE, "auto").strip().lower() not in ("", "auto"):
+                raise
+            log.warning("cpu_gemm_avx512_build_failed reason=%s; building for avx2", exc)
+            _avx512_build_failed.append(str(exc))
+            isa.cache_clear()
+            return _load()
     try:
         return ctypes.CDLL(str(target))
     except OSError as exc:  # a damaged file: built again once, in its place
@@ -164,7 +182,7 @@ def _build(compiler: list[str], target: Path) -> None:
         with open(built, "rb") as handle:  # on disk before it has the final name: never a cut-off library
             os.fsync(handle.fileno())
         os.replace(built, target)  # atomic: concurrent builders each publish a whole file
-    for old in target.parent.glob("cpu_gemm-*.so"):  # earlier versions' builds
+    for old in target.parent.glob(f"cpu_gemm-{isa()}-*.so"):  # earlier versions' builds for this ISA
         if old != target:
             old.unlink(missing_ok=True)
     log.info("cpu_gemm_built path=%s", target)

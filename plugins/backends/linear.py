@@ -275,7 +275,7 @@ class Int8Linear:
             return
         q, scale = quantize_rows(weight.cpu())
         device = weight.device
-        if kernel == "weight_only" and q.shape[1] % WEIGHT_ONLY_WIDTH:
+        if kernel == "weight_only" and device.type == "cpu" and q.shape[1] % WEIGHT_ONLY_WIDTH:
             kernel = "dequantize"
         self.kernel = kernel
         if kernel == "q8" or (small_batch and cpu_gemm.supports_q8(q)):

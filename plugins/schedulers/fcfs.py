@@ -19,8 +19,8 @@ class FCFSScheduler(Scheduler):
     prefill never starves them), then running prefills continue in chunks,
     then waiting sequences are admitted while the token budget, the sequence
     cap and free blocks allow, and (``prefill_group_tokens``) while the new
-    prompts' tokens together stay within that group size (the first prompt's
-    uncached tokens, then each further one's whole prompt): on a
+    prompts' tokens together stay within that group size (the uncached tokens
+    of those already admitted this step plus the next one's whole prompt): on a
     compute-bound device a step's time grows with its prefill tokens, so
     prefilling a burst one group a step gives the first prompts their first
     token after their own prefill instead of after everyone's. When a running sequence needs a block and none
