@@ -45,7 +45,7 @@ TIERSERVE_BACKENDS = {
     "tierserve-transformers": ['model.backend="transformers"'],
     "tierserve-unpaged": ['model.backend="transformers-unpaged"'],
 }
-# the production preset with new prompts prefilled together up to max_num_batched_tokens (no group limit)
+# the production preset's prefill grouping A/B: prompts together up to max_num_batched_tokens, or 256 a group
 TIERSERVE_POLICIES = {"tierserve-ungrouped": ["scheduler.prefill_group_tokens=0"],
                       "tierserve-grouped": ["scheduler.prefill_group_tokens=256"]}
 TIERSERVE_VARIANTS = {**TIERSERVE_PRECISIONS, **TIERSERVE_BACKENDS, **TIERSERVE_POLICIES}

@@ -186,12 +186,14 @@ static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* 
     for (int64_t t = 0; t < (N + 3) / 4; t++) f32_tile(x, M, K, w + t * 4 * K, bias, N, t, out);
 }
 
+#define ROUNDED_ON_STACK (4 * 4096) /* bfloat16 activations rounded into a stack buffer (32 KiB), else malloc */
+
 static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N,
                               float* out) {
 #if TS_AVX512
     /* each thread rounds the rows to bfloat16 once (round to nearest even), for all of its tiles */
-    uint16_t small[4 * 4096];
-    uint16_t* xb = M * K <= 4 * 4096 ? small : (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
+    uint16_t small[ROUNDED_ON_STACK];
+    uint16_t* xb = M * K <= ROUNDED_ON_STACK ? small : (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
     if (!xb) { /* no memory for a few rows: nothing sensible is left to compute with */
         fputs("cpu_gemm: out of memory rounding activation rows\n", stderr);
         abort();

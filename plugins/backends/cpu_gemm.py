@@ -82,7 +82,7 @@ def fingerprint_tag(device: torch.device) -> str:
 def isa() -> str:
     """The instruction set the kernels are built for: ``$TIERSERVE_CPU_GEMM_ISA``, or (``auto``) ``avx512``
     where the CPU has AVX-512 F/BW/VL/VNNI/BF16, else ``avx2``."""
-    asked = os.environ.get(ISA_VARIABLE, "auto").strip().lower() or "auto"
+    asked = _asked_isa()
     if asked not in ("auto", *ISAS):
         raise ValueError(f"{ISA_VARIABLE}: got {asked!r}, allowed: auto, {', '.join(ISAS)}")
     has_avx512 = _cpu_flags().issuperset(AVX512_CPU_FLAGS)
@@ -95,6 +95,10 @@ def isa() -> str:
 
 
 _avx512_build_failed: list[str] = []  # auto: the compiler could not build avx512 (too old): avx2 instead
+
+
+def _asked_isa() -> str:
+    return os.environ.get(ISA_VARIABLE, "auto").strip().lower() or "auto"
 
 
 def _cpu_flags() -> set[str]:
@@ -156,7 +160,7 @@ def _load() -> ctypes.CDLL:
         try:
             _build(compiler, target)
         except RuntimeError as exc:
-            if isa() != "avx512" or os.environ.get(ISA_VARIABLE, "auto").strip().lower() not in ("", "auto"):
+            if isa() != "avx512" or _asked_isa() != "auto":
                 raise
             log.warning("cpu_gemm_avx512_build_failed reason=%s; building for avx2", exc)
             _avx512_build_failed.append(str(exc))

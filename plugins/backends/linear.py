@@ -400,7 +400,9 @@ class LinearFactory:
         if self.wide_prefill:
             self.kernel += "+onednn-f32"
         # oneDNN's bfloat16 (AVX512-BF16) for prefill and batches, the bf16-dot kernel for decode rows
-        self.small_own = self.packed and kernel == "auto" and dtype == torch.bfloat16 and _small_bf16_kernel(device)
+        self.small_own = (
+            self.packed and kernel == "auto" and dtype == torch.bfloat16 and device.type == "cpu" and cpu_gemm.bf16_dot()
+        )  # packed: oneDNN's bfloat16 probe already passed
         if self.small_own:
             self.own = True
             self.kernel += "+bf16-dot"

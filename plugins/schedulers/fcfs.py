@@ -20,13 +20,15 @@ class FCFSScheduler(Scheduler):
     then waiting sequences are admitted while the token budget, the sequence
     cap and free blocks allow, and (``prefill_group_tokens``) while the new
     prompts' tokens together stay within that group size (the uncached tokens
-    of those already admitted this step plus the next one's whole prompt): on a
-    compute-bound device a step's time grows with its prefill tokens, so
+    of those already admitted this step plus the next one's whole prompt): on
+    a compute-bound device a step's time grows with its prefill tokens, so
     prefilling a burst one group a step gives the first prompts their first
-    token after their own prefill instead of after everyone's. When a running sequence needs a block and none
-    is free, the last-admitted running sequence is preempted: its blocks are
-    freed and it goes back to the front of the queue, to be recomputed from
-    its prompt plus what it already generated.
+    token after their own prefill instead of after everyone's.
+
+    When a running sequence needs a block and none is free, the last-admitted
+    running sequence is preempted: its blocks are freed and it goes back to
+    the front of the queue, to be recomputed from its prompt plus what it
+    already generated.
     """
 
     def __init__(self, settings, kv, model=None) -> None:
