@@ -46,8 +46,11 @@
 
 /* What this build computes with: 1 = the AVX-512 VNNI/BF16 paths above, 0 = AVX2 and FMA only. */
 int ts_features(void) { return TS_AVX512; }
+#ifndef BF16_PREFETCH
+#define BF16_PREFETCH 32 /* steps ahead (64 bytes each: 2 KiB) */
+#endif
 #ifndef Q8_PREFETCH
-#define Q8_PREFETCH 8 /* blocks ahead */
+#define Q8_PREFETCH 32 /* blocks ahead (128 bytes, two lines, each: 4 KiB) */
 #endif
 
 static inline float hsum(__m256 v) {
@@ -138,7 +141,8 @@ static inline void bf16_rows(const uint16_t* x, int R, int64_t K, const uint16_t
     const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
     int64_t s = 0;
     for (; s + 1 < steps; s += 2) {
-        _mm_prefetch((const char*)(wt + (s + 8) * 32), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wt + (s + BF16_PREFETCH) * 32), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wt + (s + BF16_PREFETCH + 1) * 32), _MM_HINT_T0);
         const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(wt + s * 32));
         const __m512bh v = (__m512bh)_mm512_loadu_si512((const void*)(wt + (s + 1) * 32));
         e0 = _mm512_dpbf16_ps(e0, w, bf16_step(x0 + s * 8)), o0 = _mm512_dpbf16_ps(o0, v, bf16_step(x0 + s * 8 + 8));
@@ -257,6 +261,7 @@ static inline void q8_tile(const int8_t* wt, const float* st, const int8_t* x0, 
     for (int64_t k = 0; k < blocks; k++) {
         const int8_t* wb = wt + k * 4 * QK;
         _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK + 64), _MM_HINT_T0);
         const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
         const __m256i v = _mm256_loadu_si256((const __m256i*)(x1 + k * QK));
         const __m256i au = _mm256_sign_epi8(u, u), av = _mm256_sign_epi8(v, v);
@@ -277,6 +282,7 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
     for (int64_t k = 0; k < blocks; k++) {
         const int8_t* wb = wt + k * 4 * QK;
         _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK + 64), _MM_HINT_T0);
         const __m256i u = _mm256_loadu_si256((const __m256i*)(x0 + k * QK));
         const __m256i au = _mm256_sign_epi8(u, u);
         for (int r = 0; r < 4; r++) {
