@@ -1,0 +1,101 @@
+"""Builds of tierserve's C kernels with other prefetch distances, timed against each other in one process.
+
+    python -m bench.kernel_variants bf16 8,16,32,64     (bf16-dot: BF16_PREFETCH, steps of 64 bytes ahead)
+    python -m bench.kernel_variants q8 8,16,32 --rows 2  (q8, per-row scales: Q8_PREFETCH, blocks of 128 bytes)
+
+Each distance is its own build of ``cpu_gemm.c`` (this machine's flags plus
+``-D<MACRO>=<distance>``), loaded side by side; the bench model's 48 layer
+matmuls (12 layers of qkv, o, gate_up, down) run through each build in turn,
+repeat after repeat, so the builds share the machine's moods. Every build's
+output must equal the first's to the bit (a prefetch moves no arithmetic).
+Prints the median and best time per pass and the weight bytes streamed per
+second. Not part of the tests: the defaults in ``cpu_gemm.c`` came from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tierserve.plugins.backends import cpu_gemm
+from tierserve.plugins.backends.cpu_gemm import PackedFloat, PackedQ8
+
+SHAPES = [(1280, 768), (768, 768), (6144, 768), (768, 3072)]  # the bench model's qkv, o, gate_up, down
+LAYERS = 12
+MACROS = {"bf16": "BF16_PREFETCH", "q8": "Q8_PREFETCH"}
+
+
+def build(macro: str, distance: int, folder: Path) -> ctypes.CDLL:
+    """``cpu_gemm.c`` compiled with ``-D<macro>=<distance>``, declared as ``cpu_gemm`` declares its own build."""
+    target = folder / f"cpu_gemm-{macro}-{distance}.so"
+    command = ["cc", *cpu_gemm.build_flags(), f"-D{macro}={distance}", "-shared", "-fPIC", "-o", str(target)]
+    subprocess.run([*command, str(cpu_gemm.SOURCE)], check=True)
+    return cpu_gemm._declare(ctypes.CDLL(str(target)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=sorted(MACROS))
+    parser.add_argument("distances", help="comma-separated prefetch distances, e.g. 8,16,32")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows per call (decode: 1-4)")
+    parser.add_argument("--repeats", type=int, default=40)
+    args = parser.parse_args()
+    if cpu_gemm.library() is None:
+        raise SystemExit("tierserve's C kernels do not build here (x86-64 with AVX2 and a C compiler needed)")
+    distances = [int(d) for d in args.distances.split(",")]
+    torch.manual_seed(0)
+    if args.kernel == "bf16":
+        layers = [[PackedFloat(torch.randn(n, k).mul_(0.02).bfloat16(), None) for n, k in SHAPES] for _ in range(LAYERS)]
+    else:
+        layers = [
+            [PackedQ8(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100, None) for n, k in SHAPES]
+            for _ in range(LAYERS)
+        ]
+    rows = args.rows
+    inputs = {k: torch.randn(rows, k) for _, k in SHAPES}
+    outputs = {n: torch.empty(rows, n) for n, _ in SHAPES}
+    widest = max(k for _, k in SHAPES)
+    quantized, block_scales = torch.empty(rows * widest, dtype=torch.int8), torch.empty(rows * widest // cpu_gemm.QK)
+    threads = torch.get_num_threads()
+
+    def one_pass(lib: ctypes.CDLL) -> None:
+        for layer in layers:
+            for (n, k), packed in zip(SHAPES, layer):
+                x, out = inputs[k].data_ptr(), outputs[n].data_ptr()
+                if args.kernel == "bf16":
+                    lib.ts_bf16_gemm(x, rows, k, packed.weight.data_ptr(), None, n, out, threads)
+                else:
+                    lib.ts_q8_gemm(x, rows, k, packed.weight.data_ptr(), packed.scale.data_ptr(), 0, None, n, out,
+                                   quantized.data_ptr(), block_scales.data_ptr(), threads)  # fmt: skip
+
+    with tempfile.TemporaryDirectory(prefix="tierserve-kernel-variants-") as folder:
+        builds = {d: build(MACROS[args.kernel], d, Path(folder)) for d in distances}
+        times: dict[int, list[float]] = {d: [] for d in distances}
+        reference = None
+        for _ in range(args.repeats):
+            for distance, lib in builds.items():
+                start = time.perf_counter()
+                one_pass(lib)
+                times[distance].append(time.perf_counter() - start)
+                result = torch.cat([outputs[n] for n, _ in SHAPES], 1)
+                if reference is None:
+                    reference = result.clone()
+                elif not torch.equal(result, reference):
+                    raise SystemExit(f"{MACROS[args.kernel]}={distance} computed other values than the first build")
+    streamed = sum(p.weight.numel() * p.weight.element_size() for layer in layers for p in layer)
+    print(f"{args.kernel}, {rows} row(s), {streamed / 1e6:.1f} MB of weights a pass, {args.repeats} alternating repeats")
+    for distance in distances:
+        median = statistics.median(times[distance])
+        print(f"  {MACROS[args.kernel]}={distance:<4d} median {median * 1e3:.2f} ms, best {min(times[distance]) * 1e3:.2f} ms, "
+              f"{streamed / median / 1e9:.1f} GB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
