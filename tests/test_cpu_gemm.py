@@ -400,3 +400,18 @@ def test_fused_decode_runs_only_plain_few_row_decodes(tmp_path):
         assert engine.driver.core.backend.model.fused_decode is None
     finally:
         engine.close()
+
+
+def test_fused_decode_keeps_equal_as_the_context_outgrows_its_scratch(tmp_path):
+    """The fused call's scratch is kept between steps and grown when a step's context needs more (it is
+    sized in steps of 1024 positions): a sequence whose context passes 1024 while it decodes, next to a
+    short one, still gets the layer loop's logits to the bit at every step."""
+    from tests.engine_helpers import build_checkpoint, make_engine
+
+    path = build_checkpoint(tmp_path, "llama", "llama", max_position_embeddings=2048)
+    engine = make_engine(path, model__quantization="int8", kv_cache__enable_prefix_caching=False)
+    long_prompt = [5 + (i * 7) % 150 for i in range(1018)]  # 1019-1030 positions over the decode
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, [long_prompt, [5, 6, 7]], steps=12)
+    assert fused_steps == 11
+    for step, (a, b) in enumerate(zip(fused, loop)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
