@@ -35,7 +35,7 @@ MACROS = {"bf16": "BF16_PREFETCH", "q8": "Q8_PREFETCH"}
 def build(macro: str, distance: int, folder: Path) -> ctypes.CDLL:
     """``cpu_gemm.c`` compiled with ``-D<macro>=<distance>``, declared as ``cpu_gemm`` declares its own build."""
     target = folder / f"cpu_gemm-{macro}-{distance}.so"
-    command = ["cc", *cpu_gemm.build_flags(), f"-D{macro}={distance}", "-shared", "-fPIC", "-o", str(target)]
+    command = [*cpu_gemm.c_compiler(), *cpu_gemm.build_flags(), f"-D{macro}={distance}", "-o", str(target)]
     subprocess.run([*command, str(cpu_gemm.SOURCE)], check=True)
     return cpu_gemm._declare(ctypes.CDLL(str(target)))
 

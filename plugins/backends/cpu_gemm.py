@@ -145,14 +145,20 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def c_compiler() -> list[str]:
+    """The command that compiles the kernels: ``$CC``, else ``cc`` or ``gcc`` on the path."""
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    return compiler
+
+
 def _load() -> ctypes.CDLL:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"the kernels need an x86-64 CPU, this is {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the kernels need AVX2 and FMA; torch reports {torch.backends.cpu.get_cpu_capability()}")
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
-    if not compiler[0]:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    compiler = c_compiler()
     from tierserve.core.builtin_models import cache_root
 
     target = cache_root() / "kernels" / f"cpu_gemm-{isa()}-{_key()}.so"

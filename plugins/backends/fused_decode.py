@@ -76,9 +76,13 @@ class FusedDecode:
         self.pointers = torch.tensor(rows, dtype=torch.int64)
         self.kinds = torch.tensor(kinds, dtype=torch.int64)
         self.arena_keys: list[torch.Tensor] | None = None  # the arena's key list the table points into
-        self.mask_addresses: list[int] = [0] * len(self.windows)  # what the table's mask column holds
-        # the call's scratch, kept between steps and grown when a step needs more (three allocations a
-        # step were a visible part of a batch-1 step outside the C call)
+        # the call's scratch, kept between steps and grown when a step needs more: per row, the float work
+        # area's fixed part (plus heads * ctx attention scores) and the widest int8 row
+        config, heads = model.config, model.num_heads
+        q_size, qkv_size = heads * model.head_dim, (heads + 2 * model.num_kv_heads) * model.head_dim
+        wide = max(config.hidden_size, config.intermediate_size)
+        self.work_per_row = wide + qkv_size + 2 * q_size + config.hidden_size + 2 * config.intermediate_size
+        self.widest = max(config.hidden_size, q_size, config.intermediate_size)
         self.scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -130,10 +134,7 @@ class FusedDecode:
             window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
             for window, mask in group.masks.items()
         }
-        mask_addresses = [address(masks[window]) for window in self.windows]
-        if mask_addresses != self.mask_addresses:
-            self.pointers[:, MASK] = torch.tensor(mask_addresses)
-            self.mask_addresses = mask_addresses
+        self.pointers[:, MASK] = torch.tensor([address(masks[window]) for window in self.windows])
         heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
         hidden_size, inter = model.config.hidden_size, model.config.intermediate_size
         work, quantized, block_scales = self._scratch(rows, ctx)
@@ -154,17 +155,12 @@ class FusedDecode:
         """The float work area, int8 rows and block scales ``ts_decode_layers`` needs for ``rows`` rows over
         ``ctx`` positions: the kept ones where they are large enough, else new ones for ``SMALL_BATCH``
         rows over the context rounded up to 1024 positions."""
-        model = self.model
-        heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
-        hidden_size, inter = model.config.hidden_size, model.config.intermediate_size
-        q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
-        per_row = max(hidden_size, inter) + qkv_size + 2 * q_size + hidden_size + 2 * inter
-        if self.scratch is None or self.scratch[0].numel() < rows * (per_row + heads * ctx):
-            widest = max(hidden_size, q_size, inter)
+        heads = self.model.num_heads
+        if self.scratch is None or self.scratch[0].numel() < rows * (self.work_per_row + heads * ctx):
             capacity = -(-ctx // 1024) * 1024
             self.scratch = (
-                torch.empty(SMALL_BATCH * (per_row + heads * capacity)),
-                torch.empty(SMALL_BATCH * widest, dtype=torch.int8),
-                torch.empty(SMALL_BATCH * widest // cpu_gemm.QK),
+                torch.empty(SMALL_BATCH * (self.work_per_row + heads * capacity)),
+                torch.empty(SMALL_BATCH * self.widest, dtype=torch.int8),
+                torch.empty(SMALL_BATCH * self.widest // cpu_gemm.QK),
             )
         return self.scratch
