@@ -88,14 +88,17 @@ def test_float_kernels_compute_the_product_of_the_weights_held(dtype):
     assert torch.equal(packed(x)[5:6], packed(x[5:6]))  # the odd row, run alone, sums in the same order
 
 
-def test_avx512_build_gives_the_avx2_builds_q8_bits(tmp_path):
+def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
     """The AVX-512 build sums a q8 block with vpdpbusd: the same int32 lanes as AVX2's maddubs + madd, so
-    the same float32 results to the bit (the AVX2 build runs in a subprocess, on its own kernel cache)."""
+    the same float32 results to the bit; float32 panels are one multiply-add chain per output element in
+    both builds (12 rows a group there, 6 here), so the same bits too (the AVX2 build runs in a subprocess,
+    on its own kernel cache)."""
     if cpu_gemm.isa() != "avx512":
         pytest.skip("this CPU runs the AVX2 build only")
     generator = torch.Generator().manual_seed(11)
     weight, x = torch.randn(70, 128, generator=generator) * 0.05, torch.randn(5, 128, generator=generator)
-    torch.save({"weight": weight, "x": x}, tmp_path / "inputs.pt")
+    bias, many = torch.randn(70, generator=generator), torch.randn(29, 128, generator=generator)
+    torch.save({"weight": weight, "x": x, "bias": bias, "many": many}, tmp_path / "inputs.pt")
     script = (
         "import sys, torch; from tierserve.plugins.backends import cpu_gemm;"
         "from tierserve.plugins.backends.linear import Int8Linear, quantize_groups;"
@@ -103,7 +106,8 @@ def test_avx512_build_gives_the_avx2_builds_q8_bits(tmp_path):
         "d = torch.load(sys.argv[1]);"
         "rows = Int8Linear(d['weight'], None, 'q8', torch.float32)(d['x']);"
         "groups = Int8Linear(quantize_groups(d['weight']), None, 'grouped', torch.float32, True)(d['x']);"
-        "torch.save({'rows': rows, 'groups': groups}, sys.argv[2])"
+        "floats = cpu_gemm.PackedFloat(d['weight'], d['bias'])(d['many']);"
+        "torch.save({'rows': rows, 'groups': groups, 'floats': floats}, sys.argv[2])"
     )
     env = {**os.environ, cpu_gemm.ISA_VARIABLE: "avx2", "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
@@ -112,6 +116,7 @@ def test_avx512_build_gives_the_avx2_builds_q8_bits(tmp_path):
     avx2 = torch.load(tmp_path / "out.pt")
     assert torch.equal(Int8Linear(weight, None, "q8", torch.float32)(x), avx2["rows"])
     assert torch.equal(Int8Linear(quantize_groups(weight), None, "grouped", torch.float32, True)(x), avx2["groups"])
+    assert torch.equal(cpu_gemm.PackedFloat(weight, bias)(many), avx2["floats"])
 
 
 def test_a_compiler_without_avx512_bf16_builds_for_avx2(tmp_path):
@@ -140,6 +145,26 @@ def test_an_unknown_isa_is_refused_with_the_allowed_values(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "None TIERSERVE_CPU_GEMM_ISA: got 'sse9', allowed: auto, avx2, avx512" in done.stdout
+
+
+def test_float32_weights_run_the_panel_kernel_on_avx512_at_every_batch_size():
+    """``auto`` float32 on the AVX-512 build: tierserve's panels (no oneDNN copy held); a row's result is the
+    same bits alone, in a decode batch and in a prefill-sized call (rows split into groups of up to 12)."""
+    factory = LinearFactory("auto", torch.device("cpu"), torch.float32)
+    if not cpu_gemm.float_panels():
+        assert factory.kernel in ("onednn", "torch")
+        return
+    assert factory.kernel == "f32-panels"
+    generator = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(100, 64, generator=generator) * 0.05, torch.randn(100, generator=generator)
+    layer = factory(weight, bias)
+    assert layer.own is not None and layer.weight is layer.own.weight  # one copy of the weight
+    x = torch.randn(300, 64, generator=generator)
+    full = layer(x)
+    assert torch.allclose(full.double(), x.double() @ weight.double().T + bias.double(), rtol=1e-5, atol=1e-5)
+    for rows in (1, 4, 13, 32, 299):
+        assert torch.equal(layer(x[-rows:]), full[-rows:]), rows
+    assert torch.equal(cpu_gemm.PackedFloat(weight, None).unpacked(), weight)
 
 
 def test_bfloat16_weights_run_the_own_kernel_where_onednn_lacks_them():

@@ -59,14 +59,15 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> None:
 
 
 def test_a_non_streaming_request_whose_client_leaves_is_aborted_and_frees_its_blocks(checkpoint):
-    server, engine = serve(checkpoint, {"sliding_window.enabled": True})
-    body = {"prompt": "go on and on", "max_tokens": 30000, "ignore_eos": True, "temperature": 0,
+    # more tokens than the tiny model decodes in the two minutes waited for, even alone on a fast machine
+    server, engine = serve(checkpoint, {"sliding_window.enabled": True, "server.max_tokens_limit": 10**7})
+    body = {"prompt": "go on and on", "max_tokens": 10**7, "ignore_eos": True, "temperature": 0,
             "enable_sliding_window": True}  # fmt: skip
     with server as base:
         sock = send_raw(base, "/v1/cached/completions", body)
         wait_until(lambda: engine.stats().requests_running == 1, timeout=60)  # it is generating
         sock.close()
-        wait_until(lambda: engine.stats().requests_queued == 0, timeout=120)  # all 30000: minutes
+        wait_until(lambda: engine.stats().requests_queued == 0, timeout=120)
         stats = engine.stats()
         assert stats.counters.requests_aborted == 1 and stats.counters.finish_reasons.get("length", 0) == 0
         assert stats.counters.generation_tokens < body["max_tokens"]  # it stopped when its client left
@@ -153,12 +154,18 @@ def test_a_stream_whose_reader_stops_reading_is_aborted_past_max_stream_backlog(
     outputs = asyncio.run(scenario())
     assert outputs[-1].finish_reason == "abort" and len(outputs) <= 10  # 9 unread deltas, then the end
     assert_pool_released(engine)
-    engine.start()  # a reader that keeps up is never cut short
 
-    async def reading():
-        return [output async for output in engine.add_request("read along", params)]
+    async def reading():  # a reader that keeps up (one delta taken per step) is never cut short
+        request_id, stream = engine.submit(engine.encode_prompt("read along"), params, loop=asyncio.get_running_loop())
+        deltas = engine.outputs(request_id, stream)
+        taken = []
+        while not taken or not taken[-1].finished:
+            engine.step()
+            taken.append(await asyncio.wait_for(anext(deltas), 30))
+        return taken
 
-    assert asyncio.run(reading())[-1].finish_reason == "length"
+    taken = asyncio.run(reading())
+    assert taken[-1].finish_reason == "length" and len(taken) == params.max_tokens
     engine.close()
 
 

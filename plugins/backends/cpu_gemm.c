@@ -49,6 +49,9 @@ int ts_features(void) { return TS_AVX512; }
 #ifndef BF16_PREFETCH
 #define BF16_PREFETCH 32 /* steps ahead (64 bytes each: 2 KiB) */
 #endif
+#ifndef PANEL_PREFETCH
+#define PANEL_PREFETCH 16 /* k steps ahead (a 128-byte panel row each: 2 KiB) */
+#endif
 #ifndef Q8_PREFETCH
 #define Q8_PREFETCH 32 /* blocks ahead (128 bytes, two lines, each: 4 KiB) */
 #endif
@@ -113,7 +116,6 @@ static inline __m256 widen_bf16(const uint16_t* p) {
         }                                                                                         \
     }
 
-FLOAT_TILE(f32_tile, float, _mm256_loadu_ps)
 #if TS_AVX512
 /* A tile's 4 rows x 8 columns of one step are 32 bfloat16 values, one 512-bit vector: float32 lane 4r + i
  * gathers row r's products with columns 2i and 2i + 1, against the 8 activations of the step broadcast to
@@ -183,11 +185,99 @@ static inline void bf16_tile(const uint16_t* x, int64_t M, int64_t K, const uint
 FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
 #endif
 
-/* out [M, N] = x [M, K] @ W^T (+ bias), the tiles shared among the enclosing parallel region's threads. */
+/* Float32 weights in panels of 32 output columns, [N/32][K][32] (the last panel zero-padded): for each k the
+ * panel's 32 weights are one contiguous 128-byte row, multiplied by a broadcast of x[m, k] for each of up to
+ * PANEL_ROWS activation rows at once (outer products summed in registers, the weights loaded once per row
+ * group). Every output element is one fused multiply-add chain over k = 0..K-1 in order, then the bias added:
+ * the same bits whatever M, the row grouping, the thread count or the build (AVX2 or AVX-512). */
+#define PANEL 32
+#if TS_AVX512
+#define PANEL_ROWS 12 /* 12 rows x 2 vectors of 16 = 24 accumulators of the 32 registers */
+static inline __attribute__((always_inline)) void panel_rows(const int R, const float* x, int64_t K,
+                                                             const float* wp, const float* bias, int64_t N,
+                                                             int64_t n0, float* out) {
+    __m512 a[PANEL_ROWS][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float* wk = wp + k * PANEL;
+        _mm_prefetch((const char*)(wk + PANEL_PREFETCH * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wk + PANEL_PREFETCH * PANEL + 16), _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+        }
+    }
+    const int64_t left = N - n0;
+    const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(out + r * N + n0, m0, bias ? _mm512_add_ps(a[r][0], b0) : a[r][0]);
+        _mm512_mask_storeu_ps(out + r * N + n0 + 16, m1, bias ? _mm512_add_ps(a[r][1], b1) : a[r][1]);
+    }
+}
+#else
+#define PANEL_ROWS 6 /* per half panel: 6 rows x 2 vectors of 8 = 12 accumulators of the 16 registers */
+static inline __attribute__((always_inline)) void panel_rows(const int R, const float* x, int64_t K,
+                                                             const float* wp, const float* bias, int64_t N,
+                                                             int64_t n0, float* out) {
+    for (int64_t half = 0; half < PANEL && n0 + half < N; half += 16) {
+        __m256 a[PANEL_ROWS][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            const float* wk = wp + k * PANEL + half;
+            _mm_prefetch((const char*)(wk + PANEL_PREFETCH * PANEL), _MM_HINT_T0);
+            const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+                a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float lanes[16];
+            _mm256_storeu_ps(lanes, a[r][0]);
+            _mm256_storeu_ps(lanes + 8, a[r][1]);
+            for (int j = 0; j < 16 && n0 + half + j < N; j++)
+                out[r * N + n0 + half + j] = bias ? lanes[j] + bias[n0 + half + j] : lanes[j];
+        }
+    }
+}
+#endif
+
+/* out [M, N] = x [M, K] @ W^T (+ bias) on panels; (panel, row group) pairs shared among the enclosing parallel
+ * region's threads, a panel's row groups consecutive (its weights stay in L2 between them). */
 static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N,
                              float* out) {
+    const int64_t groups = (M + PANEL_ROWS - 1) / PANEL_ROWS, rows = (M + groups - 1) / groups; /* balanced */
+    const int64_t panels = (N + PANEL - 1) / PANEL;
     _Pragma("omp for schedule(static)")
-    for (int64_t t = 0; t < (N + 3) / 4; t++) f32_tile(x, M, K, w + t * 4 * K, bias, N, t, out);
+    for (int64_t task = 0; task < panels * groups; task++) {
+        const int64_t p = task / groups, m = task % groups * rows;
+        const int R = M - m < rows ? (int)(M - m) : (int)rows;
+        const float* xm = x + m * K;
+        const float* wp = w + p * K * PANEL;
+        float* om = out + m * N;
+        switch (R) { /* constant R per call: the compiler keeps the accumulators in registers */
+            case 1: panel_rows(1, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 2: panel_rows(2, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 3: panel_rows(3, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 4: panel_rows(4, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 5: panel_rows(5, xm, K, wp, bias, N, p * PANEL, om); break;
+#if TS_AVX512
+            case 6: panel_rows(6, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 7: panel_rows(7, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 8: panel_rows(8, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 9: panel_rows(9, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 10: panel_rows(10, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 11: panel_rows(11, xm, K, wp, bias, N, p * PANEL, om); break;
+#endif
+            default: panel_rows(PANEL_ROWS, xm, K, wp, bias, N, p * PANEL, om); break;
+        }
+    }
 }
 
 #define ROUNDED_ON_STACK (4 * 4096) /* bfloat16 activations rounded into a stack buffer (32 KiB), else malloc */
@@ -364,8 +454,44 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(power)), doubled);
 }
 
+/* Eight positions' dot products (the first `left` of them in the block) scaled into scores, a masked one
+ * -inf; the head's running maximum *top updated. */
+static inline void store_scores(__m256 dots8, float scale, int64_t left, const uint8_t* keep, float* out8, float* top) {
+    float dots[8];
+    _mm256_storeu_ps(dots, _mm256_mul_ps(dots8, _mm256_set1_ps(scale)));
+    for (int j = 0; j < 8 && j < left; j++) {
+        out8[j] = keep && !keep[j] ? -INFINITY : dots[j];
+        if (out8[j] > *top) *top = out8[j];
+    }
+}
+
+/* Each of a task's heads' scores [group, ctx] (max top[g]) become softmax weights: e^(s - top) eight at a
+ * time, the total summed in position order; a masked position weighs exactly nothing. */
+static void softmax_rows(float* scores, int64_t group, int64_t ctx, const float* top, const uint8_t* keep) {
+    for (int64_t g = 0; g < group; g++) {
+        float* sg = scores + g * ctx;
+        const __m256 mx = _mm256_set1_ps(top[g]);
+        int64_t p = 0;
+        for (; p + 8 <= ctx; p += 8) _mm256_storeu_ps(sg + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx)));
+        if (p < ctx) {
+            float lane[8] = {0};
+            for (int64_t j = p; j < ctx; j++) lane[j - p] = sg[j] - top[g];
+            _mm256_storeu_ps(lane, exp8(_mm256_loadu_ps(lane)));
+            for (int64_t j = p; j < ctx; j++) sg[j] = lane[j - p];
+        }
+        float total = 0.0f;
+        for (p = 0; p < ctx; p++) {
+            if (keep && !keep[p]) sg[p] = 0.0f; /* e^-87 from the clamp: exactly nothing instead */
+            total += sg[p];
+        }
+        const float inv = 1.0f / total;
+        for (p = 0; p < ctx; p++) sg[p] *= inv;
+    }
+}
+
 #define ATTN_CHUNK 8 /* output vectors (of 8 floats) one pass over the values accumulates in registers */
 
+#if !TS_AVX512
 /* Decode attention straight from the paged arena: one query token per sequence, q [B, H, D] float32,
  * keys/values [slots, KVH, D] (float32 or bfloat16) addressed through blocks [B, nb] of bs slots;
  * mask [B, ctx] (1 = attend) or NULL for every position < ctx. Softmax in float32 (max-subtracted),
@@ -400,13 +526,7 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
                     for (int j = 0; j < 8; j++)
                         acc[j] = _mm256_fmadd_ps(qv, load_kv(k, row + j * stride + 8 * i, kv_bf16), acc[j]);
                 }
-                float dots[8];
-                _mm256_storeu_ps(dots, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
-                float* out8 = scores + g * ctx + p0 + t;
-                for (int j = 0; j < 8 && t + j < n; j++) {
-                    out8[j] = keep && !keep[p0 + t + j] ? -INFINITY : dots[j];
-                    if (out8[j] > top[g]) top[g] = out8[j];
-                }
+                store_scores(hsum8(acc), scale, n - t, keep ? keep + p0 + t : 0, scores + g * ctx + p0 + t, &top[g]);
             }
         }
         for (; t < n; t++) {
@@ -427,25 +547,7 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {  /* e^(s - top) eight at a time; the total summed in position order */
-        float* sg = scores + g * ctx;
-        const __m256 mx = _mm256_set1_ps(top[g]);
-        int64_t p = 0;
-        for (; p + 8 <= ctx; p += 8) _mm256_storeu_ps(sg + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx)));
-        if (p < ctx) {
-            float lane[8] = {0};
-            for (int64_t j = p; j < ctx; j++) lane[j - p] = sg[j] - top[g];
-            _mm256_storeu_ps(lane, exp8(_mm256_loadu_ps(lane)));
-            for (int64_t j = p; j < ctx; j++) sg[j] = lane[j - p];
-        }
-        float total = 0.0f;
-        for (p = 0; p < ctx; p++) {
-            if (keep && !keep[p]) sg[p] = 0.0f;  /* e^-87 from the clamp: exactly nothing instead */
-            total += sg[p];
-        }
-        const float inv = 1.0f / total;
-        for (p = 0; p < ctx; p++) sg[p] *= inv;
-    }
+    softmax_rows(scores, group, ctx, top, keep);
     for (int64_t g = 0; g < group; g++) {
         const float* sg = scores + g * ctx;
         for (int64_t c0 = 0; c0 < vecs; c0 += ATTN_CHUNK) {
@@ -467,13 +569,184 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
         }
     }
 }
+#endif
+
+
+#if TS_AVX512
+#define ATTN_AHEAD 2 /* blocks ahead whose keys and values are prefetched */
+
+/* mask of the lanes of vector i (16 floats) that lie inside a row of D */
+static inline __mmask16 row_lanes(int64_t i, int64_t D) {
+    const int64_t left = D - 16 * i;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 load_kv16(const void* base, int64_t offset, int bf16, __mmask16 lanes) {
+    if (bf16) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(lanes, (const uint16_t*)base + offset);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_maskz_loadu_ps(lanes, (const float*)base + offset);
+}
+
+static inline __m256 fold(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+static inline void prefetch_rows(const void* base, int64_t first, int64_t n, int64_t KVH, int64_t h, int64_t D,
+                                 int bf16, int hint_t0) {
+    const int64_t bytes = D << (bf16 ? 1 : 2);
+    for (int64_t u = 0; u < n; u++) {
+        const char* r = (const char*)base + ((first + u) * KVH + h) * bytes;
+        for (int64_t c = 0; c < bytes; c += 64) {
+            if (hint_t0) _mm_prefetch(r + c, _MM_HINT_T0);
+            else _mm_prefetch(r + c, _MM_HINT_T1);
+        }
+    }
+}
+
+/* The values pass for NG query heads of one KV head and one chunk of 64 columns (four vectors, masked at
+ * the row's end): each value vector loaded is multiplied into every head's sum (NG x 4 accumulators). */
+static inline __attribute__((always_inline)) void value_chunk(
+    const int NG, const float* sg, int64_t ctx, const void* v, int bf16, const int64_t* table, int64_t bs,
+    int64_t KVH, int64_t h, int64_t D, int64_t c, const uint8_t* keep, float* o) {
+    __m512 acc[4][4];
+    __mmask16 lanes[4];
+    for (int i = 0; i < 4; i++) lanes[i] = row_lanes(4 * c + i, D);
+    for (int g = 0; g < NG; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+        const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t t = 0; t < n; t++) {
+            if (keep && !keep[p0 + t]) continue;
+            const int64_t row = ((base + t) * KVH + h) * D + 64 * c;
+            __m512 val[4];
+            for (int i = 0; i < 4; i++) val[i] = load_kv16(v, row + 16 * i, bf16, lanes[i]);
+            for (int g = 0; g < NG; g++) {
+                const __m512 weight = _mm512_set1_ps(sg[g * ctx + p0 + t]);
+                for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(weight, val[i], acc[g][i]);
+            }
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(o + g * D + 64 * c + 16 * i, lanes[i], acc[g][i]);
+}
+
+/* attention_task's AVX-512 form: 16-float vectors (the last of a row masked), blocks ATTN_AHEAD ahead
+ * prefetched, and the values pass shared by up to four query heads. With bfloat16 keys and q_bf16 (queries
+ * that are bfloat16 values: a bfloat16 model's) a key row's dot product is vdpbf16ps's exact products
+ * summed in pairs. Its sums run in another fixed order than the AVX2 build's (not its bits); like it, a
+ * row's result depends on nothing but its own query and context. */
+static void attention_task512(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
+                              const void* v, int kv_bf16, int q_bf16, const int64_t* blocks, int64_t nb,
+                              int64_t bs, int64_t ctx, const uint8_t* mask, float scale, float* out,
+                              float* scratch) {
+    const int64_t group = H / KVH, v16 = (D + 15) / 16, stride = KVH * D;
+    const int64_t b = task / KVH, h = task % KVH;
+    const int64_t* table = blocks + b * nb;
+    float* scores = scratch + task * group * ctx;
+    const uint8_t* keep = mask ? mask + b * ctx : 0;
+    const float* qg = q + (b * H + h * group) * D;
+    const int dot_bf16 = kv_bf16 && q_bf16;
+    uint16_t qb[16 * 256]; /* group <= 16, D <= 256: the queries as bfloat16 (exact: they are bfloat16 values) */
+    if (dot_bf16)
+        for (int64_t i = 0; i < group * D; i++) qb[i] = (uint16_t)(*(const uint32_t*)&qg[i] >> 16);
+    float top[16];
+    for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+    const int wide = bs % 8 == 0;
+    prefetch_rows(k, table[0] * bs, ctx < bs ? ctx : bs, KVH, h, D, kv_bf16, 1);
+    for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
+        const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
+        for (int64_t a = p0 == 0 ? 1 : ATTN_AHEAD; a <= ATTN_AHEAD; a++) {
+            const int64_t at = p0 + a * bs;
+            if (at < ctx) prefetch_rows(k, table[at / bs] * bs, ctx - at < bs ? ctx - at : bs, KVH, h, D, kv_bf16, 1);
+        }
+        prefetch_rows(v, base, n, KVH, h, D, kv_bf16, 0);
+        int64_t t = 0;
+        for (; wide && t < n; t += 8) {
+            const int64_t row = (base + t) * stride + h * D;
+            for (int64_t g = 0; g < group; g++) {
+                __m512 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+                if (dot_bf16) {
+                    for (int64_t i = 0; i < D; i += 32) {
+                        const __mmask32 lanes = D - i >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (D - i)) - 1);
+                        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, qb + g * D + i);
+                        for (int j = 0; j < 8; j++)
+                            acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(
+                                lanes, (const uint16_t*)k + row + j * stride + i));
+                    }
+                } else {
+                    const float* qh = qg + g * D;
+                    for (int64_t i = 0; i < v16; i++) {
+                        const __mmask16 lanes = row_lanes(i, D);
+                        const __m512 qv = _mm512_maskz_loadu_ps(lanes, qh + 16 * i);
+                        for (int j = 0; j < 8; j++)
+                            acc[j] = _mm512_fmadd_ps(qv, load_kv16(k, row + j * stride + 16 * i, kv_bf16, lanes), acc[j]);
+                    }
+                }
+                __m256 half[8];
+                for (int j = 0; j < 8; j++) half[j] = fold(acc[j]);
+                store_scores(hsum8(half), scale, n - t, keep ? keep + p0 + t : 0, scores + g * ctx + p0 + t, &top[g]);
+            }
+        }
+        for (; t < n; t++) {
+            const int64_t p = p0 + t;
+            if (keep && !keep[p]) {
+                for (int64_t g = 0; g < group; g++) scores[g * ctx + p] = -INFINITY;
+                continue;
+            }
+            const int64_t row = (base + t) * stride + h * D;
+            for (int64_t g = 0; g < group; g++) {
+                const float* qh = qg + g * D;
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t i = 0; i < v16; i++) {
+                    const __mmask16 lanes = row_lanes(i, D);
+                    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, qh + 16 * i), load_kv16(k, row + 16 * i, kv_bf16, lanes), acc);
+                }
+                const float sc = _mm512_reduce_add_ps(acc) * scale;
+                scores[g * ctx + p] = sc;
+                if (sc > top[g]) top[g] = sc;
+            }
+        }
+    }
+    softmax_rows(scores, group, ctx, top, keep);
+    float* o = out + (b * H + h * group) * D;
+    for (int64_t g = 0; g < group; g += 4) {
+        const int64_t ng = group - g < 4 ? group - g : 4;
+        for (int64_t c = 0; c < (D + 63) / 64; c++) {
+            const float* sg = scores + g * ctx;
+            float* og = o + g * D;
+            switch (ng) {
+                case 1: value_chunk(1, sg, ctx, v, kv_bf16, table, bs, KVH, h, D, c, keep, og); break;
+                case 2: value_chunk(2, sg, ctx, v, kv_bf16, table, bs, KVH, h, D, c, keep, og); break;
+                case 3: value_chunk(3, sg, ctx, v, kv_bf16, table, bs, KVH, h, D, c, keep, og); break;
+                default: value_chunk(4, sg, ctx, v, kv_bf16, table, bs, KVH, h, D, c, keep, og); break;
+            }
+        }
+    }
+}
+#endif
+
+/* One (sequence, KV head) task with this build's kernel. kv_flags: bit 0 = bfloat16 keys and values, bit 1 =
+ * the queries are bfloat16 values (a bfloat16 model's), which the AVX-512 kernel's vdpbf16ps takes exactly. */
+static inline void attend(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
+                          const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                          const uint8_t* mask, float scale, float* out, float* scratch) {
+#if TS_AVX512
+    attention_task512(task, q, H, KVH, D, k, v, kv_flags & 1, kv_flags >> 1 & 1, blocks, nb, bs, ctx, mask, scale,
+                      out, scratch);
+#else
+    attention_task(task, q, H, KVH, D, k, v, kv_flags & 1, blocks, nb, bs, ctx, mask, scale, out, scratch);
+#endif
+}
 
 void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int64_t D, const void* k,
-                         const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                         const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
                          const uint8_t* mask, float scale, float* out, float* scratch, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t task = 0; task < B * KVH; task++)
-        attention_task(task, q, H, KVH, D, k, v, kv_bf16, blocks, nb, bs, ctx, mask, scale, out, scratch);
+        attend(task, q, H, KVH, D, k, v, kv_flags, blocks, nb, bs, ctx, mask, scale, out, scratch);
 }
 
 /* torch's float -> bfloat16 conversion (round to nearest even; a NaN becomes a quiet NaN), widened back */
@@ -675,7 +948,7 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
         }
         _Pragma("omp for schedule(static)")
         for (int64_t task = 0; task < M * KVH; task++)
-            attention_task(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, blocks, nb, bs, ctx,
+            attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs, ctx,
                            (const uint8_t*)p[L_MASK], scale, attn, scores);
         _Pragma("omp single")
         {

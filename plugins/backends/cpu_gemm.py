@@ -50,6 +50,7 @@ AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf
 ISA_VARIABLE = "TIERSERVE_CPU_GEMM_ISA"
 QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows packed together
+PANEL = 32  # output columns of a float32 panel
 
 _unavailable: list[str] = []
 
@@ -117,6 +118,12 @@ def bf16_dot() -> bool:
     """Whether bfloat16 weights multiply with vdpbf16ps (the AVX-512 build): activations rounded to bfloat16."""
     lib = library()
     return lib is not None and bool(lib.ts_features())
+
+
+def float_panels() -> bool:
+    """Whether ``auto`` runs float32 weights on tierserve's panel kernel (the AVX-512 build): 1.2x oneDNN's
+    float32 GEMM at 32 rows here and even with it at prefill sizes; on AVX2 machines oneDNN keeps them."""
+    return bf16_dot()
 
 
 def _key() -> str:
@@ -203,13 +210,15 @@ def address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
-    extra = -weight.shape[0] % TILE
+def _pad_rows(weight: torch.Tensor, multiple: int = TILE) -> torch.Tensor:
+    extra = -weight.shape[0] % multiple
     return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
 
 
 class PackedFloat:
-    """A float32 or bfloat16 weight in the ``[N/4][K/8][4][8]`` layout; calls take and return float32 rows."""
+    """A float weight packed for tierserve's kernels; calls take and return float32 rows. bfloat16: the
+    ``[N/4][K/8][4][8]`` layout. float32: panels of ``PANEL`` output columns, ``[N/32][K][32]`` (the last
+    zero-padded), each output element one multiply-add chain over K in order (``cpu_gemm.c``)."""
 
     __slots__ = ("weight", "bias", "out_features", "in_features", "function")
 
@@ -217,17 +226,22 @@ class PackedFloat:
         lib = library()
         assert lib is not None and supports_float(weight)
         self.out_features, self.in_features = weight.shape
-        padded = _pad_rows(weight.contiguous())
-        tiles = padded.view(-1, TILE, self.in_features // 8, 8).permute(0, 2, 1, 3).contiguous()
-        self.weight = tiles.view(torch.int16) if weight.dtype == torch.bfloat16 else tiles
-        self.function = lib.ts_bf16_gemm if weight.dtype == torch.bfloat16 else lib.ts_f32_gemm
+        if weight.dtype == torch.bfloat16:
+            padded = _pad_rows(weight.contiguous())
+            tiles = padded.view(-1, TILE, self.in_features // 8, 8).permute(0, 2, 1, 3).contiguous()
+            self.weight, self.function = tiles.view(torch.int16), lib.ts_bf16_gemm
+        else:
+            padded = _pad_rows(weight.contiguous(), PANEL)
+            self.weight = padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous()
+            self.function = lib.ts_f32_gemm
         self.bias = None if bias is None else bias.float().contiguous()
 
     def unpacked(self) -> torch.Tensor:
         """The weight as a float32 ``[N, K]`` matrix (a new tensor; bfloat16 widens exactly)."""
-        tiles = self.weight.view(torch.bfloat16) if self.weight.dtype == torch.int16 else self.weight
-        rows = tiles.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
-        return rows.float() if rows.dtype != torch.float32 else rows.contiguous()
+        if self.weight.dtype == torch.float32:
+            return self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+        rows = self.weight.view(torch.bfloat16).permute(0, 2, 1, 3).reshape(-1, self.in_features)
+        return rows[: self.out_features].float()
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()
@@ -325,9 +339,11 @@ def decode_attention(
     scratch = torch.empty(batch * heads * ctx)
     table = blocks.to(torch.int64).contiguous()
     keep = None if mask is None else mask.reshape(batch, ctx).contiguous().view(torch.uint8)
+    # bit 1: the queries are bfloat16 values, which the AVX-512 kernel multiplies with vdpbf16ps exactly
+    flags = int(k_cache.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1
     lib.ts_decode_attention(
         queries.data_ptr(), batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
+        flags, table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
         scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out.to(q.dtype)

@@ -397,6 +397,8 @@ class LinearFactory:
         )  # fmt: skip
         self.wide_prefill = self.own and _onednn_available(device, torch.float32)
         self.kernel = "onednn" if self.packed else "bf16-avx2" if self.own else "torch"
+        if kernel == "auto" and dtype == torch.float32 and device.type == "cpu" and cpu_gemm.float_panels():
+            self.own, self.kernel = True, "f32-panels"  # every batch size (oneDNN only for a matrix it cannot hold)
         if self.wide_prefill:
             self.kernel += "+onednn-f32"
         # oneDNN's bfloat16 (AVX512-BF16) for prefill and batches, the bf16-dot kernel for decode rows
