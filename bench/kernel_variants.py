@@ -1,6 +1,6 @@
 """Builds of tierserve's C kernels with other prefetch distances, timed against each other in one process.
 
-    python -m bench.kernel_variants bf16 8,16,32,64     (bf16-dot: BF16_PREFETCH, steps of 64 bytes ahead)
+    python -m bench.kernel_variants bf16 8,16,32,64     (bf16-panels: BF16_PREFETCH, 128-byte panel rows ahead)
     python -m bench.kernel_variants q8 8,16,32 --rows 2  (q8, per-row scales: Q8_PREFETCH, blocks of 128 bytes)
 
 Each distance is its own build of ``cpu_gemm.c`` (this machine's flags plus

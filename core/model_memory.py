@@ -87,7 +87,7 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
         # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes);
         # per-row int8 is one byte, twice where ``auto`` keeps the small-batch q8 copy next to fbgemm's
         per_weight = 1.125 if gguf else _per_row_int8_bytes(settings, device)
-    elif str(dtype) == "torch.bfloat16":  # oneDNN's copy and, where it runs, the bf16-dot kernel's for decode rows
+    elif str(dtype) == "torch.bfloat16":  # one copy (bf16_copies says how many)
         per_weight *= _bf16_copies(settings, device)
     weight_bytes = int(elements * per_weight) if elements else stored
     heads = config.get("num_attention_heads", 1)

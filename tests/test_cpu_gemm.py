@@ -171,8 +171,10 @@ def test_bfloat16_weights_run_the_own_kernel_where_onednn_lacks_them():
     factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
     from tierserve.plugins.backends.linear import _onednn_available
 
-    if _onednn_available(torch.device("cpu"), torch.bfloat16):
-        assert factory.kernel == ("onednn+bf16-dot" if cpu_gemm.bf16_dot() else "onednn")
+    if cpu_gemm.bf16_dot():
+        assert factory.kernel == "bf16-panels"
+    elif _onednn_available(torch.device("cpu"), torch.bfloat16):
+        assert factory.kernel == "onednn"
     else:
         assert factory.kernel.startswith("bf16-avx2")
         layer = factory(torch.randn(16, 32).to(torch.bfloat16))
@@ -180,25 +182,24 @@ def test_bfloat16_weights_run_the_own_kernel_where_onednn_lacks_them():
     assert LinearFactory("torch", torch.device("cpu"), torch.bfloat16).kernel == "torch"
 
 
-def test_bfloat16_decode_rows_run_the_dot_kernel_and_batches_onednn():
-    """On an AVX512-BF16 CPU ``auto`` holds both layouts: up to SMALL_BATCH rows run the bf16-dot kernel (a
-    row's bits the same in any such batch), more rows oneDNN's bfloat16 GEMM; both the same bfloat16 product."""
-    from tierserve.plugins.backends.linear import SMALL_BATCH
-
+def test_bfloat16_panels_give_a_row_the_same_bits_at_every_batch_size():
+    """The AVX-512 build runs bfloat16 weights on vdpbf16ps panels at every size (one copy held): a row's
+    bits are the same alone, in a decode batch and in a prefill-sized call, and the product is the
+    bfloat16 weights' (within float32 summation order, then bfloat16 rounding)."""
     factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
-    if not factory.kernel.endswith("+bf16-dot"):
-        pytest.skip("no AVX512-BF16 dot kernel on this CPU")
+    if factory.kernel != "bf16-panels":
+        pytest.skip("no AVX512-BF16 panel kernel on this CPU")
     generator = torch.Generator().manual_seed(6)
-    weight = (torch.randn(37, 96, generator=generator) * 0.05).bfloat16()
-    layer = factory(weight)
-    x = torch.randn(SMALL_BATCH + 3, 96, generator=generator).bfloat16()
-    expected = (x.double() @ weight.double().T).bfloat16().float()
-    small, batch = layer(x[:SMALL_BATCH]), layer(x)
-    assert torch.equal(small, layer.own(x[:SMALL_BATCH].float()).bfloat16())  # the dot kernel's own result
-    assert torch.equal(layer(x[:1]), small[:1]) and torch.equal(layer(x[2:3]), small[2:3])
-    for out in (small, batch):
-        assert torch.allclose(out.float(), expected[: out.shape[0]], rtol=1e-2, atol=1e-2)
-    assert (batch[:SMALL_BATCH] != small).float().mean() < 0.05  # two float32 sum orders, rounded to bfloat16
+    weight = (torch.randn(70, 96, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(70, generator=generator).bfloat16()
+    layer = factory(weight, bias)
+    assert layer.weight is layer.own.weight and torch.equal(layer.own.unpacked(), weight.float())
+    x = torch.randn(300, 96, generator=generator).bfloat16()
+    full = layer(x)
+    expected = (x.double() @ weight.double().T + bias.double()).bfloat16().float()
+    assert torch.allclose(full.float(), expected, rtol=1e-2, atol=1e-2)
+    for rows in (1, 3, 4, 13, 32, 299):
+        assert torch.equal(layer(x[-rows:]), full[-rows:]), rows
 
 
 def test_bfloat16_prefill_chunks_run_onednn_on_the_widened_weight():
@@ -306,8 +307,8 @@ def test_decode_attention_of_a_row_does_not_depend_on_its_batch(kv_dtype):
 
 
 def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
-    """``auto`` int8 holds the q8 kernel's copy next to fbgemm's, and bfloat16 the bf16-dot kernel's next to
-    oneDNN's where both run: the pre-load estimate says so."""
+    """``auto`` int8 holds the q8 kernel's copy next to fbgemm's (bfloat16 one copy, whichever kernel): the
+    pre-load estimate says so."""
     from tests.engine_helpers import build_checkpoint
     from tierserve.core.config import load_settings
     from tierserve.core.model_memory import estimate_memory
@@ -324,8 +325,7 @@ def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
         overrides = {("model", "path"): str(path), ("model", "dtype"): "bfloat16", ("model", "device"): "cpu",
                      ("plugins.native", "linear_kernel"): kernel}  # fmt: skip
         bf16[kernel] = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
-    two_layouts = LinearFactory("auto", torch.device("cpu"), torch.bfloat16).kernel.endswith("+bf16-dot")
-    assert bf16["auto"] == (2 if two_layouts else 1) * bf16["torch"]
+    assert bf16["auto"] == bf16["torch"]  # one copy: panels replaced oneDNN's next to the dot kernel's
 
 
 def test_torch_kernels_are_used_throughout_when_asked(tmp_path):

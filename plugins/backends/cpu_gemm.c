@@ -47,7 +47,7 @@
 /* What this build computes with: 1 = the AVX-512 VNNI/BF16 paths above, 0 = AVX2 and FMA only. */
 int ts_features(void) { return TS_AVX512; }
 #ifndef BF16_PREFETCH
-#define BF16_PREFETCH 32 /* steps ahead (64 bytes each: 2 KiB) */
+#define BF16_PREFETCH 16 /* AVX-512 panel rows (pairs of k) ahead (128 bytes each: 2 KiB) */
 #endif
 #ifndef PANEL_PREFETCH
 #define PANEL_PREFETCH 16 /* k steps ahead (a 128-byte panel row each: 2 KiB) */
@@ -116,74 +116,6 @@ static inline __m256 widen_bf16(const uint16_t* p) {
         }                                                                                         \
     }
 
-#if TS_AVX512
-/* A tile's 4 rows x 8 columns of one step are 32 bfloat16 values, one 512-bit vector: float32 lane 4r + i
- * gathers row r's products with columns 2i and 2i + 1, against the 8 activations of the step broadcast to
- * each 128-bit quarter. Even and odd steps go to two accumulators (two dependency chains; an odd last step
- * to the even one), added at the end; a row's four lanes are then summed in order. */
-static inline __m512bh bf16_step(const uint16_t* x) {
-    return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x));
-}
-
-static inline void store_dot_tile(float* out, int64_t N, int64_t n0, __m512 even, __m512 odd, const float* bias) {
-    float lanes[16];
-    _mm512_storeu_ps(lanes, _mm512_add_ps(even, odd));
-    for (int r = 0; r < 4 && n0 + r < N; r++) {
-        float y = ((lanes[4 * r] + lanes[4 * r + 1]) + lanes[4 * r + 2]) + lanes[4 * r + 3];
-        if (bias) y += bias[n0 + r];
-        out[n0 + r] = y;
-    }
-}
-
-/* R activation rows (1 <= R <= 4) against one tile, steps in pairs (even, odd: two chains per row). */
-static inline void bf16_rows(const uint16_t* x, int R, int64_t K, const uint16_t* wt, const float* bias, int64_t N,
-                             int64_t t, float* out) {
-    const int64_t steps = K / 8;
-    __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-    const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
-    int64_t s = 0;
-    for (; s + 1 < steps; s += 2) {
-        _mm_prefetch((const char*)(wt + (s + BF16_PREFETCH) * 32), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wt + (s + BF16_PREFETCH + 1) * 32), _MM_HINT_T0);
-        const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(wt + s * 32));
-        const __m512bh v = (__m512bh)_mm512_loadu_si512((const void*)(wt + (s + 1) * 32));
-        e0 = _mm512_dpbf16_ps(e0, w, bf16_step(x0 + s * 8)), o0 = _mm512_dpbf16_ps(o0, v, bf16_step(x0 + s * 8 + 8));
-        if (R > 1) e1 = _mm512_dpbf16_ps(e1, w, bf16_step(x1 + s * 8)), o1 = _mm512_dpbf16_ps(o1, v, bf16_step(x1 + s * 8 + 8));
-        if (R > 2) e2 = _mm512_dpbf16_ps(e2, w, bf16_step(x2 + s * 8)), o2 = _mm512_dpbf16_ps(o2, v, bf16_step(x2 + s * 8 + 8));
-        if (R > 3) e3 = _mm512_dpbf16_ps(e3, w, bf16_step(x3 + s * 8)), o3 = _mm512_dpbf16_ps(o3, v, bf16_step(x3 + s * 8 + 8));
-    }
-    if (s < steps) { /* an odd last step: into the even chain */
-        const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(wt + s * 32));
-        e0 = _mm512_dpbf16_ps(e0, w, bf16_step(x0 + s * 8));
-        if (R > 1) e1 = _mm512_dpbf16_ps(e1, w, bf16_step(x1 + s * 8));
-        if (R > 2) e2 = _mm512_dpbf16_ps(e2, w, bf16_step(x2 + s * 8));
-        if (R > 3) e3 = _mm512_dpbf16_ps(e3, w, bf16_step(x3 + s * 8));
-    }
-    store_dot_tile(out, N, t * 4, e0, o0, bias);
-    if (R > 1) store_dot_tile(out + N, N, t * 4, e1, o1, bias);
-    if (R > 2) store_dot_tile(out + 2 * N, N, t * 4, e2, o2, bias);
-    if (R > 3) store_dot_tile(out + 3 * N, N, t * 4, e3, o3, bias);
-}
-
-/* Rows four at a time (x: the rows already rounded to bfloat16); each row's sums are the same whichever
- * group of rows it runs in. */
-static inline void bf16_tile(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wt, const float* bias, int64_t N,
-                             int64_t t, float* out) {
-    for (int64_t m = 0; m < M; m += 4) {
-        const int R = M - m < 4 ? (int)(M - m) : 4;
-        const uint16_t* xm = x + m * K;
-        float* om = out + m * N;
-        switch (R) { /* constant R per call: the compiler drops the unused chains */
-            case 1: bf16_rows(xm, 1, K, wt, bias, N, t, om); break;
-            case 2: bf16_rows(xm, 2, K, wt, bias, N, t, om); break;
-            case 3: bf16_rows(xm, 3, K, wt, bias, N, t, om); break;
-            default: bf16_rows(xm, 4, K, wt, bias, N, t, om); break;
-        }
-    }
-}
-#else
-FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
-#endif
 
 /* Float32 weights in panels of 32 output columns, [N/32][K][32] (the last panel zero-padded): for each k the
  * panel's 32 weights are one contiguous 128-byte row, multiplied by a broadcast of x[m, k] for each of up to
@@ -193,6 +125,19 @@ FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
 #define PANEL 32
 #if TS_AVX512
 #define PANEL_ROWS 12 /* 12 rows x 2 vectors of 16 = 24 accumulators of the 32 registers */
+/* R rows' sums of one panel (plus the bias) into out, the columns past N left alone */
+static inline __attribute__((always_inline)) void store_panel(const int R, __m512 (*a)[2], const float* bias,
+                                                              int64_t N, int64_t n0, float* out) {
+    const int64_t left = N - n0;
+    const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(out + r * N + n0, m0, bias ? _mm512_add_ps(a[r][0], b0) : a[r][0]);
+        _mm512_mask_storeu_ps(out + r * N + n0 + 16, m1, bias ? _mm512_add_ps(a[r][1], b1) : a[r][1]);
+    }
+}
 static inline __attribute__((always_inline)) void panel_rows(const int R, const float* x, int64_t K,
                                                              const float* wp, const float* bias, int64_t N,
                                                              int64_t n0, float* out) {
@@ -209,15 +154,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
             a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
         }
     }
-    const int64_t left = N - n0;
-    const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) {
-        _mm512_mask_storeu_ps(out + r * N + n0, m0, bias ? _mm512_add_ps(a[r][0], b0) : a[r][0]);
-        _mm512_mask_storeu_ps(out + r * N + n0 + 16, m1, bias ? _mm512_add_ps(a[r][1], b1) : a[r][1]);
-    }
+    store_panel(R, a, bias, N, n0, out);
 }
 #else
 #define PANEL_ROWS 6 /* per half panel: 6 rows x 2 vectors of 8 = 12 accumulators of the 16 registers */
@@ -246,6 +183,37 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
         }
     }
 }
+#endif
+
+#if TS_AVX512
+/* bfloat16 weights in panels of 32 output columns by pairs of k, [N/32][K/2][32][2] (the last panel
+ * zero-padded): for each pair of k the panel's 64 weights are one 128-byte row, and vdpbf16ps multiplies it
+ * by a broadcast of the row's (x[k], x[k + 1]) for up to PANEL_ROWS rounded activation rows at once, each
+ * float32 lane (an output column) adding the pair's two exact products. Every output element is one chain
+ * over the pairs in order, then the bias: the same bits whatever M, the row grouping or the thread count. */
+static inline __attribute__((always_inline)) void bf16_panel_rows(const int R, const uint16_t* x, int64_t K,
+                                                                  const uint16_t* wp, const float* bias,
+                                                                  int64_t N, int64_t n0, float* out) {
+    __m512 a[PANEL_ROWS][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const uint16_t* wk = wp + kp * 2 * PANEL;
+        _mm_prefetch((const char*)(wk + BF16_PREFETCH * 2 * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wk + BF16_PREFETCH * 2 * PANEL + PANEL), _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)wk);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(wk + PANEL));
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * K + 2 * kp, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, w0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);
+        }
+    }
+    store_panel(R, a, bias, N, n0, out);
+}
+#else
+FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
 #endif
 
 /* out [M, N] = x [M, K] @ W^T (+ bias) on panels; (panel, row group) pairs shared among the enclosing parallel
@@ -298,8 +266,29 @@ static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16
             _mm256_storeu_si256((__m256i*)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
         if (i < (m + 1) * K) _mm_storeu_si128((__m128i*)(xb + i), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(x + i)));
     }
+    const int64_t groups = (M + PANEL_ROWS - 1) / PANEL_ROWS, rows = (M + groups - 1) / groups;
     _Pragma("omp for schedule(static)")
-    for (int64_t t = 0; t < (N + 3) / 4; t++) bf16_tile(xb, M, K, w + t * 4 * K, bias, N, t, out);
+    for (int64_t task = 0; task < (N + PANEL - 1) / PANEL * groups; task++) {
+        const int64_t p = task / groups, m = task % groups * rows;
+        const int R = M - m < rows ? (int)(M - m) : (int)rows;
+        const uint16_t* xm = xb + m * K;
+        const uint16_t* wp = w + p * K * PANEL;
+        float* om = out + m * N;
+        switch (R) {
+            case 1: bf16_panel_rows(1, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 2: bf16_panel_rows(2, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 3: bf16_panel_rows(3, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 4: bf16_panel_rows(4, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 5: bf16_panel_rows(5, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 6: bf16_panel_rows(6, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 7: bf16_panel_rows(7, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 8: bf16_panel_rows(8, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 9: bf16_panel_rows(9, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 10: bf16_panel_rows(10, xm, K, wp, bias, N, p * PANEL, om); break;
+            case 11: bf16_panel_rows(11, xm, K, wp, bias, N, p * PANEL, om); break;
+            default: bf16_panel_rows(PANEL_ROWS, xm, K, wp, bias, N, p * PANEL, om); break;
+        }
+    }
     if (xb != small) free(xb);
 #else
     _Pragma("omp for schedule(static)")

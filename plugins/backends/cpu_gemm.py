@@ -226,7 +226,11 @@ class PackedFloat:
         lib = library()
         assert lib is not None and supports_float(weight)
         self.out_features, self.in_features = weight.shape
-        if weight.dtype == torch.bfloat16:
+        if weight.dtype == torch.bfloat16 and bf16_dot():  # AVX-512: panels by pairs of k, [N/32][K/2][32][2]
+            padded = _pad_rows(weight.contiguous(), PANEL)
+            panels = padded.view(-1, PANEL, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+            self.weight, self.function = panels.view(torch.int16), lib.ts_bf16_gemm
+        elif weight.dtype == torch.bfloat16:
             padded = _pad_rows(weight.contiguous())
             tiles = padded.view(-1, TILE, self.in_features // 8, 8).permute(0, 2, 1, 3).contiguous()
             self.weight, self.function = tiles.view(torch.int16), lib.ts_bf16_gemm
@@ -241,7 +245,7 @@ class PackedFloat:
         if self.weight.dtype == torch.float32:
             return self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
         rows = self.weight.view(torch.bfloat16).permute(0, 2, 1, 3).reshape(-1, self.in_features)
-        return rows[: self.out_features].float()
+        return rows[: self.out_features].float()  # either layout: [tiles, K-ish, rows, k-ish] -> [N, K]
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()

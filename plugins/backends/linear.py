@@ -47,13 +47,15 @@ are converted to float and multiplied by the unrounded activations group by
 group (one bmm), and the per-group sums scaled and added, so the output is the
 dequantized weight's up to float summation order; 3-7x slower.
 
-bfloat16 weights run oneDNN where the CPU has AVX512-BF16, and there ``auto``
-also keeps a copy for tierserve's ``bf16-dot`` kernel (``cpu_gemm.py``'s
-AVX-512 build: vdpbf16ps on its packed layout), which runs calls of at most
-``SMALL_BATCH`` rows (decode) and lets a decode step run as one C call
-(``fused_decode.py``): ``onednn+bf16-dot``, two bytes more per weight held.
-A row decoded alone and in a batch of more than ``SMALL_BATCH`` therefore
-runs different kernels and may differ in its last bits. Elsewhere ``auto``
+On ``cpu_gemm``'s AVX-512 build ``auto`` runs float32 weights on its
+``f32-panels`` kernel and bfloat16 weights on ``bf16-panels`` (vdpbf16ps) at
+every batch size, one copy of each weight held: panels of 32 output columns
+times up to 12 rows in registers, each output element one chain of sums in
+a fixed order, so a row's bits do not depend on its batch, and a decode step
+of bfloat16 weights can run as one C call (``fused_decode.py``). Both were
+faster than oneDNN's prepacked GEMM there from 1 to 2048 rows (the README
+has the figures); ``onednn`` still picks oneDNN. Elsewhere (AVX2) float
+weights run oneDNN where it works. Where oneDNN lacks bfloat16, ``auto``
 runs tierserve's ``bf16`` kernel (``cpu_gemm.py``: the weight widened to
 float32 in registers, float32 sums), 1.5x torch's ``F.linear`` at batch 1 and
 5x at batch 32 on the AVX2 machine. Its two-rows-by-four-columns blocking
@@ -151,7 +153,7 @@ class Linear:
     ``wide_prefill`` (with ``own``): calls of at least ``WIDE_ROWS`` rows run oneDNN's float32 GEMM on the
     weight widened to float32 for that call."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "own", "wide_prefill", "own_rows")
+    __slots__ = ("weight", "bias", "packed", "out_features", "own", "wide_prefill")
 
     def __init__(
         self,
@@ -160,23 +162,19 @@ class Linear:
         packed: bool,
         own: bool = False,
         wide_prefill: bool = False,
-        own_rows: int | None = None,
     ) -> None:
-        """``own_rows`` (with ``own`` and ``packed``): both layouts are held; calls of at most ``own_rows`` rows
-        run tierserve's kernel, larger ones oneDNN's."""
         self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = packed
         self.own = cpu_gemm.PackedFloat(weight, bias) if own else None
         self.wide_prefill = wide_prefill and own
-        self.own_rows = own_rows if own and packed else None
-        if own and self.own_rows is None:
+        if own:
             self.weight = self.own.weight
         else:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own is not None and (self.own_rows is None or x.numel() <= self.own_rows * x.shape[-1]):
+        if self.own is not None:
             rows = x.reshape(-1, x.shape[-1])
             if self.wide_prefill and rows.shape[0] >= WIDE_ROWS:
                 weight = torch.ops.mkldnn._reorder_linear_weight(self.own.unpacked())
@@ -331,13 +329,9 @@ class Int8Linear:
 
 
 def bf16_copies(kernel: str, device: torch.device) -> int:
-    """Copies held of each bfloat16 weight: ``auto`` on a CPU where oneDNN runs bfloat16 and ``cpu_gemm`` has
-    its vdpbf16ps kernel keeps that kernel's packed copy (decode rows, the fused decode) next to oneDNN's."""
-    return 2 if kernel == "auto" and _small_bf16_kernel(device) else 1
-
-
-def _small_bf16_kernel(device: torch.device) -> bool:
-    return device.type == "cpu" and cpu_gemm.bf16_dot() and _onednn_available(device, torch.bfloat16)
+    """Copies held of each bfloat16 weight: one (the AVX-512 build's panels replaced oneDNN's copy next to
+    the vdpbf16ps kernel's)."""
+    return 1
 
 
 def int8_copies(kernel: str, device: torch.device) -> int:
@@ -401,13 +395,9 @@ class LinearFactory:
             self.own, self.kernel = True, "f32-panels"  # every batch size (oneDNN only for a matrix it cannot hold)
         if self.wide_prefill:
             self.kernel += "+onednn-f32"
-        # oneDNN's bfloat16 (AVX512-BF16) for prefill and batches, the bf16-dot kernel for decode rows
-        self.small_own = (
-            self.packed and kernel == "auto" and dtype == torch.bfloat16 and device.type == "cpu" and cpu_gemm.bf16_dot()
-        )  # packed: oneDNN's bfloat16 probe already passed
-        if self.small_own:
-            self.own = True
-            self.kernel += "+bf16-dot"
+        # the AVX-512 build's vdpbf16ps panels at every batch size (oneDNN only for a matrix they cannot hold)
+        if kernel == "auto" and dtype == torch.bfloat16 and device.type == "cpu" and cpu_gemm.bf16_dot():
+            self.own, self.wide_prefill, self.kernel = True, False, "bf16-panels"
 
     def __call__(self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         """A layer for ``weight``: group-wise int8 stays so (``int8-g32``), float follows the factory's choice."""
@@ -420,7 +410,7 @@ class LinearFactory:
         if self.quantization == "int8":
             return Int8Linear(weight, bias, self._int8_kernel, self.dtype, self.small_batch)
         own = self.own and cpu_gemm.supports_float(weight)
-        return Linear(weight, bias, self.packed, own, self.wide_prefill, SMALL_BATCH if self.small_own else None)
+        return Linear(weight, bias, self.packed, own, self.wide_prefill)
 
     @property
     def kernels(self) -> str:
