@@ -185,6 +185,35 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
 }
 #endif
 
+/* FN(R, ...) with R as a constant (1..PANEL_ROWS), so the compiler keeps its accumulators in registers */
+#if TS_AVX512
+#define PANEL_CALL(FN, R, ...)                                                                                \
+    switch (R) {                                                                                              \
+        case 1: FN(1, __VA_ARGS__); break;                                                                    \
+        case 2: FN(2, __VA_ARGS__); break;                                                                    \
+        case 3: FN(3, __VA_ARGS__); break;                                                                    \
+        case 4: FN(4, __VA_ARGS__); break;                                                                    \
+        case 5: FN(5, __VA_ARGS__); break;                                                                    \
+        case 6: FN(6, __VA_ARGS__); break;                                                                    \
+        case 7: FN(7, __VA_ARGS__); break;                                                                    \
+        case 8: FN(8, __VA_ARGS__); break;                                                                    \
+        case 9: FN(9, __VA_ARGS__); break;                                                                    \
+        case 10: FN(10, __VA_ARGS__); break;                                                                  \
+        case 11: FN(11, __VA_ARGS__); break;                                                                  \
+        default: FN(PANEL_ROWS, __VA_ARGS__); break;                                                          \
+    }
+#else
+#define PANEL_CALL(FN, R, ...)                                                                                \
+    switch (R) {                                                                                              \
+        case 1: FN(1, __VA_ARGS__); break;                                                                    \
+        case 2: FN(2, __VA_ARGS__); break;                                                                    \
+        case 3: FN(3, __VA_ARGS__); break;                                                                    \
+        case 4: FN(4, __VA_ARGS__); break;                                                                    \
+        case 5: FN(5, __VA_ARGS__); break;                                                                    \
+        default: FN(PANEL_ROWS, __VA_ARGS__); break;                                                          \
+    }
+#endif
+
 #if TS_AVX512
 /* bfloat16 weights in panels of 32 output columns by pairs of k, [N/32][K/2][32][2] (the last panel
  * zero-padded): for each pair of k the panel's 64 weights are one 128-byte row, and vdpbf16ps multiplies it
@@ -229,22 +258,7 @@ static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* 
         const float* xm = x + m * K;
         const float* wp = w + p * K * PANEL;
         float* om = out + m * N;
-        switch (R) { /* constant R per call: the compiler keeps the accumulators in registers */
-            case 1: panel_rows(1, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 2: panel_rows(2, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 3: panel_rows(3, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 4: panel_rows(4, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 5: panel_rows(5, xm, K, wp, bias, N, p * PANEL, om); break;
-#if TS_AVX512
-            case 6: panel_rows(6, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 7: panel_rows(7, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 8: panel_rows(8, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 9: panel_rows(9, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 10: panel_rows(10, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 11: panel_rows(11, xm, K, wp, bias, N, p * PANEL, om); break;
-#endif
-            default: panel_rows(PANEL_ROWS, xm, K, wp, bias, N, p * PANEL, om); break;
-        }
+        PANEL_CALL(panel_rows, R, xm, K, wp, bias, N, p * PANEL, om);
     }
 }
 
@@ -274,20 +288,7 @@ static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16
         const uint16_t* xm = xb + m * K;
         const uint16_t* wp = w + p * K * PANEL;
         float* om = out + m * N;
-        switch (R) {
-            case 1: bf16_panel_rows(1, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 2: bf16_panel_rows(2, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 3: bf16_panel_rows(3, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 4: bf16_panel_rows(4, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 5: bf16_panel_rows(5, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 6: bf16_panel_rows(6, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 7: bf16_panel_rows(7, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 8: bf16_panel_rows(8, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 9: bf16_panel_rows(9, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 10: bf16_panel_rows(10, xm, K, wp, bias, N, p * PANEL, om); break;
-            case 11: bf16_panel_rows(11, xm, K, wp, bias, N, p * PANEL, om); break;
-            default: bf16_panel_rows(PANEL_ROWS, xm, K, wp, bias, N, p * PANEL, om); break;
-        }
+        PANEL_CALL(bf16_panel_rows, R, xm, K, wp, bias, N, p * PANEL, om);
     }
     if (xb != small) free(xb);
 #else
