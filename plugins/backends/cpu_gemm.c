@@ -637,7 +637,7 @@ static void attention_task512(int64_t task, const float* q, int64_t H, int64_t K
     float* scores = scratch + task * group * ctx;
     const uint8_t* keep = mask ? mask + b * ctx : 0;
     const float* qg = q + (b * H + h * group) * D;
-    const int dot_bf16 = kv_bf16 && q_bf16;
+    const int dot_bf16 = kv_bf16 && q_bf16 && group * D <= 16 * 256; /* the queries fit qb */
     uint16_t qb[16 * 256]; /* group <= 16, D <= 256: the queries as bfloat16 (exact: they are bfloat16 values) */
     if (dot_bf16)
         for (int64_t i = 0; i < group * D; i++) qb[i] = (uint16_t)(*(const uint32_t*)&qg[i] >> 16);
