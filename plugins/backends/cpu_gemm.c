@@ -4,10 +4,11 @@
  * sum rounded as written, so the elementwise code matches torch's to the bit) and called through ctypes.
  * Decode multiplies a few activation rows by every weight, so its speed is the rate at which
  * weights stream from memory. Each kernel reads its weight in a packed layout, one contiguous
- * stream per tile of 4 output rows, and converts it to float32 in registers:
+ * stream per tile of output rows, and converts it to float32 in registers:
  *
- *   f32   [N/4][K/8][4][8]   float32
- *   bf16  [N/4][K/8][4][8]   bfloat16 bits, widened by a 16-bit shift (exact; the AVX-512 build: vdpbf16ps)
+ *   f32   [N/32][K][32]      float32 panels: up to 12 (AVX2: 6) rows' outer products in registers
+ *   bf16  [N/4][K/8][4][8]   bfloat16 bits, widened by a 16-bit shift (exact; AVX2 build)
+ *         [N/32][K/2][32][2] bfloat16 panels by pairs of k (the AVX-512 build: vdpbf16ps)
  *   q8    [N/4][K/32][4][32] int8; one float scale per row ([N]) or per 32 columns ([N/4][K/32][4])
  *
  * q8 is llama.cpp's Q8_0 dot product: each activation row is rounded to int8 in blocks of 32
@@ -24,10 +25,13 @@
  * -mavx512bf16 there; TS_AVX512 below), two things change:
  *   q8    a block's int8 products are summed by vpdpbusd instead of maddubs + madd: the same exact int32
  *         lane sums, so the results are the AVX2 build's to the bit;
- *   bf16  vdpbf16ps multiplies the weight by the activation rows rounded to bfloat16 (exact for a bfloat16
- *         model's rows, which are bfloat16 values, but for subnormals, which vcvtneps2bf16 and vdpbf16ps
- *         flush to zero) and adds pairs of products into float32 lanes: half the instructions of widening,
- *         with its own fixed summation order (not the AVX2 build's bits).
+ *   bf16  vdpbf16ps multiplies the weight panels by the activation rows rounded to bfloat16 (exact for a
+ *         bfloat16 model's rows, which are bfloat16 values, but for subnormals, which vcvtneps2bf16 and
+ *         vdpbf16ps flush to zero) and adds pairs of products into float32 lanes, with its own fixed
+ *         summation order (not the AVX2 build's bits);
+ *   attention runs in 16-float vectors (attention_task512), with vdpbf16ps for bfloat16 keys against a
+ *         bfloat16 model's queries: another fixed order than the AVX2 build's.
+ * Float32 panels are the same bits in both builds.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -187,22 +191,16 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
 
 /* FN(R, ...) with R as a constant (1..PANEL_ROWS), so the compiler keeps its accumulators in registers */
 #if TS_AVX512
-#define PANEL_CALL(FN, R, ...)                                                                                \
-    switch (R) {                                                                                              \
-        case 1: FN(1, __VA_ARGS__); break;                                                                    \
-        case 2: FN(2, __VA_ARGS__); break;                                                                    \
-        case 3: FN(3, __VA_ARGS__); break;                                                                    \
-        case 4: FN(4, __VA_ARGS__); break;                                                                    \
-        case 5: FN(5, __VA_ARGS__); break;                                                                    \
-        case 6: FN(6, __VA_ARGS__); break;                                                                    \
-        case 7: FN(7, __VA_ARGS__); break;                                                                    \
-        case 8: FN(8, __VA_ARGS__); break;                                                                    \
-        case 9: FN(9, __VA_ARGS__); break;                                                                    \
-        case 10: FN(10, __VA_ARGS__); break;                                                                  \
-        case 11: FN(11, __VA_ARGS__); break;                                                                  \
-        default: FN(PANEL_ROWS, __VA_ARGS__); break;                                                          \
-    }
+#define PANEL_WIDE_CASES(FN, ...)                                                                             \
+    case 6: FN(6, __VA_ARGS__); break;                                                                        \
+    case 7: FN(7, __VA_ARGS__); break;                                                                        \
+    case 8: FN(8, __VA_ARGS__); break;                                                                        \
+    case 9: FN(9, __VA_ARGS__); break;                                                                        \
+    case 10: FN(10, __VA_ARGS__); break;                                                                      \
+    case 11: FN(11, __VA_ARGS__); break;
 #else
+#define PANEL_WIDE_CASES(FN, ...)
+#endif
 #define PANEL_CALL(FN, R, ...)                                                                                \
     switch (R) {                                                                                              \
         case 1: FN(1, __VA_ARGS__); break;                                                                    \
@@ -210,9 +208,9 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
         case 3: FN(3, __VA_ARGS__); break;                                                                    \
         case 4: FN(4, __VA_ARGS__); break;                                                                    \
         case 5: FN(5, __VA_ARGS__); break;                                                                    \
+        PANEL_WIDE_CASES(FN, __VA_ARGS__)                                                                     \
         default: FN(PANEL_ROWS, __VA_ARGS__); break;                                                          \
     }
-#endif
 
 #if TS_AVX512
 /* bfloat16 weights in panels of 32 output columns by pairs of k, [N/32][K/2][32][2] (the last panel

@@ -5,7 +5,7 @@ At batch 1 each spends 5-30 µs in Python, dispatch and an OpenMP fork/join
 around a few µs of work: on the 77M-parameter bench model, about 2 ms of an
 11 ms int8 step. Where every matrix of the model runs one of tierserve's
 kernels (``cpu_gemm``: q8 for int8 weights or a GGUF Q8_0 file, ``bf16-avx2``
-for bfloat16 weights) and the step is a plain decode of at most
+or, on the AVX-512 build, ``bf16-panels`` for bfloat16 weights) and the step is a plain decode of at most
 ``SMALL_BATCH`` sequences, the same operations run in one OpenMP parallel
 region instead, the threads meeting at a barrier between operations, as
 llama.cpp's graph does. Each operation is computed by the same C code in the
