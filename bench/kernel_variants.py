@@ -64,13 +64,14 @@ def main() -> None:
     widest = max(k for _, k in SHAPES)
     quantized, block_scales = torch.empty(rows * widest, dtype=torch.int8), torch.empty(rows * widest // cpu_gemm.QK)
     threads = torch.get_num_threads()
+    scratch = torch.empty(rows * widest, dtype=torch.int16)  # ts_bf16_gemm's rounded rows (AVX-512 build)
 
     def one_pass(lib: ctypes.CDLL) -> None:
         for layer in layers:
             for (n, k), packed in zip(SHAPES, layer):
                 x, out = inputs[k].data_ptr(), outputs[n].data_ptr()
                 if args.kernel == "bf16":
-                    lib.ts_bf16_gemm(x, rows, k, packed.weight.data_ptr(), None, n, out, threads)
+                    lib.ts_bf16_gemm(x, rows, k, packed.weight.data_ptr(), None, n, out, 0, scratch.data_ptr(), threads)
                 else:
                     lib.ts_q8_gemm(x, rows, k, packed.weight.data_ptr(), packed.scale.data_ptr(), 0, None, n, out,
                                    quantized.data_ptr(), block_scales.data_ptr(), threads)  # fmt: skip

@@ -33,8 +33,8 @@ def make_engine(path: Path, backend: str = "auto", **settings) -> EngineClient:
     """An engine on ``path`` whose core runs in this process, stepped by hand until ``start()``."""
     overrides = {("model", "path"): str(path), ("model", "backend"): backend, ("model", "device"): "cpu"}
     for dotted, value in settings.items():
-        section, key = dotted.split("__")
-        overrides[(section, key)] = value
+        section, key = dotted.rsplit("__", 1)  # plugins__native__linear_kernel: [plugins.native] linear_kernel
+        overrides[(section.replace("__", "."), key)] = value
     loaded = load_settings(None, environ={}, overrides=overrides)
     return EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
 

@@ -86,6 +86,10 @@ def test_float_kernels_compute_the_product_of_the_weights_held(dtype):
     alone = packed(x[:1])
     assert torch.equal(packed(x)[:1], alone) and torch.equal(packed(x[:2])[:1], alone)
     assert torch.equal(packed(x)[5:6], packed(x[5:6]))  # the odd row, run alone, sums in the same order
+    assert packed(x[:0]).shape == (0, 37)  # no rows: an empty result
+    if dtype == torch.bfloat16:  # bfloat16 rows (in and out, on the AVX-512 build): the float32 call's rows rounded
+        many = torch.randn(29, 48, generator=generator).bfloat16()
+        assert torch.equal(packed(many).bfloat16(), packed(many.float()).bfloat16())
 
 
 def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
@@ -209,7 +213,7 @@ def test_bfloat16_prefill_chunks_run_onednn_on_the_widened_weight():
 
     factory = LinearFactory("auto", torch.device("cpu"), torch.bfloat16)
     if not factory.kernel.startswith("bf16-avx2"):
-        pytest.skip("bfloat16 matmuls run oneDNN on this CPU")
+        pytest.skip("bfloat16 matmuls do not run bf16-avx2 on this CPU")
     assert factory.kernel.endswith("+onednn-f32") == _onednn_available(torch.device("cpu"), torch.float32)
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(37, 64, generator=generator) * 0.05).bfloat16()
@@ -250,8 +254,9 @@ def test_elementwise_kernels_match_torch():
     expected = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6)
     assert torch.allclose(cpu_gemm.rms_norm(x, weight, 1e-6), expected, rtol=1e-5, atol=1e-6)
     assert cpu_gemm.rms_norm(torch.randn(200, 40), weight, 1e-6) is None  # a prefill: torch's op
-    for rows in (2, 37):  # decode rows; prefill rows, shared among the threads
-        gate_up = torch.randn(rows, 84, generator=generator) * 4  # 42 columns: a tail of 2
+    # decode rows; prefill rows, shared among the threads; 42 columns: a tail of 2; 150: bfloat16 spans of 64 and 22
+    for rows, width in ((2, 84), (37, 84), (5, 300)):
+        gate_up = torch.randn(rows, width, generator=generator) * 4
         gate_up[0, :4] = torch.tensor([-100.0, -87.5, 60.0, 0.0])  # clamped exponents, and zero
         gate, up = gate_up.chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate.double()) * up.double()
@@ -384,15 +389,17 @@ def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> 
     ("architecture", "options"),
     [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8}),
      ("llama", {"kv_cache__dtype": "bfloat16"}), ("llama", {"model__dtype": "bfloat16"}),
-     ("qwen3", {"model__dtype": "bfloat16"}), ("mistral", {"sliding_window": 8, "model__dtype": "bfloat16"})],
+     ("qwen3", {"model__dtype": "bfloat16"}), ("mistral", {"sliding_window": 8, "model__dtype": "bfloat16"}),
+     ("llama", {"model__dtype": "float32"}), ("qwen2", {"model__dtype": "float32"}),
+     ("qwen3", {"model__dtype": "float32"}), ("llama", {"model__dtype": "float32", "kv_cache__dtype": "bfloat16"})],
     ids=["llama", "qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window-8", "bfloat16-kv", "bf16-llama", "bf16-qwen3",
-         "bf16-mistral-window-8"],
+         "bf16-mistral-window-8", "f32-llama", "f32-qwen2-qkv-bias", "f32-qwen3-qk-norm", "f32-bfloat16-kv"],
 )  # fmt: skip
 def test_fused_decode_equals_the_layer_loop(tmp_path, architecture, options):
-    """Decodes of at most 4 sequences whose matrices all run tierserve's kernels (int8 weights on q8, or
-    bfloat16 weights on bf16-avx2) run every layer in one C call: each step's logits are the Python layer
-    loop's to the bit (the same kernels, RoPE, roundings and residual adds in the same order). bfloat16 runs
-    bf16-avx2, or bf16-dot where oneDNN prepacks bfloat16 (AVX512-BF16)."""
+    """Decodes whose matrices all run tierserve's kernels (int8 weights on q8; bfloat16 weights on
+    bf16-avx2 or bf16-panels; float32 weights on f32-panels, the AVX-512 build) run every layer in one C
+    call: each step's logits are the Python layer loop's to the bit (the same kernels, RoPE, roundings and
+    residual adds in the same order)."""
     from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 
     window = {"sliding_window": options["sliding_window"]} if "sliding_window" in options else {}
@@ -403,8 +410,8 @@ def test_fused_decode_equals_the_layer_loop(tmp_path, architecture, options):
     engine = make_engine(path, kv_cache__enable_prefix_caching=False, **settings)
     if engine.driver.core.backend.model.fused_decode is None:
         engine.close()
-        assert engine.info.linear_kernel == "onednn"  # bfloat16 prepacked by oneDNN, no bf16-dot kernel here
-        pytest.skip("bfloat16 matmuls run oneDNN on this CPU")
+        assert engine.info.linear_kernel == "onednn"  # float32 (AVX2 build) or bfloat16 prepacked by oneDNN
+        pytest.skip("these matmuls run oneDNN on this CPU")
     fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
     assert fused_steps == 11  # every decode step; the prefill runs the layer loop
     assert len(fused) == len(loop) == 12
@@ -412,15 +419,39 @@ def test_fused_decode_equals_the_layer_loop(tmp_path, architecture, options):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_of_many_rows_equals_the_layer_loop(tmp_path, dtype):
+    """Float panels run the fused decode up to NORM_ROWS rows (the rows split among the threads for the
+    norms, RoPE and residual adds): 27 sequences of different lengths (three panel row groups, uneven) get
+    the layer loop's logits to the bit; 65 sequences keep the layer loop."""
+    from tests.engine_helpers import build_checkpoint, make_engine
+
+    path = build_checkpoint(tmp_path, "llama", "llama")
+    engine = make_engine(path, kv_cache__enable_prefix_caching=False, model__dtype=dtype)
+    if engine.driver.core.backend.model.fused_decode is None:
+        engine.close()
+        pytest.skip("these matmuls run oneDNN on this CPU")
+    prompts = [[5 + (i * 13 + j * 7) % 150 for j in range(3 + i % 11)] for i in range(27)]
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, prompts, steps=5)
+    assert fused_steps == 4 and len(fused) == len(loop) == 5
+    for step, (a, b) in enumerate(zip(fused, loop)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+    engine = make_engine(path, kv_cache__enable_prefix_caching=False, model__dtype=dtype, scheduler__max_num_seqs=96)
+    many = [[5 + (i * 13 + j * 7) % 150 for j in range(4)] for i in range(cpu_gemm.NORM_ROWS + 1)]
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, many, steps=2)
+    assert fused_steps == 0 and all(torch.equal(a, b) for a, b in zip(fused, loop))
+
+
 def test_fused_decode_runs_only_plain_few_row_decodes(tmp_path):
-    """Five sequences (above the q8 kernel's batch) and float32 weights keep the layer loop."""
+    """Five int8 sequences (above the q8 kernel's batch: fbgemm runs them) and oneDNN's float32 weights keep
+    the layer loop."""
     from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 
     path = build_checkpoint(tmp_path, "llama", "llama")
     engine = make_engine(path, model__quantization="int8", kv_cache__enable_prefix_caching=False)
     fused, loop, fused_steps = fused_and_layer_loop_logits(engine, (PROMPTS * 2)[:5], steps=4)
     assert fused_steps == 0 and all(torch.equal(a, b) for a, b in zip(fused, loop))
-    engine = make_engine(path)
+    engine = make_engine(path, plugins__native__linear_kernel="onednn")
     try:
         assert engine.driver.core.backend.model.fused_decode is None
     finally:

@@ -129,17 +129,35 @@ static inline __m256 widen_bf16(const uint16_t* p) {
 #define PANEL 32
 #if TS_AVX512
 #define PANEL_ROWS 12 /* 12 rows x 2 vectors of 16 = 24 accumulators of the 32 registers */
-/* R rows' sums of one panel (plus the bias) into out, the columns past N left alone */
+/* torch's float -> bfloat16 rounding (to nearest even; a NaN becomes 0x7FC0) of 16 lanes, as 16-bit values */
+static inline __m256i bf16_round16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m512i nan_fixed = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(nan_fixed);
+}
+
+/* R rows' sums of one panel (plus the bias) into out, float32 or (out_bf16) bfloat16 bits rounded as torch's
+ * .to(torch.bfloat16) rounds; the columns past N left alone */
 static inline __attribute__((always_inline)) void store_panel(const int R, __m512 (*a)[2], const float* bias,
-                                                              int64_t N, int64_t n0, float* out) {
+                                                              int64_t N, int64_t n0, void* out, int out_bf16) {
     const int64_t left = N - n0;
     const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
     const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + n0) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + n0 + 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) {
-        _mm512_mask_storeu_ps(out + r * N + n0, m0, bias ? _mm512_add_ps(a[r][0], b0) : a[r][0]);
-        _mm512_mask_storeu_ps(out + r * N + n0 + 16, m1, bias ? _mm512_add_ps(a[r][1], b1) : a[r][1]);
+        const __m512 s0 = bias ? _mm512_add_ps(a[r][0], b0) : a[r][0], s1 = bias ? _mm512_add_ps(a[r][1], b1) : a[r][1];
+        if (out_bf16) {
+            uint16_t* o = (uint16_t*)out + r * N + n0;
+            _mm256_mask_storeu_epi16(o, m0, bf16_round16(s0));
+            _mm256_mask_storeu_epi16(o + 16, m1, bf16_round16(s1));
+        } else {
+            float* o = (float*)out + r * N + n0;
+            _mm512_mask_storeu_ps(o, m0, s0);
+            _mm512_mask_storeu_ps(o + 16, m1, s1);
+        }
     }
 }
 static inline __attribute__((always_inline)) void panel_rows(const int R, const float* x, int64_t K,
@@ -158,7 +176,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
             a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
         }
     }
-    store_panel(R, a, bias, N, n0, out);
+    store_panel(R, a, bias, N, n0, out, 0);
 }
 #else
 #define PANEL_ROWS 6 /* per half panel: 6 rows x 2 vectors of 8 = 12 accumulators of the 16 registers */
@@ -218,10 +236,8 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
  * by a broadcast of the row's (x[k], x[k + 1]) for up to PANEL_ROWS rounded activation rows at once, each
  * float32 lane (an output column) adding the pair's two exact products. Every output element is one chain
  * over the pairs in order, then the bias: the same bits whatever M, the row grouping or the thread count. */
-static inline __attribute__((always_inline)) void bf16_panel_rows(const int R, const uint16_t* x, int64_t K,
-                                                                  const uint16_t* wp, const float* bias,
-                                                                  int64_t N, int64_t n0, float* out) {
-    __m512 a[PANEL_ROWS][2];
+static inline __attribute__((always_inline)) void bf16_panel_sums(const int R, const uint16_t* x, int64_t K,
+                                                                  const uint16_t* wp, __m512 (*a)[2]) {
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < K / 2; kp++) {
         const uint16_t* wk = wp + kp * 2 * PANEL;
@@ -237,7 +253,6 @@ static inline __attribute__((always_inline)) void bf16_panel_rows(const int R, c
             a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);
         }
     }
-    store_panel(R, a, bias, N, n0, out);
 }
 #else
 FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
@@ -247,6 +262,7 @@ FLOAT_TILE(bf16_tile, uint16_t, widen_bf16)
  * region's threads, a panel's row groups consecutive (its weights stay in L2 between them). */
 static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N,
                              float* out) {
+    if (M <= 0) return; /* every thread alike: no rows, no work (and no division by zero groups) */
     const int64_t groups = (M + PANEL_ROWS - 1) / PANEL_ROWS, rows = (M + groups - 1) / groups; /* balanced */
     const int64_t panels = (N + PANEL - 1) / PANEL;
     _Pragma("omp for schedule(static)")
@@ -260,24 +276,41 @@ static void ts_f32_gemm_rows(const float* x, int64_t M, int64_t K, const float* 
     }
 }
 
-#define ROUNDED_ON_STACK (4 * 4096) /* bfloat16 activations rounded into a stack buffer (32 KiB), else malloc */
-
-static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N,
-                              float* out) {
 #if TS_AVX512
-    /* each thread rounds the rows to bfloat16 once (round to nearest even), for all of its tiles */
-    uint16_t small[ROUNDED_ON_STACK];
-    uint16_t* xb = M * K <= ROUNDED_ON_STACK ? small : (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
-    if (!xb) { /* no memory for a few rows: nothing sensible is left to compute with */
-        fputs("cpu_gemm: out of memory rounding activation rows\n", stderr);
-        abort();
-    }
-    for (int64_t m = 0; m < M; m++) { /* K is a multiple of 8: every element rounded by one of two twins */
+static inline __attribute__((always_inline)) void bf16_panel_task(const int R, const uint16_t* x, int64_t K,
+                                                                  const uint16_t* wp, const float* bias, int64_t N,
+                                                                  int64_t n0, void* out, int out_bf16) {
+    __m512 a[PANEL_ROWS][2];
+    bf16_panel_sums(R, x, K, wp, a);
+    store_panel(R, a, bias, N, n0, out, out_bf16);
+}
+#endif
+
+/* Float32 rows x [M, K] rounded to bfloat16 (to nearest even) into xb, the rows shared among the enclosing
+ * parallel region's threads (an orphaned omp for: the threads meet at its end). */
+#if TS_AVX512
+static void bf16_round_rows(const float* x, int64_t M, int64_t K, uint16_t* xb) {
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++) {
         int64_t i = m * K;
         for (; i + 16 <= (m + 1) * K; i += 16)
             _mm256_storeu_si256((__m256i*)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-        if (i < (m + 1) * K) _mm_storeu_si128((__m128i*)(xb + i), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(x + i)));
+        if (i < (m + 1) * K) { /* the last 1-15 of the row, masked: nothing read or written past it */
+            const __mmask16 tail = (__mmask16)((1u << ((m + 1) * K - i)) - 1);
+            _mm256_mask_storeu_epi16(xb + i, tail, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i)));
+        }
     }
+}
+#endif
+
+/* out [M, N] = x [M, K] @ W^T (+ bias) for bfloat16 weights, in the enclosing parallel region. AVX-512: x is
+ * rounded into xb first (x NULL: xb already holds the rows' bfloat16 bits), out float32 or (out_bf16) bfloat16
+ * bits; AVX2: x float32, out float32, xb unused. */
+static void ts_bf16_gemm_rows(const float* x, uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
+                              const float* bias, int64_t N, void* out, int out_bf16) {
+    if (M <= 0) return;
+#if TS_AVX512
+    if (x) bf16_round_rows(x, M, K, xb);
     const int64_t groups = (M + PANEL_ROWS - 1) / PANEL_ROWS, rows = (M + groups - 1) / groups;
     _Pragma("omp for schedule(static)")
     for (int64_t task = 0; task < (N + PANEL - 1) / PANEL * groups; task++) {
@@ -285,13 +318,13 @@ static void ts_bf16_gemm_rows(const float* x, int64_t M, int64_t K, const uint16
         const int R = M - m < rows ? (int)(M - m) : (int)rows;
         const uint16_t* xm = xb + m * K;
         const uint16_t* wp = w + p * K * PANEL;
-        float* om = out + m * N;
-        PANEL_CALL(bf16_panel_rows, R, xm, K, wp, bias, N, p * PANEL, om);
+        void* om = out_bf16 ? (void*)((uint16_t*)out + m * N) : (void*)((float*)out + m * N);
+        PANEL_CALL(bf16_panel_task, R, xm, K, wp, bias, N, p * PANEL, om, out_bf16);
     }
-    if (xb != small) free(xb);
 #else
+    (void)xb, (void)out_bf16;
     _Pragma("omp for schedule(static)")
-    for (int64_t t = 0; t < (N + 3) / 4; t++) bf16_tile(x, M, K, w + t * 4 * K, bias, N, t, out);
+    for (int64_t t = 0; t < (N + 3) / 4; t++) bf16_tile(x, M, K, w + t * 4 * K, bias, N, t, (float*)out);
 #endif
 }
 
@@ -301,10 +334,14 @@ void ts_f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const flo
     ts_f32_gemm_rows(x, M, K, w, bias, N, out);
 }
 
-void ts_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, float* out,
-                  int threads) {
+/* io (AVX-512 build only): bit 0 = x holds bfloat16 bits [M, K] (else float32 rows, rounded into scratch,
+ * M * K 16-bit values), bit 1 = out gets bfloat16 bits (else float32). The AVX2 build takes float32 in and out. */
+void ts_bf16_gemm(const void* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, void* out,
+                  int io, uint16_t* scratch, int threads) {
+    const int x_bf16 = TS_AVX512 && (io & 1);
+    uint16_t* xb = x_bf16 ? (uint16_t*)x : scratch;
     _Pragma("omp parallel num_threads(threads)")
-    ts_bf16_gemm_rows(x, M, K, w, bias, N, out);
+    ts_bf16_gemm_rows(x_bf16 ? 0 : (const float*)x, xb, M, K, w, bias, N, out, TS_AVX512 && (io >> 1 & 1));
 }
 
 /* llama.cpp's quantize_row_q8_0 rule: d = max|x| / 127, q = round(x / d), half away from zero. */
@@ -642,7 +679,7 @@ static void attention_task512(int64_t task, const float* q, int64_t H, int64_t K
     float top[16];
     for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
     const int wide = bs % 8 == 0;
-    prefetch_rows(k, table[0] * bs, ctx < bs ? ctx : bs, KVH, h, D, kv_bf16, 1);
+    if (ctx > 0) prefetch_rows(k, table[0] * bs, ctx < bs ? ctx : bs, KVH, h, D, kv_bf16, 1);
     for (int64_t p0 = 0; p0 < ctx; p0 += bs) {
         const int64_t base = table[p0 / bs] * bs, n = ctx - p0 < bs ? ctx - p0 : bs;
         for (int64_t a = p0 == 0 ? 1 : ATTN_AHEAD; a <= ATTN_AHEAD; a++) {
@@ -835,10 +872,29 @@ void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, int bf16, float* ou
     for (int64_t m = 0; m < M; m++) silu_mul_span(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, bf16, out + m * I);
 }
 
-/* A few decode rows through every layer of a Llama-family decoder, in one parallel region: the per-layer
+/* The same for bfloat16 rows held as bfloat16 bits, in and out: each span of 64 columns widened (exactly),
+ * through silu_mul_span with bf16 = 1, and its (already rounded) results narrowed back. */
+void ts_silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_t* out, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 4)")
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* row = gate_up + m * 2 * I;
+        for (int64_t at = 0; at < I; at += 64) {
+            const int64_t n = I - at < 64 ? I - at : 64;
+            float g[64], u[64], o[64];
+            for (int64_t i = 0; i < n; i++) {
+                const uint32_t gb = (uint32_t)row[at + i] << 16, ub = (uint32_t)row[I + at + i] << 16;
+                memcpy(g + i, &gb, 4), memcpy(u + i, &ub, 4);
+            }
+            silu_mul_span(g, u, n, 1, o);
+            for (int64_t i = 0; i < n; i++) out[m * I + at + i] = bf16_bits(o[i]);
+        }
+    }
+}
+
+/* Decode rows through every layer of a Llama-family decoder, in one parallel region: the per-layer
  * work of the Python path (llama.py) with no return to Python between operations. Each operation is
- * computed by the same code in the same order as its single-call kernel above (RMSNorm, q8 or bfloat16
- * products, decode attention, SiLU-mul), and RoPE, the arena store and the residual adds as torch
+ * computed by the same code in the same order as its single-call kernel above (RMSNorm, q8, bfloat16 or
+ * float32 panel products, decode attention, SiLU-mul), and RoPE, the arena store and the residual adds as torch
  * computes them, so the result is the same to the bit. With act_bf16 the activations are bfloat16 values
  * held in float32, rounded wherever the Python path's bfloat16 tensors round them.
  *
@@ -848,7 +904,7 @@ void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, int bf16, float* ou
 enum { L_INPUT_NORM, L_QKV_W, L_QKV_S, L_QKV_B, L_Q_NORM, L_K_NORM, L_O_W, L_O_S, L_O_B, L_POST_NORM,
        L_GU_W, L_GU_S, L_DOWN_W, L_DOWN_S, L_K_CACHE, L_V_CACHE, L_MASK, L_PTRS };
 enum { P_QKV, P_O, P_GU, P_DOWN, L_KINDS };
-enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16 };
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32 };
 
 /* One head's RoPE as llama.py computes it: x * cos + roll(x, D/2) * sin_signed, each product rounded. */
 static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, int bf16, float* out) {
@@ -859,16 +915,17 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
     }
 }
 
-/* Rows x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
-static void prepare_rows(int kind, const float* x, int64_t M, int64_t K, int8_t* qx, float* dx) {
-    if (kind == K_BF16) return;
-    for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
+/* Row m of x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
+static void prepare_row(int kind, const float* x, int64_t m, int64_t K, int8_t* qx, float* dx) {
+    if (kind == K_Q8_ROW || kind == K_Q8_GROUPED) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
 }
 
-static void project(int kind, const float* x, const int8_t* qx, const float* dx, int64_t M, int64_t K,
-                    const void* w, const float* ws, const float* bias, int64_t N, float* out) {
+static void project(int kind, const float* x, const int8_t* qx, const float* dx, uint16_t* xb, int64_t M,
+                    int64_t K, const void* w, const float* ws, const float* bias, int64_t N, float* out) {
     if (kind == K_BF16)
-        ts_bf16_gemm_rows(x, M, K, (const uint16_t*)w, bias, N, out);
+        ts_bf16_gemm_rows(x, xb, M, K, (const uint16_t*)w, bias, N, out, 0);
+    else if (kind == K_F32)
+        ts_f32_gemm_rows(x, M, K, (const float*)w, bias, N, out);
     else
         q8_rows(qx, dx, M, K, (const int8_t*)w, ws, kind == K_Q8_GROUPED, bias, N, out);
 }
@@ -877,33 +934,37 @@ static void add_rows(float* hidden, const float* delta, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) hidden[i] = rounded(hidden[i] + rounded(delta[i], bf16), bf16);
 }
 
+/* Per-row work (norms, RoPE, the arena store, residual adds, roundings) is split by rows among the threads:
+ * each row is computed by the same code whichever thread takes it, so the bits do not depend on the split. */
 void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t I,
                       float eps, float scale, int act_bf16, float* hidden, const float* cos, const float* sin,
                       const int64_t* slots, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
                       const void* const* ptrs, const int64_t* kinds, float* work, int8_t* qx, float* dx,
                       int threads) {
     const int64_t qkv_n = (NH + 2 * KVH) * D, qsize = NH * D, kvsize = KVH * D;
+    const int64_t wide = H > I ? H : I, widest = wide > qsize ? wide : qsize;
     void (*norm)(const float*, int64_t, int64_t, const float*, float, float*) = act_bf16 ? ts_rms_norm_bf16 : ts_rms_norm;
     float* x = work;                      /* [M, max(H, I)] a projection's input rows */
-    float* qkv = x + M * (H > I ? H : I); /* [M, qkv_n] */
+    float* qkv = x + M * wide;            /* [M, qkv_n] */
     float* qh = qkv + M * qkv_n;          /* [M, NH * D] roped queries */
     float* attn = qh + M * qsize;         /* [M, NH * D] */
     float* delta = attn + M * qsize;      /* [M, H] a projection's output before the residual add */
     float* gu = delta + M * H;            /* [M, 2I] */
-    float* scores = gu + M * 2 * I;       /* [M * NH * ctx] */
+    uint16_t* xb = (uint16_t*)(gu + M * 2 * I);            /* [M, widest] bfloat16 rows of a bf16 projection */
+    float* scores = gu + M * 2 * I + M * ((widest + 15) / 16 * 8); /* [M * NH * ctx] */
     _Pragma("omp parallel num_threads(threads)")
     for (int64_t l = 0; l < layers; l++) {
         const void* const* p = ptrs + l * L_PTRS;
         const int64_t* kind = kinds + l * L_KINDS;
-        _Pragma("omp single")
-        {
-            if (l > 0) add_rows(hidden, delta, M * H, act_bf16);
-            norm(hidden, M, H, (const float*)p[L_INPUT_NORM], eps, x);
-            prepare_rows((int)kind[P_QKV], x, M, H, qx, dx);
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < M; m++) {
+            if (l > 0) add_rows(hidden + m * H, delta + m * H, H, act_bf16);
+            norm(hidden + m * H, 1, H, (const float*)p[L_INPUT_NORM], eps, x + m * H);
+            prepare_row((int)kind[P_QKV], x, m, H, qx, dx);
         }
-        project((int)kind[P_QKV], x, qx, dx, M, H, p[L_QKV_W], (const float*)p[L_QKV_S], (const float*)p[L_QKV_B],
-                qkv_n, qkv);
-        _Pragma("omp single")
+        project((int)kind[P_QKV], x, qx, dx, xb, M, H, p[L_QKV_W], (const float*)p[L_QKV_S],
+                (const float*)p[L_QKV_B], qkv_n, qkv);
+        _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             float* row = qkv + m * qkv_n;
             const float *c = cos + m * D, *s = sin + m * D;
@@ -938,22 +999,22 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
         for (int64_t task = 0; task < M * KVH; task++)
             attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs, ctx,
                            (const uint8_t*)p[L_MASK], scale, attn, scores);
-        _Pragma("omp single")
-        {
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < M; m++) {
             if (act_bf16)
-                for (int64_t i = 0; i < M * qsize; i++) attn[i] = round_bf16(attn[i]);
-            prepare_rows((int)kind[P_O], attn, M, qsize, qx, dx);
+                for (int64_t i = m * qsize; i < (m + 1) * qsize; i++) attn[i] = round_bf16(attn[i]);
+            prepare_row((int)kind[P_O], attn, m, qsize, qx, dx);
         }
-        project((int)kind[P_O], attn, qx, dx, M, qsize, p[L_O_W], (const float*)p[L_O_S], (const float*)p[L_O_B], H,
-                delta);
-        _Pragma("omp single")
-        {
-            add_rows(hidden, delta, M * H, act_bf16);
-            norm(hidden, M, H, (const float*)p[L_POST_NORM], eps, x);
-            prepare_rows((int)kind[P_GU], x, M, H, qx, dx);
+        project((int)kind[P_O], attn, qx, dx, xb, M, qsize, p[L_O_W], (const float*)p[L_O_S], (const float*)p[L_O_B],
+                H, delta);
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < M; m++) {
+            add_rows(hidden + m * H, delta + m * H, H, act_bf16);
+            norm(hidden + m * H, 1, H, (const float*)p[L_POST_NORM], eps, x + m * H);
+            prepare_row((int)kind[P_GU], x, m, H, qx, dx);
         }
-        project((int)kind[P_GU], x, qx, dx, M, H, p[L_GU_W], (const float*)p[L_GU_S], 0, 2 * I, gu);
-        const int q8_down = kind[P_DOWN] != K_BF16;
+        project((int)kind[P_GU], x, qx, dx, xb, M, H, p[L_GU_W], (const float*)p[L_GU_S], 0, 2 * I, gu);
+        const int q8_down = kind[P_DOWN] == K_Q8_ROW || kind[P_DOWN] == K_Q8_GROUPED;
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul of 32 columns, then their Q8_0 block rounded */
             const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;
@@ -964,7 +1025,7 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
             silu_mul_span(g, u, QK, act_bf16, x + m * I + at);
             if (q8_down) ts_q8_quantize(x + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
         }
-        project((int)kind[P_DOWN], x, qx, dx, M, I, p[L_DOWN_W], (const float*)p[L_DOWN_S], 0, H, delta);
+        project((int)kind[P_DOWN], x, qx, dx, xb, M, I, p[L_DOWN_W], (const float*)p[L_DOWN_S], 0, H, delta);
     }
     add_rows(hidden, delta, M * H, act_bf16);
 }

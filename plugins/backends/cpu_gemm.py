@@ -132,9 +132,10 @@ def _key() -> str:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in ("ts_f32_gemm", "ts_bf16_gemm"):
-        getattr(lib, name).argtypes = [p, i64, i64, p, p, i64, p, i32]
-        getattr(lib, name).restype = None
+    lib.ts_f32_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.ts_f32_gemm.restype = None
+    lib.ts_bf16_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32, p, i32]
+    lib.ts_bf16_gemm.restype = None
     lib.ts_q8_gemm.argtypes = [p, i64, i64, p, p, i32, p, i64, p, p, p, i32]
     lib.ts_q8_gemm.restype = None
     lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, i32]
@@ -144,6 +145,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.ts_silu_mul.argtypes = [p, i64, i64, i32, p, i32]
     lib.ts_silu_mul.restype = None
+    lib.ts_silu_mul_bf16.argtypes = [p, i64, i64, p, i32]
+    lib.ts_silu_mul_bf16.restype = None
     lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
                                      p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
     lib.ts_decode_layers.restype = None
@@ -220,12 +223,13 @@ class PackedFloat:
     ``[N/4][K/8][4][8]`` layout. float32: panels of ``PANEL`` output columns, ``[N/32][K][32]`` (the last
     zero-padded), each output element one multiply-add chain over K in order (``cpu_gemm.c``)."""
 
-    __slots__ = ("weight", "bias", "out_features", "in_features", "function")
+    __slots__ = ("weight", "bias", "out_features", "in_features", "function", "panels_bf16")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         lib = library()
         assert lib is not None and supports_float(weight)
         self.out_features, self.in_features = weight.shape
+        self.panels_bf16 = weight.dtype == torch.bfloat16 and bf16_dot()
         if weight.dtype == torch.bfloat16 and bf16_dot():  # AVX-512: panels by pairs of k, [N/32][K/2][32][2]
             padded = _pad_rows(weight.contiguous(), PANEL)
             panels = padded.view(-1, PANEL, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
@@ -248,11 +252,29 @@ class PackedFloat:
         return rows[: self.out_features].float()  # either layout: [tiles, K-ish, rows, k-ish] -> [N, K]
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.float().contiguous()
-        out = rows.new_empty(rows.shape[0], self.out_features)
+        """``rows @ W.T (+ bias)``: float32 rows give float32 rows; on the AVX-512 build bfloat16 rows
+        against a bfloat16 weight give bfloat16 rows (the float32 sums rounded as ``.to`` rounds them)
+        with no conversion on either side."""
+        m = rows.shape[0]
+        if self.weight.dtype == torch.float32:
+            rows = rows.float().contiguous()
+            out = rows.new_empty(m, self.out_features)
+            self.function(
+                rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), address(self.bias), self.out_features,
+                out.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            return out
+        io, scratch = 0, None
+        if rows.dtype == torch.bfloat16 and self.panels_bf16:
+            rows, io = rows.contiguous(), 3  # bit 0: bfloat16 rows in, bit 1: bfloat16 rows out
+        else:
+            rows = rows.float().contiguous()
+            if self.panels_bf16:  # the rows rounded to bfloat16 once, for both threads
+                scratch = torch.empty(m * self.in_features, dtype=torch.int16)
+        out = rows.new_empty(m, self.out_features)
         self.function(
-            rows.data_ptr(), rows.shape[0], self.in_features, self.weight.data_ptr(), address(self.bias),
-            self.out_features, out.data_ptr(), torch.get_num_threads(),
+            rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), address(self.bias), self.out_features,
+            out.data_ptr(), io, address(scratch), torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -389,8 +411,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     lib = library()
     if lib is None:
         return None
+    if dtype == torch.bfloat16:  # bfloat16 bits in and out, widened and narrowed inside the kernel
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        lib.ts_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
+        return out
     gate_up = gate_up.float().contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], int(dtype == torch.bfloat16), out.data_ptr(),
-                    torch.get_num_threads())  # fmt: skip
-    return out.to(dtype)
+    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], 0, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,20 +1,25 @@
-"""Decode of a few sequences through every layer in one call of tierserve's C kernels (``ts_decode_layers``).
+"""Decode of a batch of sequences through every layer in one call of tierserve's C kernels (``ts_decode_layers``).
 
 ``PagedLlama._run_layers`` calls about fifteen kernels and torch ops per layer.
 At batch 1 each spends 5-30 µs in Python, dispatch and an OpenMP fork/join
 around a few µs of work: on the 77M-parameter bench model, about 2 ms of an
 11 ms int8 step. Where every matrix of the model runs one of tierserve's
 kernels (``cpu_gemm``: q8 for int8 weights or a GGUF Q8_0 file, ``bf16-avx2``
-or, on the AVX-512 build, ``bf16-panels`` for bfloat16 weights) and the step is a plain decode of at most
-``SMALL_BATCH`` sequences, the same operations run in one OpenMP parallel
-region instead, the threads meeting at a barrier between operations, as
-llama.cpp's graph does. Each operation is computed by the same C code in the
-same order as the Python path's kernel for it, and bfloat16 activations are
-rounded wherever the Python path's bfloat16 tensors round them, so the hidden
-states are the Python path's to the bit (tests/test_cpu_gemm.py checks).
+or, on the AVX-512 build, ``bf16-panels`` for bfloat16 weights and
+``f32-panels`` for float32 ones) and the step is a plain decode, the same
+operations run in one OpenMP parallel region instead, the threads meeting at
+a barrier between operations, as llama.cpp's graph does; the per-row work
+(norms, RoPE, the KV store, residual adds) is split by rows among the
+threads. Each operation is computed by the same C code in the same order as
+the Python path's kernel for it, and bfloat16 activations are rounded
+wherever the Python path's bfloat16 tensors round them, so the hidden states
+are the Python path's to the bit (tests/test_cpu_gemm.py checks).
 
-Anything else (prefill chunks, drafts, LoRA rows, a shared prefix read once
-for the batch, more rows) runs the Python path.
+Rows: at most ``SMALL_BATCH`` where a matrix is int8 (the layer loop runs
+fbgemm above that), at most ``cpu_gemm.NORM_ROWS`` otherwise (above that the
+layer loop normalises with torch's op, in another order). Anything else
+(prefill chunks, drafts, LoRA rows, a shared prefix read once for the batch,
+more rows) runs the Python path.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
 POINTERS = ("input_norm", "qkv_w", "qkv_s", "qkv_b", "q_norm", "k_norm", "o_w", "o_s", "o_b", "post_norm",
             "gate_up_w", "gate_up_s", "down_w", "down_s", "k_cache", "v_cache", "mask")  # fmt: skip
 MASK, K_CACHE, V_CACHE = POINTERS.index("mask"), POINTERS.index("k_cache"), POINTERS.index("v_cache")
-Q8_ROW, Q8_GROUPED, BF16 = 0, 1, 2
+Q8_ROW, Q8_GROUPED, BF16, F32 = 0, 1, 2, 3
 
 
 def _kind(linear: Linear | Int8Linear, dtype: torch.dtype) -> int | None:
@@ -44,6 +49,8 @@ def _kind(linear: Linear | Int8Linear, dtype: torch.dtype) -> int | None:
         return Q8_GROUPED if linear.q8.grouped else Q8_ROW
     if isinstance(linear, Linear) and linear.own is not None and dtype == torch.bfloat16:
         return BF16 if linear.own.weight.dtype == torch.int16 else None  # bfloat16 bits
+    if isinstance(linear, Linear) and linear.own is not None and dtype == torch.float32:
+        return F32 if linear.own.weight.dtype == torch.float32 else None  # f32-panels (the AVX-512 build)
     return None
 
 
@@ -81,8 +88,12 @@ class FusedDecode:
         config, heads = model.config, model.num_heads
         q_size, qkv_size = heads * model.head_dim, (heads + 2 * model.num_kv_heads) * model.head_dim
         wide = max(config.hidden_size, config.intermediate_size)
-        self.work_per_row = wide + qkv_size + 2 * q_size + config.hidden_size + 2 * config.intermediate_size
         self.widest = max(config.hidden_size, q_size, config.intermediate_size)
+        bf16_rows = (self.widest + 15) // 16 * 8  # a bfloat16 projection's rounded input row, in floats
+        self.work_per_row = wide + qkv_size + 2 * q_size + config.hidden_size + 2 * config.intermediate_size + bf16_rows
+        # int8 rows past SMALL_BATCH run fbgemm in the layer loop; float rows use tierserve's RMSNorm up to NORM_ROWS
+        int8 = any(kind in (Q8_ROW, Q8_GROUPED) for row in kinds for kind in row)
+        self.max_rows = SMALL_BATCH if int8 else cpu_gemm.NORM_ROWS
         self.scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -112,10 +123,10 @@ class FusedDecode:
 
     def run(self, batch: PagedBatch) -> torch.Tensor | None:
         """The hidden states after the last layer (before the final norm), KV written to the arena; None
-        where the batch is not a plain decode of at most ``SMALL_BATCH`` rows (the Python path runs it)."""
+        where the batch is not a plain decode of at most ``max_rows`` rows (the Python path runs it)."""
         model = self.model
         rows = batch.input_ids.shape[0]
-        if rows > SMALL_BATCH or batch.lora is not None or len(batch.groups) != 1:
+        if rows > self.max_rows or batch.lora is not None or len(batch.groups) != 1:
             return None
         group = batch.groups[0]
         if group.q_len != 1 or group.shared is not None or group.rows != slice(0, rows):
@@ -153,14 +164,18 @@ class FusedDecode:
 
     def _scratch(self, rows: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The float work area, int8 rows and block scales ``ts_decode_layers`` needs for ``rows`` rows over
-        ``ctx`` positions: the kept ones where they are large enough, else new ones for ``SMALL_BATCH``
-        rows over the context rounded up to 1024 positions."""
+        ``ctx`` positions: the kept ones where they are large enough, else larger ones (rows rounded up to
+        16, at least ``SMALL_BATCH``, the context to 1024 positions; never smaller than the kept ones)."""
         heads = self.model.num_heads
-        if self.scratch is None or self.scratch[0].numel() < rows * (self.work_per_row + heads * ctx):
-            capacity = -(-ctx // 1024) * 1024
+        if self.scratch is None or self.scratch[0].numel() < rows * (self.work_per_row + heads * ctx) or (
+            self.scratch[1].numel() < rows * self.widest
+        ):
+            capacity, most = -(-ctx // 1024) * 1024, max(SMALL_BATCH, -(-rows // 16) * 16)
+            kept = (0, 0) if self.scratch is None else (self.scratch[0].numel(), self.scratch[1].numel())
+            floats, widest = max(kept[0], most * (self.work_per_row + heads * capacity)), max(kept[1], most * self.widest)
             self.scratch = (
-                torch.empty(SMALL_BATCH * (self.work_per_row + heads * capacity)),
-                torch.empty(SMALL_BATCH * self.widest, dtype=torch.int8),
-                torch.empty(SMALL_BATCH * self.widest // cpu_gemm.QK),
+                torch.empty(floats),
+                torch.empty(widest, dtype=torch.int8),
+                torch.empty(widest // cpu_gemm.QK),
             )
         return self.scratch
