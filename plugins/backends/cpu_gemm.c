@@ -864,12 +864,11 @@ static inline void silu_mul_span(const float* g, const float* u, int64_t n, int 
     }
 }
 
-/* SwiGLU: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up, in float32, or with bf16 = 1
- * for bfloat16 rows (held as float32 values): silu rounded to bfloat16, then the product. Rows are shared
- * among the threads. */
-void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, int bf16, float* out, int threads) {
+/* SwiGLU: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up in float32. Rows are shared among
+ * the threads. */
+void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, float* out, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 4)")
-    for (int64_t m = 0; m < M; m++) silu_mul_span(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, bf16, out + m * I);
+    for (int64_t m = 0; m < M; m++) silu_mul_span(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, 0, out + m * I);
 }
 
 /* The same for bfloat16 rows held as bfloat16 bits, in and out: each span of 64 columns widened (exactly),
@@ -916,8 +915,10 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
 }
 
 /* Row m of x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
+static inline int is_q8(int64_t kind) { return kind == K_Q8_ROW || kind == K_Q8_GROUPED; }
+
 static void prepare_row(int kind, const float* x, int64_t m, int64_t K, int8_t* qx, float* dx) {
-    if (kind == K_Q8_ROW || kind == K_Q8_GROUPED) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
+    if (is_q8(kind)) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
 }
 
 static void project(int kind, const float* x, const int8_t* qx, const float* dx, uint16_t* xb, int64_t M,
@@ -1014,7 +1015,7 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
             prepare_row((int)kind[P_GU], x, m, H, qx, dx);
         }
         project((int)kind[P_GU], x, qx, dx, xb, M, H, p[L_GU_W], (const float*)p[L_GU_S], 0, 2 * I, gu);
-        const int q8_down = kind[P_DOWN] == K_Q8_ROW || kind[P_DOWN] == K_Q8_GROUPED;
+        const int q8_down = is_q8(kind[P_DOWN]);
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul of 32 columns, then their Q8_0 block rounded */
             const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;

@@ -143,7 +143,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("ts_rms_norm", "ts_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, i64, i64, p, ctypes.c_float, p]
         getattr(lib, name).restype = None
-    lib.ts_silu_mul.argtypes = [p, i64, i64, i32, p, i32]
+    lib.ts_silu_mul.argtypes = [p, i64, i64, p, i32]
     lib.ts_silu_mul.restype = None
     lib.ts_silu_mul_bf16.argtypes = [p, i64, i64, p, i32]
     lib.ts_silu_mul_bf16.restype = None
@@ -230,7 +230,7 @@ class PackedFloat:
         assert lib is not None and supports_float(weight)
         self.out_features, self.in_features = weight.shape
         self.panels_bf16 = weight.dtype == torch.bfloat16 and bf16_dot()
-        if weight.dtype == torch.bfloat16 and bf16_dot():  # AVX-512: panels by pairs of k, [N/32][K/2][32][2]
+        if self.panels_bf16:  # AVX-512: panels by pairs of k, [N/32][K/2][32][2]
             padded = _pad_rows(weight.contiguous(), PANEL)
             panels = padded.view(-1, PANEL, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
             self.weight, self.function = panels.view(torch.int16), lib.ts_bf16_gemm
@@ -418,5 +418,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return out
     gate_up = gate_up.float().contiguous()
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], 0, out.data_ptr(), torch.get_num_threads())
+    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
