@@ -169,6 +169,39 @@ def test_a_stream_whose_reader_stops_reading_is_aborted_past_max_stream_backlog(
     engine.close()
 
 
+def test_a_reader_with_a_deadline_cancelled_as_a_delta_arrives_still_aborts_its_request(checkpoint):
+    # Python 3.11's asyncio.wait_for returned the delta and dropped the cancel when both came in one loop
+    # iteration: the non-streaming handler then waited for ever on a request generating without end
+    engine = make_engine(checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def cancelled_after(turns: int) -> None:
+        loop = asyncio.get_running_loop()
+        request_id, stream = engine.submit(engine.encode_prompt("cancel me"), params, loop=loop)
+
+        async def read() -> None:
+            async for _ in engine.outputs(request_id, stream, deadline=loop.time() + 600):
+                pass
+
+        reader = asyncio.create_task(read())
+        for _ in range(3):
+            await asyncio.sleep(0)  # the reader waits for its first delta
+        engine.step()  # one delta is on its way to the reader's queue
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        reader.cancel()
+        done, _ = await asyncio.wait({reader}, timeout=10)
+        assert done and reader.cancelled(), f"cancelled {turns} loop turns after a delta: the reader kept waiting"
+        engine.step()  # the abort the reader sent applies
+        assert engine.stats().requests_queued == 0
+
+    for turns in range(6):
+        asyncio.run(cancelled_after(turns))
+    assert engine.stats().counters.requests_aborted == 6
+    assert_pool_released(engine)
+    engine.close()
+
+
 # ---- item 8: tokenizing on the event loop ---------------------------------------------------------
 
 
