@@ -272,15 +272,20 @@ class EngineClient:
         ``deadline`` (the event loop's clock): past it, the request is aborted
         and ``RequestTimeoutError`` raised.
         """
+        loop = asyncio.get_running_loop()
         finished = False
         try:
             while not finished:
-                # not asyncio.wait_for: on 3.11 it returns a delta that came with a cancel and drops the cancel
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        output = await stream.get_async()
-                except TimeoutError:
-                    raise RequestTimeoutError(f"request {request_id!r} ran past its deadline") from None
+                if deadline is None:
+                    output = await stream.get_async()
+                else:
+                    try:
+                        output = await asyncio.wait_for(stream.get_async(), max(0.0, deadline - loop.time()))
+                    except TimeoutError:
+                        raise RequestTimeoutError(f"request {request_id!r} ran past its deadline") from None
+                    # 3.11's wait_for returns a delta that came with a cancel and drops the cancel: honour it
+                    if asyncio.current_task().cancelling():
+                        raise asyncio.CancelledError
                 finished = output.finished
                 yield output
         finally:
