@@ -471,3 +471,64 @@ def test_fused_decode_keeps_equal_as_the_context_outgrows_its_scratch(tmp_path):
     assert fused_steps == 11
     for step, (a, b) in enumerate(zip(fused, loop)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
+def prefill_reference(q, keys, values, table, block, ctx, keep, scale):
+    """Softmax attention in float64 of one sequence's queries ``[Q, heads, d]`` over its gathered positions."""
+    slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in table.tolist()])[:ctx]
+    k, v = keys[slots].double(), values[slots].double()  # [ctx, kv_heads, d]
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("qhd,chd->hqc", q.double(), k.repeat_interleave(group, dim=1)) * scale
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.einsum("hqc,chd->qhd", weights, v.repeat_interleave(group, dim=1))
+
+
+def prefill_attention_or_skip(*args):
+    out = cpu_gemm.prefill_attention(*args)
+    if out is None:
+        pytest.skip("prefill attention runs on the AVX-512 build only")
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("queries", "heads", "kv_heads", "head_dim", "ctx"),
+    [(75, 12, 4, 64, 300), (20, 14, 2, 64, 83), (9, 4, 4, 48, 140), (33, 6, 1, 16, 33), (5, 8, 2, 128, 70)],
+)
+def test_prefill_attention_reads_the_blocks_in_place(kv_dtype, queries, heads, kv_heads, head_dim, ctx):
+    """A chunk of queries after a cached prefix, through scattered blocks: causal (the queries the last
+    positions), and with a mask (a sliding window and a dropped span), against softmax in float64."""
+    generator = torch.Generator().manual_seed(queries)
+    block, num_blocks = 16, 40
+    keys = torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    values = torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    table = torch.randperm(num_blocks, generator=generator)[: -(-ctx // block)]
+    q = torch.randn(queries, heads, head_dim, generator=generator)
+    positions = torch.arange(ctx)
+    own = torch.arange(ctx - queries, ctx)[:, None]
+    causal = positions[None] <= own
+    windowed = causal & (positions[None] > own - 40) | (positions[None] < 4)  # a window, plus sink tokens
+    windowed[:, 6:9] = False
+    for keep, mask in ((causal, None), (windowed, windowed[None, None])):
+        out = prefill_attention_or_skip(q, keys, values, table[None], block, ctx, mask, head_dim**-0.5)
+        expected = prefill_reference(q, keys, values, table, block, ctx, keep, head_dim**-0.5)
+        assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_of_a_row_depends_on_nothing_but_its_own_positions():
+    """A sequence's queries alone (causal, no mask) and next to a longer one (one call for both, the masks
+    saying who sees what): the same bits, and the causal path gives the masked path's."""
+    generator = torch.Generator().manual_seed(8)
+    keys = torch.randn(30 * 16, 4, 64, generator=generator)
+    values = torch.randn(30 * 16, 4, 64, generator=generator)
+    q = torch.randn(2 * 40, 12, 64, generator=generator)
+    tables = torch.tensor([list(range(0, 14)), list(range(14, 28))])
+    alone = prefill_attention_or_skip(q[:40], keys, values, tables[:1, :8], 16, 120, None, 0.125)
+    causal = torch.arange(120)[None] <= torch.arange(80, 120)[:, None]
+    same = prefill_attention_or_skip(q[:40], keys, values, tables[:1, :8], 16, 120, causal, 0.125)
+    assert torch.equal(same, alone)
+    mask = torch.zeros(2, 40, 220, dtype=torch.bool)
+    mask[0, :, :120] = causal
+    mask[1] = torch.arange(220)[None] <= torch.arange(180, 220)[:, None]
+    batched = prefill_attention_or_skip(q, keys, values, tables, 16, 220, mask, 0.125)
+    assert torch.equal(batched[:40], alone)

@@ -774,6 +774,262 @@ void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int6
         attend(task, q, H, KVH, D, k, v, kv_flags, blocks, nb, bs, ctx, mask, scale, out, scratch);
 }
 
+#if TS_AVX512
+/* e^x for sixteen floats: exp8's Cephes polynomial and clamps, one 512-bit vector at a time */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
+    x = _mm512_mask_sub_ps(x, big, x, _mm512_set1_ps(0.693147180559945f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(power));
+    return _mm512_mask_add_ps(y, big, y, y);
+}
+
+#define PA_VECS 3  /* row vectors a prefill attention task takes: 48 query rows (tokens x query heads) */
+#define PA_KEYS 64 /* key positions per block of the online softmax */
+
+/* scores of NK keys (rows krow[k], D floats) against NV vectors of query rows, qt [D][NV * 16] (scaled):
+ * st [NK][NV * 16], each a sum over d in order */
+static inline __attribute__((always_inline)) void pa_scores(const int NK, const int NV, const float* const* krow,
+                                                             int64_t D, const float* qt, float* st) {
+    __m512 acc[8][PA_VECS];
+    for (int k = 0; k < NK; k++)
+        for (int v = 0; v < NV; v++) acc[k][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 qv[PA_VECS];
+        for (int v = 0; v < NV; v++) qv[v] = _mm512_load_ps(qt + (d * NV + v) * 16);
+        for (int k = 0; k < NK; k++) {
+            const __m512 kd = _mm512_set1_ps(krow[k][d]);
+            for (int v = 0; v < NV; v++) acc[k][v] = _mm512_fmadd_ps(kd, qv[v], acc[k][v]);
+        }
+    }
+    for (int k = 0; k < NK; k++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(st + (k * NV + v) * 16, acc[k][v]);
+}
+
+/* ot [D][NV * 16] rows d0..d0+ND-1 += sum over the nk keys of values (rows vrow[k]) times weights pt [nk][NV * 16] */
+static inline __attribute__((always_inline)) void pa_values(const int ND, const int NV, const float* const* vrow,
+                                                             int64_t d0, const float* pt, int64_t nk, float* ot) {
+    __m512 acc[8][PA_VECS];
+    for (int i = 0; i < ND; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = _mm512_load_ps(ot + ((d0 + i) * NV + v) * 16);
+    for (int64_t k = 0; k < nk; k++) {
+        __m512 pv[PA_VECS];
+        for (int v = 0; v < NV; v++) pv[v] = _mm512_load_ps(pt + (k * NV + v) * 16);
+        const float* vr = vrow[k] + d0;
+        for (int i = 0; i < ND; i++) {
+            const __m512 vd = _mm512_set1_ps(vr[i]);
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(vd, pv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < ND; i++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(ot + ((d0 + i) * NV + v) * 16, acc[i][v]);
+}
+
+#define PA_CASES8(FN, N, ...)                  \
+    switch (N) {                               \
+        case 1: FN(1, __VA_ARGS__); break;     \
+        case 2: FN(2, __VA_ARGS__); break;     \
+        case 3: FN(3, __VA_ARGS__); break;     \
+        case 4: FN(4, __VA_ARGS__); break;     \
+        case 5: FN(5, __VA_ARGS__); break;     \
+        case 6: FN(6, __VA_ARGS__); break;     \
+        case 7: FN(7, __VA_ARGS__); break;     \
+        default: FN(8, __VA_ARGS__); break;    \
+    }
+#define PA_SCORES_NV(NK, NV, ...) pa_scores(NK, NV, __VA_ARGS__)
+#define PA_VALUES_NV(ND, NV, ...) pa_values(ND, NV, __VA_ARGS__)
+
+/* One task: rows r0..r0+n-1 of KV head h's query rows of sequence b (row r = token r / G, query head
+ * h * G + r % G), NV vectors of 16 lanes, against key positions lo..hi-1 in blocks of PA_KEYS with an
+ * online softmax: per block, scores, a running max per row, weights e^(s - max), earlier sums rescaled. */
+static inline __attribute__((always_inline)) void prefill_task(
+    const int NV, const float* q, int64_t b, int64_t h, int64_t r0, int64_t n, int64_t Q, int64_t H, int64_t KVH,
+    int64_t D, const void* k, const void* v, int kv_bf16, const int64_t* table, int64_t bs, int64_t ctx,
+    const uint8_t* mask, float scale, float* out, float* qt, float* st, float* ot, float* kbuf, float* vbuf) {
+    const int64_t G = H / KVH, RP = NV * 16;
+    int32_t last[PA_VECS * 16];
+    int64_t lo = ctx, hi = 0, seen_by_all = ctx; /* positions below seen_by_all are kept for every row */
+    memset(qt, 0, (size_t)(D * RP) * sizeof(float));
+    for (int64_t r = 0; r < RP; r++) last[r] = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t token = (r0 + r) / G, head = h * G + (r0 + r) % G;
+        const float* src = q + ((b * Q + token) * H + head) * D;
+        for (int64_t d = 0; d < D; d++) qt[d * RP + r] = src[d] * scale;
+        int64_t first = 0, end = ctx - Q + token + 1;
+        if (mask) {
+            const uint8_t* m = mask + (b * Q + token) * ctx;
+            end = ctx;
+            while (end > 0 && !m[end - 1]) end--;
+            while (first < end && !m[first]) first++;
+            seen_by_all = 0; /* every block is masked row by row */
+        } else if (end < seen_by_all) {
+            seen_by_all = end;
+        }
+        last[r] = (int32_t)end;
+        if (first < lo) lo = first;
+        if (end > hi) hi = end;
+    }
+    lo = lo / PA_KEYS * PA_KEYS;
+    __m512 top[PA_VECS], total[PA_VECS], lastv[PA_VECS];
+    for (int u = 0; u < NV; u++) {
+        top[u] = _mm512_set1_ps(-INFINITY);
+        total[u] = _mm512_setzero_ps();
+        lastv[u] = _mm512_castsi512_ps(_mm512_loadu_si512(last + 16 * u));
+    }
+    memset(ot, 0, (size_t)(D * RP) * sizeof(float));
+    const float* krow[PA_KEYS];
+    const float* vrow[PA_KEYS];
+    for (int64_t p0 = lo; p0 < hi; p0 += PA_KEYS) {
+        const int64_t nk = hi - p0 < PA_KEYS ? hi - p0 : PA_KEYS;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t t = p0 + j, row = ((table[t / bs] * bs + t % bs) * KVH + h) * D;
+            if (kv_bf16) { /* widened once into the task's buffers: exact */
+                const uint16_t* kr = (const uint16_t*)k + row;
+                const uint16_t* vr = (const uint16_t*)v + row;
+                for (int64_t i = 0; i < (D + 15) / 16; i++) {
+                    const __mmask16 lanes = row_lanes(i, D);
+                    _mm512_mask_storeu_ps(kbuf + j * D + 16 * i, lanes, load_kv16(kr, 16 * i, 1, lanes));
+                    _mm512_mask_storeu_ps(vbuf + j * D + 16 * i, lanes, load_kv16(vr, 16 * i, 1, lanes));
+                }
+                krow[j] = kbuf + j * D, vrow[j] = vbuf + j * D;
+            } else {
+                krow[j] = (const float*)k + row, vrow[j] = (const float*)v + row;
+            }
+        }
+        for (int64_t t = p0 + PA_KEYS; t < p0 + 2 * PA_KEYS && t < hi; t++) { /* the next block's rows, ahead */
+            const int64_t row = ((table[t / bs] * bs + t % bs) * KVH + h) * D * (kv_bf16 ? 2 : 4);
+            for (int64_t line = 0; line < D * (kv_bf16 ? 2 : 4); line += 64) {
+                _mm_prefetch((const char*)k + row + line, _MM_HINT_T0);
+                _mm_prefetch((const char*)v + row + line, _MM_HINT_T0);
+            }
+        }
+        for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow[j] = krow[0]; /* scores past nk are dropped */
+        for (int64_t j = 0; j < nk; j += 8) {
+            const int64_t nj = nk - j < 8 ? nk - j : 8;
+            if (NV == 1) {
+                PA_CASES8(PA_SCORES_NV, nj, 1, krow + j, D, qt, st + j * RP)
+            } else if (NV == 2) {
+                PA_CASES8(PA_SCORES_NV, nj, 2, krow + j, D, qt, st + j * RP)
+            } else {
+                PA_CASES8(PA_SCORES_NV, nj, 3, krow + j, D, qt, st + j * RP)
+            }
+        }
+        if (mask) { /* a dropped position scores -inf */
+            for (int64_t r = 0; r < n; r++) {
+                const uint8_t* m = mask + (b * Q + (r0 + r) / G) * ctx + p0;
+                for (int64_t j = 0; j < nk; j++)
+                    if (!m[j]) st[j * RP + r] = -INFINITY;
+            }
+        } else if (p0 + nk > seen_by_all) { /* causal: row r sees positions below last[r] */
+            for (int64_t j = 0; j < nk; j++)
+                for (int u = 0; u < NV; u++) {
+                    const __mmask16 keep = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(lastv[u]),
+                                                                   _mm512_set1_epi32((int32_t)(p0 + j)));
+                    float* s = st + (j * NV + u) * 16;
+                    _mm512_store_ps(s, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, _mm512_load_ps(s)));
+                }
+        }
+        for (int u = 0; u < NV; u++) {
+            __m512 mx = top[u];
+            for (int64_t j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(st + (j * NV + u) * 16));
+            /* a row with nothing kept yet keeps weights 0 (e^-inf), not NaN */
+            const __mmask16 none = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+            const __m512 base = _mm512_mask_mov_ps(mx, none, _mm512_setzero_ps());
+            const __m512 rescale = exp16(_mm512_sub_ps(top[u], base));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nk; j++) {
+                float* s = st + (j * NV + u) * 16;
+                const __m512 x = _mm512_load_ps(s);
+                const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                const __m512 e = _mm512_maskz_mov_ps(kept, exp16(_mm512_sub_ps(x, base)));
+                _mm512_store_ps(s, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            total[u] = _mm512_fmadd_ps(total[u], rescale, sum);
+            top[u] = mx;
+            if (p0 > lo)
+                for (int64_t d = 0; d < D; d++) {
+                    float* o = ot + (d * NV + u) * 16;
+                    _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), rescale));
+                }
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            const int64_t nd = D - d0 < 8 ? D - d0 : 8;
+            if (NV == 1) {
+                PA_CASES8(PA_VALUES_NV, nd, 1, vrow, d0, st, nk, ot)
+            } else if (NV == 2) {
+                PA_CASES8(PA_VALUES_NV, nd, 2, vrow, d0, st, nk, ot)
+            } else {
+                PA_CASES8(PA_VALUES_NV, nd, 3, vrow, d0, st, nk, ot)
+            }
+        }
+    }
+    float inv[PA_VECS * 16];
+    for (int u = 0; u < NV; u++) {
+        const __m512 t = total[u];
+        const __mmask16 some = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ);
+        _mm512_storeu_ps(inv + 16 * u, _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), t)); /* nothing kept: 0 */
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t token = (r0 + r) / G, head = h * G + (r0 + r) % G;
+        float* dst = out + ((b * Q + token) * H + head) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = ot[d * RP + r] * inv[r];
+    }
+}
+
+/* Prefill attention straight from the paged arena: Q query tokens per sequence, q [B * Q, H, D] float32 (row
+ * b * Q + i is sequence b's token i), keys/values [slots, KVH, D] (float32 or bfloat16) through blocks
+ * [B, nb] of bs slots; mask [B, Q, ctx] (1 = attend), or NULL for causal attention with token i at position
+ * ctx - Q + i. A task is up to 48 query rows of one KV head (its query heads for consecutive tokens of one
+ * sequence), held as the lanes of three vectors: every key and value read serves them all, and the softmax
+ * (float32, an online max per row, blocks of 64 positions) runs across rows in whole vectors. A row's result
+ * depends on nothing but its own query, mask row and the keys and values it reads, not on the batch, the
+ * other rows of its task or the split among threads. */
+void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64_t KVH, int64_t D, const void* k,
+                          const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                          const uint8_t* mask, float scale, float* out, int threads) {
+    const int64_t G = H / KVH, rows = Q * G, cap = PA_VECS * 16;
+    const int64_t tiles = (rows + cap - 1) / cap, per = (rows + tiles - 1) / tiles; /* rows a task takes */
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        float* qt = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
+        float* ot = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
+        float* st = aligned_alloc(64, (size_t)(PA_KEYS * cap) * sizeof(float));
+        float* kbuf = kv_bf16 ? aligned_alloc(64, (size_t)((PA_KEYS * D + 15) / 16 * 16) * sizeof(float)) : NULL;
+        float* vbuf = kv_bf16 ? aligned_alloc(64, (size_t)((PA_KEYS * D + 15) / 16 * 16) * sizeof(float)) : NULL;
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t task = 0; task < B * KVH * tiles; task++) {
+            const int64_t b = task / (KVH * tiles), h = task / tiles % KVH, tile = task % tiles;
+            const int64_t r0 = tile * per, n = rows - r0 < per ? rows - r0 : per;
+            const int NV = (int)((n + 15) / 16);
+            const int64_t* table = blocks + b * nb;
+            if (NV == 1)
+                prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, scale, out, qt, st,
+                             ot, kbuf, vbuf);
+            else if (NV == 2)
+                prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, scale, out, qt, st,
+                             ot, kbuf, vbuf);
+            else
+                prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, scale, out, qt, st,
+                             ot, kbuf, vbuf);
+        }
+        free(qt), free(ot), free(st), free(kbuf), free(vbuf);
+    }
+}
+#endif
+
 /* torch's float -> bfloat16 conversion (round to nearest even; a NaN becomes a quiet NaN), widened back */
 static inline float round_bf16(float f) {
     uint32_t bits;

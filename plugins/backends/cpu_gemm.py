@@ -150,6 +150,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
                                      p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
     lib.ts_decode_layers.restype = None
+    if hasattr(lib, "ts_prefill_attention"):  # the AVX-512 build's
+        lib.ts_prefill_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p,
+                                             ctypes.c_float, p, i32]  # fmt: skip
+        lib.ts_prefill_attention.restype = None
     lib.ts_features.argtypes = []
     lib.ts_features.restype = i32
     return lib
@@ -371,6 +375,49 @@ def decode_attention(
         queries.data_ptr(), batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         flags, table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
         scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    ctx: int,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of ``q_len`` query tokens for each of ``batch`` sequences (``q: [batch * q_len, heads,
+    head_dim]``, sequence by sequence) read straight from the paged arena through ``blocks: [batch, n]``, no
+    gather; ``mask`` (bool, ``batch * q_len * ctx`` elements) keeps positions, ``None`` is causal with the
+    queries the last ``q_len`` of ``ctx`` positions. None where the kernel cannot run (the AVX-512 build
+    only: the caller's torch path runs)."""
+    rows, heads, head_dim = q.shape
+    batch = blocks.shape[0]
+    kv_heads = k_cache.shape[1]
+    if (
+        q.device.type != "cpu"
+        or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or v_cache.dtype != k_cache.dtype
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or heads % kv_heads
+        or rows % batch
+        or (mask is not None and mask.numel() != rows * ctx)
+    ):
+        return None
+    lib = library()
+    if lib is None or not hasattr(lib, "ts_prefill_attention"):
+        return None
+    queries = q.float().contiguous()
+    out = torch.empty(rows, heads, head_dim)
+    table = blocks.to(torch.int64).contiguous()
+    keep = None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
+    lib.ts_prefill_attention(
+        queries.data_ptr(), batch, rows // batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
+        scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out.to(q.dtype)
 

@@ -63,6 +63,7 @@ class AttentionGroup:
     batch: int
     q_len: int
     shared: SharedPrefix | None = None  # decode groups only
+    causal: bool = False  # one sequence whose queries see every position up to their own (masks[None] says so too)
 
 
 @dataclass(slots=True)
@@ -215,7 +216,7 @@ def build_paged_batch(
             masks[window] = None if plain else keep[None, None].to(device)
         row = first_row[id(chunk)]
         blocks = table[None, : -(-(start + n) // bs)]
-        groups.append(AttentionGroup(slice(row, row + n), blocks.to(device), start + n, masks, 1, n))
+        groups.append(AttentionGroup(slice(row, row + n), blocks.to(device), start + n, masks, 1, n, causal=not dropped))
 
     sample_rows = [
         row
@@ -481,6 +482,16 @@ class KVArena:
                 out[group.rows] = result
                 continue
             padded = isinstance(group.rows, torch.Tensor)
+            if not padded and self.own_kernels and softcap is None:  # the CPU kernel reads blocks in place
+                mask = None if window is None and group.causal else group.masks[window]
+                result = cpu_gemm.prefill_attention(
+                    q[group.rows], k_cache, v_cache, group.blocks, self.block_size, group.ctx, mask, scale
+                )
+                if result is not None:
+                    if direct:
+                        return result
+                    out[group.rows] = result
+                    continue
             if padded:
                 queries = q[group.rows.clamp(min=0)].transpose(1, 2)  # [batch, heads, q_len, head_dim]
             else:
