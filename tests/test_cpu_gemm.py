@@ -532,3 +532,28 @@ def test_prefill_attention_of_a_row_depends_on_nothing_but_its_own_positions():
     mask[1] = torch.arange(220)[None] <= torch.arange(180, 220)[:, None]
     batched = prefill_attention_or_skip(q, keys, values, tables, 16, 220, mask, 0.125)
     assert torch.equal(batched[:40], alone)
+
+
+def test_prefill_attention_over_a_shared_prefix_gives_each_rows_log_sum_exp():
+    """Decode rows of several conversations as the queries of one call over their common prefix (no causal
+    limit, every row sees it all): the output and each row's log-sum-exp, as ``merge_attention`` needs
+    them, against float64; a row's result is the same when it is computed alone."""
+    generator = torch.Generator().manual_seed(11)
+    block, ctx = 16, 200
+    keys = torch.randn(20 * block, 2, 64, generator=generator)
+    values = torch.randn(20 * block, 2, 64, generator=generator)
+    table = torch.arange(3, 3 + -(-ctx // block))
+    q = torch.randn(7, 14, 64, generator=generator)
+    found = cpu_gemm.prefill_attention(q, keys, values, table[None], block, ctx, None, 0.125, False, True)
+    if found is None:
+        pytest.skip("prefill attention runs on the AVX-512 build only")
+    out, lse = found
+    keep = torch.ones(7, ctx, dtype=torch.bool)
+    assert torch.allclose(out.double(), prefill_reference(q, keys, values, table, block, ctx, keep, 0.125), atol=1e-5)
+    slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in table.tolist()])[:ctx]
+    scores = torch.einsum("qhd,chd->qhc", q.double(), keys[slots].double().repeat_interleave(7, dim=1)) * 0.125
+    assert lse.shape == (7, 14)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, dim=-1), atol=1e-5)
+    alone, alone_lse = cpu_gemm.prefill_attention(q[2:3], keys, values, table[None], block, ctx, None, 0.125,
+                                                  False, True)  # fmt: skip
+    assert torch.equal(alone[0], out[2]) and torch.equal(alone_lse[0], lse[2])

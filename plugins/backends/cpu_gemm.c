@@ -857,7 +857,8 @@ static inline __attribute__((always_inline)) void pa_values(const int ND, const 
 static inline __attribute__((always_inline)) void prefill_task(
     const int NV, const float* q, int64_t b, int64_t h, int64_t r0, int64_t n, int64_t Q, int64_t H, int64_t KVH,
     int64_t D, const void* k, const void* v, int kv_bf16, const int64_t* table, int64_t bs, int64_t ctx,
-    const uint8_t* mask, float scale, float* out, float* qt, float* st, float* ot, float* kbuf, float* vbuf) {
+    const uint8_t* mask, int causal, float scale, float* out, float* lse, float* qt, float* st, float* ot,
+    float* kbuf, float* vbuf) {
     const int64_t G = H / KVH, RP = NV * 16;
     int32_t last[PA_VECS * 16];
     int64_t lo = ctx, hi = 0, seen_by_all = ctx; /* positions below seen_by_all are kept for every row */
@@ -867,7 +868,7 @@ static inline __attribute__((always_inline)) void prefill_task(
         const int64_t token = (r0 + r) / G, head = h * G + (r0 + r) % G;
         const float* src = q + ((b * Q + token) * H + head) * D;
         for (int64_t d = 0; d < D; d++) qt[d * RP + r] = src[d] * scale;
-        int64_t first = 0, end = ctx - Q + token + 1;
+        int64_t first = 0, end = causal ? ctx - Q + token + 1 : ctx;
         if (mask) {
             const uint8_t* m = mask + (b * Q + token) * ctx;
             end = ctx;
@@ -982,24 +983,28 @@ static inline __attribute__((always_inline)) void prefill_task(
         const __mmask16 some = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ);
         _mm512_storeu_ps(inv + 16 * u, _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), t)); /* nothing kept: 0 */
     }
+    float mx[PA_VECS * 16], sum[PA_VECS * 16];
+    for (int u = 0; u < NV; u++) _mm512_storeu_ps(mx + 16 * u, top[u]), _mm512_storeu_ps(sum + 16 * u, total[u]);
     for (int64_t r = 0; r < n; r++) {
         const int64_t token = (r0 + r) / G, head = h * G + (r0 + r) % G;
         float* dst = out + ((b * Q + token) * H + head) * D;
         for (int64_t d = 0; d < D; d++) dst[d] = ot[d * RP + r] * inv[r];
+        if (lse) lse[(b * Q + token) * H + head] = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : -INFINITY;
     }
 }
 
 /* Prefill attention straight from the paged arena: Q query tokens per sequence, q [B * Q, H, D] float32 (row
  * b * Q + i is sequence b's token i), keys/values [slots, KVH, D] (float32 or bfloat16) through blocks
- * [B, nb] of bs slots; mask [B, Q, ctx] (1 = attend), or NULL for causal attention with token i at position
- * ctx - Q + i. A task is up to 48 query rows of one KV head (its query heads for consecutive tokens of one
+ * [B, nb] of bs slots; mask [B, Q, ctx] (1 = attend), or NULL: causal attention with token i at position
+ * ctx - Q + i, or (causal 0) every row sees all ctx positions. lse [B * Q, H], where not NULL, gets each
+ * row's log-sum-exp of its scaled scores (-inf where nothing was kept), to merge partial results. A task is up to 48 query rows of one KV head (its query heads for consecutive tokens of one
  * sequence), held as the lanes of three vectors: every key and value read serves them all, and the softmax
  * (float32, an online max per row, blocks of 64 positions) runs across rows in whole vectors. A row's result
  * depends on nothing but its own query, mask row and the keys and values it reads, not on the batch, the
  * other rows of its task or the split among threads. */
 void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64_t KVH, int64_t D, const void* k,
                           const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                          const uint8_t* mask, float scale, float* out, int threads) {
+                          const uint8_t* mask, int causal, float scale, float* out, float* lse, int threads) {
     const int64_t G = H / KVH, rows = Q * G, cap = PA_VECS * 16;
     const int64_t tiles = (rows + cap - 1) / cap, per = (rows + tiles - 1) / tiles; /* rows a task takes */
     _Pragma("omp parallel num_threads(threads)")
@@ -1016,14 +1021,14 @@ void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64
             const int NV = (int)((n + 15) / 16);
             const int64_t* table = blocks + b * nb;
             if (NV == 1)
-                prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, scale, out, qt, st,
-                             ot, kbuf, vbuf);
+                prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, causal, scale, out,
+                             lse, qt, st, ot, kbuf, vbuf);
             else if (NV == 2)
-                prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, scale, out, qt, st,
-                             ot, kbuf, vbuf);
+                prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, causal, scale, out,
+                             lse, qt, st, ot, kbuf, vbuf);
             else
-                prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, scale, out, qt, st,
-                             ot, kbuf, vbuf);
+                prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, causal, scale, out,
+                             lse, qt, st, ot, kbuf, vbuf);
         }
         free(qt), free(ot), free(st), free(kbuf), free(vbuf);
     }

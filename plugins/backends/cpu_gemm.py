@@ -151,8 +151,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
     lib.ts_decode_layers.restype = None
     if hasattr(lib, "ts_prefill_attention"):  # the AVX-512 build's
-        lib.ts_prefill_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p,
-                                             ctypes.c_float, p, i32]  # fmt: skip
+        lib.ts_prefill_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, i32,
+                                             ctypes.c_float, p, p, i32]  # fmt: skip
         lib.ts_prefill_attention.restype = None
     lib.ts_features.argtypes = []
     lib.ts_features.restype = i32
@@ -388,12 +388,15 @@ def prefill_attention(
     ctx: int,
     mask: torch.Tensor | None,
     scale: float,
-) -> torch.Tensor | None:
+    causal: bool = True,
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of ``q_len`` query tokens for each of ``batch`` sequences (``q: [batch * q_len, heads,
     head_dim]``, sequence by sequence) read straight from the paged arena through ``blocks: [batch, n]``, no
     gather; ``mask`` (bool, ``batch * q_len * ctx`` elements) keeps positions, ``None`` is causal with the
-    queries the last ``q_len`` of ``ctx`` positions. None where the kernel cannot run (the AVX-512 build
-    only: the caller's torch path runs)."""
+    queries the last ``q_len`` of ``ctx`` positions (``causal=False``: every query sees all ``ctx`` positions).
+    ``with_lse``: also each row's float32 log-sum-exp ``[batch * q_len, heads]`` (for ``merge_attention``).
+    None where the kernel cannot run (the AVX-512 build only: the caller's torch path runs)."""
     rows, heads, head_dim = q.shape
     batch = blocks.shape[0]
     kv_heads = k_cache.shape[1]
@@ -414,12 +417,13 @@ def prefill_attention(
     out = torch.empty(rows, heads, head_dim)
     table = blocks.to(torch.int64).contiguous()
     keep = None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
+    lse = torch.empty(rows, heads) if with_lse else None
     lib.ts_prefill_attention(
         queries.data_ptr(), batch, rows // batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
-        scale, out.data_ptr(), torch.get_num_threads(),
+        int(causal), scale, out.data_ptr(), address(lse), torch.get_num_threads(),
     )  # fmt: skip
-    return out.to(q.dtype)
+    return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
 
 
 # rows up to which rms_norm (one thread) beats torch's five ops (5-30 us each): decode rows, or their heads

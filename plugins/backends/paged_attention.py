@@ -555,6 +555,20 @@ class KVArena:
             out = attention(queries, keys, values, group.masks[window], False, scale, softcap)
             return out.reshape(batch, heads, head_dim)
         own, own_lse = attention_with_lse(queries, keys, values, shared.own_masks[window], scale, softcap)
+        if self.own_kernels and softcap is None:  # the prefix through the CPU kernel, every row one of its queries
+            if isinstance(shared.keys, slice):
+                prefix_blocks = torch.arange(shared.keys.start // self.block_size, shared.keys.stop // self.block_size)
+            else:
+                prefix_blocks = shared.keys
+            found = cpu_gemm.prefill_attention(
+                q, k_cache, v_cache, prefix_blocks[None], self.block_size, shared.tokens, None, scale,
+                causal=False, with_lse=True,
+            )  # fmt: skip
+            if found is not None:
+                common, common_lse = found
+                common = common.view(batch, kv_heads, -1, head_dim)
+                common_lse = common_lse.view(batch, kv_heads, -1, 1)
+                return merge_attention(own, own_lse, common, common_lse).reshape(batch, heads, head_dim)
         if isinstance(shared.keys, slice):
             prefix_k, prefix_v = k_cache[shared.keys], v_cache[shared.keys]  # [tokens, kv_heads, head_dim] views
         else:

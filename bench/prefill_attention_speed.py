@@ -1,0 +1,82 @@
+"""tierserve's prefill attention kernel against the torch path it replaces, on the bench model's heads.
+
+    python -m bench.prefill_attention_speed
+    python -m bench.prefill_attention_speed --repeats 40
+
+Three cases of one layer (12 query heads on 4 KV heads of 64, float32 KV in
+blocks of 16 scattered over an arena): a chat turn's chunk (64 new tokens
+over 2432 positions, causal), a cold causal prefill of 512 and of 2048
+tokens, and a decode batch's shared prefix (8 sequences' queries over 2048
+common positions, with each row's log-sum-exp). The torch side is what
+``KVArena.attend`` ran before the kernel: the keys and values gathered out
+of the arena by slot, then ``scaled_dot_product_attention`` (causal, or with the
+boolean mask of a chunk after cached positions; for the shared prefix its
+``attention_with_lse``). The two alternate call by call;
+their outputs must agree to float32 rounding. Prints median milliseconds.
+Not part of the tests: the README's prefill attention figures came from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tierserve.plugins.backends import cpu_gemm
+from tierserve.plugins.backends.paged_attention import attention, attention_with_lse
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
+CASES = [("chat turn: 64 new over 2432", 64, 2432, True), ("cold prefill 512", 512, 512, True),
+         ("cold prefill 2048", 2048, 2048, True), ("shared prefix: 8 rows over 2048", 8, 2048, False)]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if not hasattr(cpu_gemm.library() or object(), "ts_prefill_attention"):
+        raise SystemExit("the prefill attention kernel runs on cpu_gemm's AVX-512 build only")
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = 4096 // BLOCK * 2
+    k_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=generator)
+    v_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=generator)
+    scale = HEAD_DIM**-0.5
+    print(f"{'case':<34} {'kernel ms':>10} {'torch ms':>10} {'speed-up':>9}")
+    for name, queries, ctx, causal in CASES:
+        table = torch.randperm(num_blocks, generator=generator)[: -(-ctx // BLOCK)]
+        slots = (table[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:ctx]
+        q = torch.randn(queries, HEADS, HEAD_DIM, generator=generator)
+        bottom_right = torch.ones(queries, ctx, dtype=torch.bool).tril(ctx - queries)
+
+        def kernel() -> torch.Tensor:
+            found = cpu_gemm.prefill_attention(q, k_cache, v_cache, table[None], BLOCK, ctx, None, scale,
+                                               causal=causal, with_lse=not causal)  # fmt: skip
+            return found if causal else found[0]
+
+        def gathered() -> torch.Tensor:
+            keys = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+            values = v_cache.index_select(0, slots).transpose(0, 1)[None]
+            if causal:  # torch's is_causal aligns the queries top-left: a chunk after cached positions needs a mask
+                mask = None if queries == ctx else bottom_right
+                return attention(q.transpose(0, 1)[None], keys, values, mask, mask is None, scale)[0].transpose(0, 1)
+            # the engine's shared prefix: every sequence's query heads as the rows of one KV head's queries
+            rows = q.view(queries, KV_HEADS, -1, HEAD_DIM).transpose(0, 1).reshape(1, KV_HEADS, -1, HEAD_DIM)
+            out, _ = attention_with_lse(rows, keys, values, None, scale)
+            return out.view(KV_HEADS, queries, -1, HEAD_DIM).transpose(0, 1).reshape(queries, HEADS, HEAD_DIM)
+
+        times: dict[str, list[float]] = {"kernel": [], "torch": []}
+        for _ in range(args.repeats):
+            for label, run in (("kernel", kernel), ("torch", gathered)):
+                start = time.perf_counter()
+                run()
+                times[label].append(time.perf_counter() - start)
+        if not torch.allclose(kernel(), gathered(), atol=1e-4, rtol=1e-4):
+            raise SystemExit(f"{name}: the kernel and torch disagree")
+        own, peer = (statistics.median(times[label]) * 1e3 for label in ("kernel", "torch"))
+        print(f"{name:<34} {own:>10.2f} {peer:>10.2f} {peer / own:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
