@@ -50,6 +50,7 @@ class SharedPrefix:
     keys: slice | torch.Tensor  # arena rows (consecutive blocks) or the block ids holding them
     tokens: int  # key positions 0..tokens-1, whole blocks
     own_masks: dict[int | None, torch.Tensor | None]  # sliding window -> additive mask [batch, 1, 1, ctx - tokens]
+    own_keeps: dict[int | None, torch.Tensor | None]  # sliding window -> the same as booleans [batch, ctx - tokens]
 
 
 @dataclass(slots=True)
@@ -293,12 +294,17 @@ def shared_prefix(
     else:
         keys = ids.to(device)
     own_masks: dict[int | None, torch.Tensor | None] = {}
+    own_keeps: dict[int | None, torch.Tensor | None] = {}
     for window, keep in keeps.items():
         own = keep[:, :, tokens:]
-        # additive: the kernel that also returns log-sum-exp takes no boolean mask
+        if bool(own.all()):
+            own_masks[window] = own_keeps[window] = None
+            continue
+        # additive for torch's kernel that also returns log-sum-exp (it takes no boolean mask); boolean for ours
         additive = torch.zeros(own.shape, dtype=dtype).masked_fill_(~own, float("-inf"))
-        own_masks[window] = None if bool(own.all()) else additive[:, None].to(device)
-    return SharedPrefix(keys, tokens, own_masks)
+        own_masks[window] = additive[:, None].to(device)
+        own_keeps[window] = own.reshape(own.shape[0], -1)
+    return SharedPrefix(keys, tokens, own_masks, own_keeps)
 
 
 def attention(
@@ -515,6 +521,39 @@ class KVArena:
                 out[group.rows] = result.reshape(-1, heads, head_dim)
         return out
 
+    def _attend_shared_in_place(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """A decode group with a shared prefix through the CPU kernel, both parts read from the arena in place:
+        the prefix once with every row's queries as the rows of one sequence, each row's own blocks as a
+        sequence of one query token; merged by log-sum-exp. None where the kernel cannot run."""
+        shared = group.shared
+        bs = self.block_size
+        if isinstance(shared.keys, slice):
+            prefix_blocks = torch.arange(shared.keys.start // bs, shared.keys.stop // bs)
+        else:
+            prefix_blocks = shared.keys
+        own_blocks = group.blocks[:, shared.tokens // bs :]
+        own = cpu_gemm.prefill_attention(
+            q, k_cache, v_cache, own_blocks, bs, group.ctx - shared.tokens, shared.own_keeps[window], scale,
+            causal=False, with_lse=True,
+        )  # fmt: skip
+        if own is None:
+            return None
+        common = cpu_gemm.prefill_attention(
+            q, k_cache, v_cache, prefix_blocks[None], bs, shared.tokens, None, scale, causal=False, with_lse=True
+        )
+        if common is None:
+            return None
+        (own_out, own_lse), (common_out, common_lse) = own, common
+        return merge_attention(own_out, own_lse[..., None], common_out, common_lse[..., None])
+
     def _attend_decode(
         self,
         q: torch.Tensor,
@@ -540,9 +579,13 @@ class KVArena:
             )
             if out is not None:
                 return out
-        queries = q.view(batch, kv_heads, -1, head_dim)  # [batch, kv_heads, heads per kv head, head_dim]
         shared = group.shared
         skip = 0 if shared is None else shared.tokens // self.block_size
+        if self.own_kernels and shared is not None and softcap is None:
+            found = self._attend_shared_in_place(q, k_cache, v_cache, group, window, scale)
+            if found is not None:
+                return found
+        queries = q.view(batch, kv_heads, -1, head_dim)  # [batch, kv_heads, heads per kv head, head_dim]
         ids = group.blocks[:, skip:].reshape(-1)
         by_block = (-1, self.block_size, kv_heads, head_dim)
         shape = (batch, -1, kv_heads, head_dim)
@@ -555,20 +598,6 @@ class KVArena:
             out = attention(queries, keys, values, group.masks[window], False, scale, softcap)
             return out.reshape(batch, heads, head_dim)
         own, own_lse = attention_with_lse(queries, keys, values, shared.own_masks[window], scale, softcap)
-        if self.own_kernels and softcap is None:  # the prefix through the CPU kernel, every row one of its queries
-            if isinstance(shared.keys, slice):
-                prefix_blocks = torch.arange(shared.keys.start // self.block_size, shared.keys.stop // self.block_size)
-            else:
-                prefix_blocks = shared.keys
-            found = cpu_gemm.prefill_attention(
-                q, k_cache, v_cache, prefix_blocks[None], self.block_size, shared.tokens, None, scale,
-                causal=False, with_lse=True,
-            )  # fmt: skip
-            if found is not None:
-                common, common_lse = found
-                common = common.view(batch, kv_heads, -1, head_dim)
-                common_lse = common_lse.view(batch, kv_heads, -1, 1)
-                return merge_attention(own, own_lse, common, common_lse).reshape(batch, heads, head_dim)
         if isinstance(shared.keys, slice):
             prefix_k, prefix_v = k_cache[shared.keys], v_cache[shared.keys]  # [tokens, kv_heads, head_dim] views
         else:
