@@ -32,6 +32,7 @@ from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.paged_attention import (
     AttentionGroup,
     KVArena,
+    additive_mask,
     attention,
     attention_with_lse,
     merge_attention,
@@ -108,7 +109,7 @@ def decode_group(repeats: int, generator: torch.Generator, scale: float) -> None
     pos = torch.arange(int(lengths.max()))
     keep = pos[None, None, :] <= (lengths - 1)[:, None, None]
     group = AttentionGroup(slice(0, batch), tables, int(lengths.max()), {None: keep[:, None]}, batch, 1)
-    group.shared = shared_prefix(tables, int(lengths.min()), {None: keep}, BLOCK, torch.float32, torch.device("cpu"))
+    group.shared = shared_prefix(tables, int(lengths.min()), {None: keep}, BLOCK, torch.device("cpu"))
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator)
     k_cache, v_cache = arena.k[0], arena.v[0]
 
@@ -123,7 +124,8 @@ def decode_group(repeats: int, generator: torch.Generator, scale: float) -> None
         keys = k_cache.view(by_block).index_select(0, ids).view(shape)[:, :own_ctx].transpose(1, 2)
         values = v_cache.view(by_block).index_select(0, ids).view(shape)[:, :own_ctx].transpose(1, 2)
         queries = q.view(batch, KV_HEADS, -1, HEAD_DIM)
-        own, own_lse = attention_with_lse(queries, keys, values, group.shared.own_masks[None], scale)
+        own_mask = additive_mask(group.shared.own_keeps[None], q.dtype, q.device)
+        own, own_lse = attention_with_lse(queries, keys, values, own_mask, scale)
         common, common_lse = cpu_gemm.prefill_attention(q, k_cache, v_cache, torch.arange(prefix_blocks)[None],
                                                         BLOCK, 2048, None, scale, causal=False, with_lse=True)  # fmt: skip
         merged = merge_attention(own, own_lse, common.view(own.shape), common_lse.view(*own.shape[:-1], 1))

@@ -28,7 +28,7 @@ def general(chunk: ScheduledChunk, windows: list[int | None]) -> paged_attention
     shortcut = paged_attention.lone_decode
     paged_attention.lone_decode = lambda *args: None
     try:
-        return build_paged_batch([chunk], 4, windows, torch.float32, CPU)
+        return build_paged_batch([chunk], 4, windows, CPU)
     finally:
         paged_attention.lone_decode = shortcut
 
@@ -37,7 +37,7 @@ def general(chunk: ScheduledChunk, windows: list[int | None]) -> paged_attention
 @pytest.mark.parametrize("windows", [[None], [None, 32]], ids=["full", "window-wider-than-context"])
 def test_one_sequence_decode_is_laid_out_as_the_general_path_does(length, windows):
     chunk = decoding(length, [7, 2, 9, 4, 11, 5])
-    fast, slow = build_paged_batch([chunk], 4, windows, torch.float32, CPU), general(chunk, windows)
+    fast, slow = build_paged_batch([chunk], 4, windows, CPU), general(chunk, windows)
     for name in ("input_ids", "positions", "slot_mapping", "sample_rows"):
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name
     assert fast.max_position == slow.max_position and fast.order == slow.order
@@ -55,4 +55,4 @@ def test_one_sequence_decode_is_laid_out_as_the_general_path_does(length, window
 def test_a_decode_that_needs_a_mask_takes_the_general_path(length, windows, dropped):
     chunk = decoding(length, [7, 2, 9, 4, 11, 5], dropped)
     assert lone_decode(chunk, 4, windows, CPU) is None
-    assert any(mask is not None for mask in build_paged_batch([chunk], 4, windows, torch.float32, CPU).groups[0].masks.values())
+    assert any(mask is not None for mask in build_paged_batch([chunk], 4, windows, CPU).groups[0].masks.values())

@@ -81,15 +81,18 @@ def test_shared_prefix_attention_equals_reading_every_row_whole(tmp_path, kv_dty
     )
     lengths = [shared_blocks * block + 1 + 7 * i for i in range(batch)]  # unequal: the own part is masked
     group, keeps = _decode_group(model, tables, lengths, window)
-    group.shared = shared_prefix(tables, min(lengths), keeps, block, torch.float32, torch.device("cpu"))
+    group.shared = shared_prefix(tables, min(lengths), keeps, block, torch.device("cpu"))
     assert group.shared is not None and group.shared.tokens == shared_blocks * block
     assert isinstance(group.shared.keys, slice) == consecutive
     q = torch.randn(batch, model.num_heads, model.head_dim, generator=generator)
     with torch.inference_mode():
         cascaded = model.arena.attend(0, q, [group], window, model.scaling)
+        model.arena.own_kernels = False  # torch's portable path, as on a GPU
+        portable = model.arena.attend(0, q, [group], window, model.scaling)
         group.shared = None
         whole = model.arena.attend(0, q, [group], window, model.scaling)
     torch.testing.assert_close(cascaded, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(portable, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_no_shared_part_where_a_window_hides_it_or_it_is_short():
@@ -97,12 +100,11 @@ def test_no_shared_part_where_a_window_hides_it_or_it_is_short():
     lengths = torch.tensor([150, 150])
     pos = torch.arange(150)
     keep = (pos[None, None, :] <= (lengths - 1)[:, None, None])
-    assert shared_prefix(tables, 150, {None: keep}, 16, torch.float32, torch.device("cpu")).tokens == 128
+    assert shared_prefix(tables, 150, {None: keep}, 16, torch.device("cpu")).tokens == 128
     windowed = keep & (pos[None, None, :] > (lengths - 1)[:, None, None] - 100)
-    assert shared_prefix(tables, 150, {100: windowed}, 16, torch.float32, torch.device("cpu")) is None
-    assert shared_prefix(tables[:, :3].contiguous(), 40, {None: keep[:, :, :40]}, 16, torch.float32,
-                         torch.device("cpu")) is None  # fmt: skip
-    assert shared_prefix(tables[:1], 150, {None: keep[:1]}, 16, torch.float32, torch.device("cpu")) is None
+    assert shared_prefix(tables, 150, {100: windowed}, 16, torch.device("cpu")) is None
+    assert shared_prefix(tables[:, :3].contiguous(), 40, {None: keep[:, :, :40]}, 16, torch.device("cpu")) is None
+    assert shared_prefix(tables[:1], 150, {None: keep[:1]}, 16, torch.device("cpu")) is None
 
 
 def test_the_portable_log_sum_exp_attention_matches_the_cpu_kernel():

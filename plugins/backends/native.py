@@ -191,7 +191,7 @@ class NativeBackend(ModelBackend):
     def _build_batch(self, chunks: Seq[ScheduledChunk]) -> PagedBatch:
         from tierserve.plugins.backends.paged_attention import build_paged_batch
 
-        batch = build_paged_batch(chunks, self.block_size, self.model.windows, self.dtype, self.device)
+        batch = build_paged_batch(chunks, self.block_size, self.model.windows, self.device)
         self.model.ensure_positions(batch.max_position + 1)
         if self.lora is not None:
             batch.lora = self.lora.batch(batch.order)

@@ -49,8 +49,7 @@ class SharedPrefix:
 
     keys: slice | torch.Tensor  # arena rows (consecutive blocks) or the block ids holding them
     tokens: int  # key positions 0..tokens-1, whole blocks
-    own_masks: dict[int | None, torch.Tensor | None]  # sliding window -> additive mask [batch, 1, 1, ctx - tokens]
-    own_keeps: dict[int | None, torch.Tensor | None]  # sliding window -> the same as booleans [batch, ctx - tokens]
+    own_keeps: dict[int | None, torch.Tensor | None]  # sliding window -> visible own positions [batch, ctx - tokens]
 
 
 @dataclass(slots=True)
@@ -95,11 +94,10 @@ def build_paged_batch(
     chunks: Seq[ScheduledChunk],
     block_size: int,
     windows: Seq[int | None],
-    dtype: torch.dtype,
     device: torch.device,
 ) -> PagedBatch:
     """Flatten a step's chunks; ``windows`` are the sliding windows the model's layers use
-    (``None`` for full attention), ``dtype`` the model's (additive masks are built in it)."""
+    (``None`` for full attention)."""
     from tierserve.core.token_tree import tree_depths, tree_visibility
 
     if len(chunks) == 1:
@@ -191,7 +189,7 @@ def build_paged_batch(
         blocks = table[:, : -(-int(ctx.max()) // bs)]
         group = AttentionGroup(rows_index, blocks.to(device), int(ctx.max()), masks, len(part), q_len)
         if q_len == 1:
-            group.shared = shared_prefix(table, int(ctx.min()), keeps, bs, dtype, device)
+            group.shared = shared_prefix(table, int(ctx.min()), keeps, bs, device)
         groups.append(group)
 
     for part in (single, multi):
@@ -270,7 +268,6 @@ def shared_prefix(
     min_ctx: int,
     keeps: dict[int | None, torch.Tensor],
     block_size: int,
-    dtype: torch.dtype,
     device: torch.device,
 ) -> SharedPrefix | None:
     """The leading blocks every row of a decode batch reads, where attending to them once pays.
@@ -293,18 +290,20 @@ def shared_prefix(
         keys: slice | torch.Tensor = slice(first * block_size, (first + blocks) * block_size)
     else:
         keys = ids.to(device)
-    own_masks: dict[int | None, torch.Tensor | None] = {}
     own_keeps: dict[int | None, torch.Tensor | None] = {}
     for window, keep in keeps.items():
         own = keep[:, :, tokens:]
-        if bool(own.all()):
-            own_masks[window] = own_keeps[window] = None
-            continue
-        # additive for torch's kernel that also returns log-sum-exp (it takes no boolean mask); boolean for ours
-        additive = torch.zeros(own.shape, dtype=dtype).masked_fill_(~own, float("-inf"))
-        own_masks[window] = additive[:, None].to(device)
-        own_keeps[window] = own.reshape(own.shape[0], -1)
-    return SharedPrefix(keys, tokens, own_masks, own_keeps)
+        own_keeps[window] = None if bool(own.all()) else own.reshape(own.shape[0], -1)
+    return SharedPrefix(keys, tokens, own_keeps)
+
+
+def additive_mask(keep: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """``keep: [batch, keys]`` as the additive mask ``[batch, 1, 1, keys]`` that torch's attention with
+    log-sum-exp takes (it has no boolean form): 0 where visible, -inf elsewhere."""
+    if keep is None:
+        return None
+    mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
+    return mask[:, None, None].to(device)
 
 
 def attention(
@@ -597,7 +596,8 @@ class KVArena:
         if shared is None:
             out = attention(queries, keys, values, group.masks[window], False, scale, softcap)
             return out.reshape(batch, heads, head_dim)
-        own, own_lse = attention_with_lse(queries, keys, values, shared.own_masks[window], scale, softcap)
+        own_mask = additive_mask(shared.own_keeps[window], queries.dtype, queries.device)
+        own, own_lse = attention_with_lse(queries, keys, values, own_mask, scale, softcap)
         if isinstance(shared.keys, slice):
             prefix_k, prefix_v = k_cache[shared.keys], v_cache[shared.keys]  # [tokens, kv_heads, head_dim] views
         else:

@@ -304,7 +304,7 @@ class PagedTransformersBackend(ModelBackend):
 
         from tierserve.plugins.backends.paged_attention import build_paged_batch
 
-        batch = build_paged_batch(chunks, self.block_size, self.windows, self.dtype, self.device)
+        batch = build_paged_batch(chunks, self.block_size, self.windows, self.device)
         keep = {"logits_to_keep": batch.sample_rows} if self._logits_to_keep else {}
         self._batch = batch
         try:
