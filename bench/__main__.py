@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--turn-len", type=int, default=32, help="tokens per user or assistant message (default: 32)")
     px.add_argument("--output-len", type=int, default=32)
     px.add_argument("--repeats", type=int, default=1)
-    systems = ("tierserve", *prefix.PEERS)
+    systems = (*prefix.OURS, *prefix.PEERS)
     defaults = ("tierserve", *prefix.DEFAULT_PEERS)
     px.add_argument("--systems", type=_names(systems), default=list(defaults),
                     help=f"comma-separated, of {','.join(systems)} (default: {','.join(defaults)})")  # fmt: skip

@@ -19,6 +19,8 @@ another's):
   disk folder, so the prefix is read back from disk.
 
 Within a run, later turns also reuse the conversation's own earlier turns.
+``tierserve-bf16`` and ``tierserve-int8`` run the same states with bfloat16 or
+int8 weights, the peers of ``llama-server-bf16`` and ``llama-server-q8_0``.
 The peers run the same requests once, on a freshly started server.
 ``transformers serve`` without continuous batching keeps no KV between
 requests; with it, identical prompt blocks are shared in memory while the
@@ -43,7 +45,8 @@ from bench.servers import Server, start
 from bench.stats import median
 from bench.workloads import shared_prefix_conversations
 
-PEERS = ("transformers-serve-cb", "transformers-serve", "llama-server")
+OURS = ("tierserve", "tierserve-bf16", "tierserve-int8")
+PEERS = ("transformers-serve-cb", "transformers-serve", "llama-server", "llama-server-bf16", "llama-server-q8_0")
 DEFAULT_PEERS = PEERS[:2]  # llama-server (built from source on first use) on request
 CACHE_STATES = ("cold", "fresh", "L1", "L2", "L3")
 
@@ -73,15 +76,15 @@ def run(
 ) -> dict:
     system_prompt, chats = shared_prefix_conversations(ctx.tokenizer, conversations, turns, prefix_len, turn_len)
     requests = conversations * turns
-    ours = "tierserve" in systems
-    peers = [s for s in systems if s != "tierserve"]
+    ours = [s for s in systems if s in OURS]
+    peers = [s for s in systems if s not in OURS]
     states = [state for state in CACHE_STATES if state in states]
-    total = repeats * requests * ((len(states) if ours else 0) + len(peers))
+    total = repeats * requests * (len(states) * len(ours) + len(peers))
     runs: list[dict] = []
 
     def sessions(server: Server, salt: str | None) -> list[list[dict]]:
         def extra() -> dict:
-            if server.name != "tierserve":
+            if server.name not in OURS:
                 return {}
             return {"cache_salt": salt or f"cold-{uuid.uuid4().hex}"}
 
@@ -92,14 +95,14 @@ def run(
     with ctx.progress(total, "prefix") as bar:
         done = lambda: bar.update(1)  # noqa: E731
         for repeat in range(repeats):
-            if ours:
+            for name in ours:
                 with tempfile.TemporaryDirectory(prefix="tierserve-l3-") as l3:
                     logs = ctx.results_dir / "logs"
-                    server = start("tierserve", ctx.checkpoint, logs, Path(l3))
+                    server = start(name, ctx.checkpoint, logs, Path(l3))
                     try:
                         warm_up(server, ctx.tokenizer)
                         for state in states:
-                            bar.set_postfix_str(f"tierserve {state} (repeat {repeat + 1}/{repeats})")
+                            bar.set_postfix_str(f"{name} {state} (repeat {repeat + 1}/{repeats})")
                             _admin(server, "/v1/cache/clear")
                             salt = None if state == "cold" else f"{state}-{repeat}"
                             if state not in ("cold", "fresh"):
@@ -108,10 +111,10 @@ def run(
                                 _admin(server, "/v1/cache/offload")
                             if state == "L3":
                                 server.stop()  # graceful: queued L3 writes are flushed
-                                server = start("tierserve", ctx.checkpoint, logs, Path(l3))
+                                server = start(name, ctx.checkpoint, logs, Path(l3))
                                 warm_up(server, ctx.tokenizer)
                             result = drive(server, sessions(server, salt), on_done=done)
-                            runs.append({"system": "tierserve", "cache": state, "repeat": repeat, **_summarise(result)})
+                            runs.append({"system": name, "cache": state, "repeat": repeat, **_summarise(result)})
                     finally:
                         server.stop()
             for peer in peers:
@@ -122,7 +125,7 @@ def run(
                 try:
                     warm_up(server, ctx.tokenizer)
                     result = drive(server, sessions(server, None), on_done=done)
-                    cache = "slot prompt cache" if peer == "llama-server" else "none"
+                    cache = "slot prompt cache" if peer.startswith("llama-server") else "none"
                     runs.append({"system": peer, "cache": cache, "repeat": repeat, **_summarise(result)})
                 finally:
                     server.stop()

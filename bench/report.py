@@ -169,11 +169,14 @@ def prefix_section(payload: dict) -> str:
         for state in ("L1", "L3"):
             value = ratio(theirs, table.get(("tierserve", state), {}).get("ttft_p50_s"))
             lines.append(f"- {peer} TTFT p50 / tierserve {state} TTFT p50 >= 5: {_x(value)}, {_verdict(value, 5.0)}")
-    llama = table.get(("llama-server", "slot prompt cache"), {}).get("ttft_p50_s")
-    if llama is not None:
+    for peer, ours in PRECISION_PAIRS.items():  # each precision against its own peer
+        llama = table.get((peer, "slot prompt cache"), {}).get("ttft_p50_s")
+        if llama is None:
+            continue
         for state in ("fresh", "L1", "L3"):
-            value = ratio(llama, table.get(("tierserve", state), {}).get("ttft_p50_s"))
-            lines.append(f"- llama-server TTFT p50 / tierserve {state} TTFT p50 >= 3: {_x(value)}, {_verdict(value, 3.0)}")
+            value = ratio(llama, table.get((ours, state), {}).get("ttft_p50_s"))
+            if value is not None or ours == "tierserve":
+                lines.append(f"- {peer} TTFT p50 / {ours} {state} TTFT p50 >= 3: {_x(value)}, {_verdict(value, 3.0)}")
     return "\n".join(lines)
 
 
@@ -407,7 +410,10 @@ def plot_prefix(payload: dict, path: Path) -> None:
     table = prefix_medians(payload)
     labels, p50, first = [], [], []
     for (system, cache), row in table.items():
-        labels.append(f"tierserve\n{cache}" if system == "tierserve" else system.replace("transformers-serve", "transformers\nserve"))
+        if system.startswith("tierserve"):
+            labels.append(f"{system}\n{cache}")
+        else:
+            labels.append(system.replace("transformers-serve", "transformers\nserve"))
         p50.append((row["ttft_p50_s"] or 0) * 1000)
         first.append((row["first_turn_ttft_s"] or 0) * 1000)
     fig, ax = plt.subplots(figsize=(8, 4.5))

@@ -121,6 +121,9 @@ def _prefix_payload() -> dict:
         run("tierserve", "L2", 0.12),
         run("tierserve", "L3", 0.5),
         run("transformers-serve-cb", "none", 3.0),
+        run("llama-server", "slot prompt cache", 0.25),
+        run("tierserve-bf16", "L1", 0.05),
+        run("llama-server-bf16", "slot prompt cache", 0.2),
     ]
     config = {"conversations": 8, "turns": 8, "prefix_len": 2048, "turn_len": 32, "output_len": 32, "repeats": 1}
     return {"scenario": "prefix", "machine": {}, "command": "python -m bench prefix", "config": config, "runs": runs}
@@ -142,6 +145,10 @@ def test_report_tables_targets_and_plots(tmp_path):
     assert "L3 TTFT p50 / cold <= 0.2: 0.250, **missed**" in text
     assert "transformers-serve-cb TTFT p50 / tierserve L1 TTFT p50 >= 5: 30.00x, met" in text
     assert "transformers-serve-cb TTFT p50 / tierserve fresh TTFT p50 = 2.00x (not a target)" in text
+    # each precision against its own peer; a precision not run gets no line
+    assert "llama-server TTFT p50 / tierserve L1 TTFT p50 >= 3: 2.50x, **missed**" in text
+    assert "llama-server-bf16 TTFT p50 / tierserve-bf16 L1 TTFT p50 >= 3: 4.00x, met" in text
+    assert "llama-server-q8_0" not in text and "tierserve-bf16 L3" not in text
     assert "Measured on: test cpu, 2 cores" in text and "Reproduce: `python -m bench throughput`" in text
 
 
