@@ -41,12 +41,13 @@ import httpx
 
 from bench.client import RunResult, drive
 from bench.harness import BenchContext, warm_up
-from bench.servers import Server, start
+from bench.llama_cpp import PRECISIONS as LLAMA_SERVER_PRECISIONS
+from bench.servers import TIERSERVE_PRECISIONS, Server, start
 from bench.stats import median
 from bench.workloads import shared_prefix_conversations
 
-OURS = ("tierserve", "tierserve-bf16", "tierserve-int8")
-PEERS = ("transformers-serve-cb", "transformers-serve", "llama-server", "llama-server-bf16", "llama-server-q8_0")
+OURS = ("tierserve", *TIERSERVE_PRECISIONS)
+PEERS = ("transformers-serve-cb", "transformers-serve", *LLAMA_SERVER_PRECISIONS)
 DEFAULT_PEERS = PEERS[:2]  # llama-server (built from source on first use) on request
 CACHE_STATES = ("cold", "fresh", "L1", "L2", "L3")
 
@@ -125,7 +126,7 @@ def run(
                 try:
                     warm_up(server, ctx.tokenizer)
                     result = drive(server, sessions(server, None), on_done=done)
-                    cache = "slot prompt cache" if peer.startswith("llama-server") else "none"
+                    cache = "slot prompt cache" if peer in LLAMA_SERVER_PRECISIONS else "none"
                     runs.append({"system": peer, "cache": cache, "repeat": repeat, **_summarise(result)})
                 finally:
                     server.stop()
