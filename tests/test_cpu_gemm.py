@@ -515,6 +515,36 @@ def test_prefill_attention_reads_the_blocks_in_place(kv_dtype, queries, heads, k
         assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("queries", "heads", "kv_heads", "head_dim", "ctx"),
+    [(75, 12, 4, 64, 300), (20, 14, 2, 64, 83), (9, 4, 4, 48, 140), (33, 6, 1, 16, 33), (5, 8, 2, 128, 71)],
+)
+def test_prefill_attention_of_a_bfloat16_model_multiplies_in_bfloat16(queries, heads, kv_heads, head_dim, ctx):
+    """bfloat16 queries on bfloat16 keys and values (vdpbf16ps; the weights rounded to bfloat16 for the
+    values): within bfloat16's rounding of float64 softmax on the same inputs, causal and masked, and a row's
+    bits the same alone as in a longer call."""
+    generator = torch.Generator().manual_seed(queries + 1)
+    block, num_blocks = 16, 40
+    keys = torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+    values = torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=generator)[: -(-ctx // block)]
+    q = torch.randn(queries, heads, head_dim, generator=generator).to(torch.bfloat16)
+    positions = torch.arange(ctx)
+    own = torch.arange(ctx - queries, ctx)[:, None]
+    causal = positions[None] <= own
+    windowed = causal & (positions[None] > own - 40) | (positions[None] < 4)
+    windowed[:, 6:9] = False
+    for keep, mask in ((causal, None), (windowed, windowed[None, None])):
+        out = prefill_attention_or_skip(q, keys, values, table[None], block, ctx, mask, head_dim**-0.5)
+        assert out.dtype == torch.bfloat16
+        expected = prefill_reference(q.float(), keys, values, table, block, ctx, keep, head_dim**-0.5)
+        assert torch.allclose(out.double(), expected, rtol=2e-2, atol=1e-2)
+        assert float((out.double() - expected).abs().mean()) < 1e-3
+    whole = prefill_attention_or_skip(q, keys, values, table[None], block, ctx, None, head_dim**-0.5)
+    last = prefill_attention_or_skip(q[-1:], keys, values, table[None], block, ctx, None, head_dim**-0.5)
+    assert torch.equal(last[0], whole[-1])  # the last query sees every position either way
+
+
 def test_prefill_attention_of_a_row_depends_on_nothing_but_its_own_positions():
     """A sequence's queries alone (causal, no mask) and next to a longer one (one call for both, the masks
     saying who sees what): the same bits, and the causal path gives the masked path's."""

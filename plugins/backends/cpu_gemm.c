@@ -30,7 +30,9 @@
  *         vdpbf16ps flush to zero) and adds pairs of products into float32 lanes, with its own fixed
  *         summation order (not the AVX2 build's bits);
  *   attention runs in 16-float vectors (attention_task512), with vdpbf16ps for bfloat16 keys against a
- *         bfloat16 model's queries: another fixed order than the AVX2 build's.
+ *         bfloat16 model's queries: another fixed order than the AVX2 build's. Prefill attention (an
+ *         AVX-512 kernel only) multiplies a bfloat16 model's queries by bfloat16 keys, and its softmax
+ *         weights rounded to bfloat16 by bfloat16 values, with vdpbf16ps as well.
  * Float32 panels are the same bits in both builds.
  */
 #include <immintrin.h>
@@ -837,6 +839,49 @@ static inline __attribute__((always_inline)) void pa_values(const int ND, const 
         for (int v = 0; v < NV; v++) _mm512_store_ps(ot + ((d0 + i) * NV + v) * 16, acc[i][v]);
 }
 
+/* The bf16 form (bfloat16 keys and values against a bfloat16 model's queries): products by vdpbf16ps, pairs
+ * of float32 products added into each lane. Scores: qt2 [D/2][NV * 16] pairs of a row's query (d, d + 1),
+ * each key row's pair broadcast; st [NK][NV * 16] = the sums times scale. */
+static inline __attribute__((always_inline)) void pa_scores_bf16(const int NK, const int NV,
+                                                                  const uint32_t* const* krow, int64_t pairs,
+                                                                  const uint32_t* qt2, float scale, float* st) {
+    __m512 acc[8][PA_VECS];
+    for (int k = 0; k < NK; k++)
+        for (int v = 0; v < NV; v++) acc[k][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh qv[PA_VECS];
+        for (int v = 0; v < NV; v++) qv[v] = (__m512bh)_mm512_load_si512((const void*)(qt2 + (p * NV + v) * 16));
+        for (int k = 0; k < NK; k++) {
+            const __m512bh kd = (__m512bh)_mm512_set1_epi32((int)krow[k][p]);
+            for (int v = 0; v < NV; v++) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], qv[v], kd);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int k = 0; k < NK; k++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(st + (k * NV + v) * 16, _mm512_mul_ps(acc[k][v], s));
+}
+
+/* ot [D][NV * 16] rows d0..d0+ND-1 += the weights (pt2 [nk/2][NV * 16]: pairs of keys 2i, 2i + 1 of a row,
+ * rounded to bfloat16) times the values (vp2 [nk/2][D]: the two keys' values at d as one pair) */
+static inline __attribute__((always_inline)) void pa_values_bf16(const int ND, const int NV, const uint32_t* vp2,
+                                                                  int64_t D, int64_t d0, const uint32_t* pt2,
+                                                                  int64_t npairs, float* ot) {
+    __m512 acc[8][PA_VECS];
+    for (int i = 0; i < ND; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = _mm512_load_ps(ot + ((d0 + i) * NV + v) * 16);
+    for (int64_t k = 0; k < npairs; k++) {
+        __m512bh pv[PA_VECS];
+        for (int v = 0; v < NV; v++) pv[v] = (__m512bh)_mm512_load_si512((const void*)(pt2 + (k * NV + v) * 16));
+        const uint32_t* vr = vp2 + k * D + d0;
+        for (int i = 0; i < ND; i++) {
+            const __m512bh vd = (__m512bh)_mm512_set1_epi32((int)vr[i]);
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pv[v], vd);
+        }
+    }
+    for (int i = 0; i < ND; i++)
+        for (int v = 0; v < NV; v++) _mm512_store_ps(ot + ((d0 + i) * NV + v) * 16, acc[i][v]);
+}
+
 #define PA_CASES8(FN, N, ...)                  \
     switch (N) {                               \
         case 1: FN(1, __VA_ARGS__); break;     \
@@ -850,16 +895,26 @@ static inline __attribute__((always_inline)) void pa_values(const int ND, const 
     }
 #define PA_SCORES_NV(NK, NV, ...) pa_scores(NK, NV, __VA_ARGS__)
 #define PA_VALUES_NV(ND, NV, ...) pa_values(ND, NV, __VA_ARGS__)
+#define PA_SCORES_BF16(NK, NV, ...) pa_scores_bf16(NK, NV, __VA_ARGS__)
+#define PA_VALUES_BF16(ND, NV, ...) pa_values_bf16(ND, NV, __VA_ARGS__)
 
 /* One task: rows r0..r0+n-1 of KV head h's query rows of sequence b (row r = token r / G, query head
  * h * G + r % G), NV vectors of 16 lanes, against key positions lo..hi-1 in blocks of PA_KEYS with an
  * online softmax: per block, scores, a running max per row, weights e^(s - max), earlier sums rescaled. */
 static inline __attribute__((always_inline)) void prefill_task(
     const int NV, const float* q, int64_t b, int64_t h, int64_t r0, int64_t n, int64_t Q, int64_t H, int64_t KVH,
-    int64_t D, const void* k, const void* v, int kv_bf16, const int64_t* table, int64_t bs, int64_t ctx,
+    int64_t D, const void* k, const void* v, int kv_bf16, int q_bf16, const int64_t* table, int64_t bs, int64_t ctx,
     const uint8_t* mask, int causal, float scale, float* out, float* lse, float* qt, float* st, float* ot,
     float* kbuf, float* vbuf) {
     const int64_t G = H / KVH, RP = NV * 16;
+    /* the bf16 form: bfloat16 keys and values against queries that are bfloat16 values, products by vdpbf16ps */
+    const int pairs = kv_bf16 && q_bf16 && D % 2 == 0;
+    uint32_t* qt2 = (uint32_t*)qt;   /* pairs: [D/2][RP] query pairs (exact), in qt's room */
+    uint32_t* pt2 = (uint32_t*)kbuf; /* pairs: [PA_KEYS/2][RP] weight pairs, rounded to bfloat16 */
+    uint32_t* vp2 = (uint32_t*)vbuf; /* pairs: [PA_KEYS/2][D] value pairs of two keys */
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i weave = _mm512_loadu_si512((const void*)interleave);
     int32_t last[PA_VECS * 16];
     int64_t lo = ctx, hi = 0, seen_by_all = ctx; /* positions below seen_by_all are kept for every row */
     memset(qt, 0, (size_t)(D * RP) * sizeof(float));
@@ -867,7 +922,11 @@ static inline __attribute__((always_inline)) void prefill_task(
     for (int64_t r = 0; r < n; r++) {
         const int64_t token = (r0 + r) / G, head = h * G + (r0 + r) % G;
         const float* src = q + ((b * Q + token) * H + head) * D;
-        for (int64_t d = 0; d < D; d++) qt[d * RP + r] = src[d] * scale;
+        if (pairs) /* a bfloat16 value's bits are the top half of its float32 bits */
+            for (int64_t d = 0; d < D; d += 2)
+                qt2[(d / 2) * RP + r] = (*(const uint32_t*)&src[d] >> 16) | (*(const uint32_t*)&src[d + 1] & 0xFFFF0000u);
+        else
+            for (int64_t d = 0; d < D; d++) qt[d * RP + r] = src[d] * scale;
         int64_t first = 0, end = causal ? ctx - Q + token + 1 : ctx;
         if (mask) {
             const uint8_t* m = mask + (b * Q + token) * ctx;
@@ -892,11 +951,15 @@ static inline __attribute__((always_inline)) void prefill_task(
     memset(ot, 0, (size_t)(D * RP) * sizeof(float));
     const float* krow[PA_KEYS];
     const float* vrow[PA_KEYS];
+    const uint32_t* krow2[PA_KEYS];
+    const uint16_t* vrow16[PA_KEYS];
     for (int64_t p0 = lo; p0 < hi; p0 += PA_KEYS) {
         const int64_t nk = hi - p0 < PA_KEYS ? hi - p0 : PA_KEYS;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t t = p0 + j, row = ((table[t / bs] * bs + t % bs) * KVH + h) * D;
-            if (kv_bf16) { /* widened once into the task's buffers: exact */
+            if (pairs) {
+                krow2[j] = (const uint32_t*)((const uint16_t*)k + row), vrow16[j] = (const uint16_t*)v + row;
+            } else if (kv_bf16) { /* widened once into the task's buffers: exact */
                 const uint16_t* kr = (const uint16_t*)k + row;
                 const uint16_t* vr = (const uint16_t*)v + row;
                 for (int64_t i = 0; i < (D + 15) / 16; i++) {
@@ -916,8 +979,32 @@ static inline __attribute__((always_inline)) void prefill_task(
                 _mm_prefetch((const char*)v + row + line, _MM_HINT_T0);
             }
         }
-        for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow[j] = krow[0]; /* scores past nk are dropped */
-        for (int64_t j = 0; j < nk; j += 8) {
+        if (pairs) { /* keys 2i and 2i + 1's values at d as one pair (a missing second key: 0) */
+            for (int64_t j2 = 0; j2 < (nk + 1) / 2; j2++) {
+                const uint16_t* va = vrow16[2 * j2];
+                const uint16_t* vb = 2 * j2 + 1 < nk ? vrow16[2 * j2 + 1] : NULL;
+                for (int64_t i = 0; i < (D + 15) / 16; i++) {
+                    const __mmask16 lanes = row_lanes(i, D);
+                    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, va + 16 * i));
+                    const __m512i hi = vb ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, vb + 16 * i)), 16)
+                                          : _mm512_setzero_si512();
+                    _mm512_mask_storeu_epi32(vp2 + j2 * D + 16 * i, lanes, _mm512_or_si512(lo, hi));
+                }
+            }
+            for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow2[j] = krow2[0]; /* scores past nk are dropped */
+        }
+        for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow[j] = krow[0];
+        for (int64_t j = 0; pairs && j < nk; j += 8) {
+            const int64_t nj = nk - j < 8 ? nk - j : 8;
+            if (NV == 1) {
+                PA_CASES8(PA_SCORES_BF16, nj, 1, krow2 + j, D / 2, qt2, scale, st + j * RP)
+            } else if (NV == 2) {
+                PA_CASES8(PA_SCORES_BF16, nj, 2, krow2 + j, D / 2, qt2, scale, st + j * RP)
+            } else {
+                PA_CASES8(PA_SCORES_BF16, nj, 3, krow2 + j, D / 2, qt2, scale, st + j * RP)
+            }
+        }
+        for (int64_t j = 0; !pairs && j < nk; j += 8) {
             const int64_t nj = nk - j < 8 ? nk - j : 8;
             if (NV == 1) {
                 PA_CASES8(PA_SCORES_NV, nj, 1, krow + j, D, qt, st + j * RP)
@@ -959,6 +1046,12 @@ static inline __attribute__((always_inline)) void prefill_task(
                 sum = _mm512_add_ps(sum, e);
             }
             total[u] = _mm512_fmadd_ps(total[u], rescale, sum);
+            for (int64_t j2 = 0; pairs && j2 < (nk + 1) / 2; j2++) { /* weights of keys 2i, 2i + 1 as pairs */
+                const __m512 e0 = _mm512_load_ps(st + (2 * j2 * NV + u) * 16);
+                const __m512 e1 = 2 * j2 + 1 < nk ? _mm512_load_ps(st + ((2 * j2 + 1) * NV + u) * 16) : _mm512_setzero_ps();
+                const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* words 0-15: e0, 16-31: e1 */
+                _mm512_store_si512((void*)(pt2 + (j2 * NV + u) * 16), _mm512_permutexvar_epi16(weave, halves));
+            }
             top[u] = mx;
             if (p0 > lo)
                 for (int64_t d = 0; d < D; d++) {
@@ -966,7 +1059,17 @@ static inline __attribute__((always_inline)) void prefill_task(
                     _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), rescale));
                 }
         }
-        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        for (int64_t d0 = 0; pairs && d0 < D; d0 += 8) {
+            const int64_t nd = D - d0 < 8 ? D - d0 : 8, np = (nk + 1) / 2;
+            if (NV == 1) {
+                PA_CASES8(PA_VALUES_BF16, nd, 1, vp2, D, d0, pt2, np, ot)
+            } else if (NV == 2) {
+                PA_CASES8(PA_VALUES_BF16, nd, 2, vp2, D, d0, pt2, np, ot)
+            } else {
+                PA_CASES8(PA_VALUES_BF16, nd, 3, vp2, D, d0, pt2, np, ot)
+            }
+        }
+        for (int64_t d0 = 0; !pairs && d0 < D; d0 += 8) {
             const int64_t nd = D - d0 < 8 ? D - d0 : 8;
             if (NV == 1) {
                 PA_CASES8(PA_VALUES_NV, nd, 1, vrow, d0, st, nk, ot)
@@ -994,7 +1097,8 @@ static inline __attribute__((always_inline)) void prefill_task(
 }
 
 /* Prefill attention straight from the paged arena: Q query tokens per sequence, q [B * Q, H, D] float32 (row
- * b * Q + i is sequence b's token i), keys/values [slots, KVH, D] (float32 or bfloat16) through blocks
+ * b * Q + i is sequence b's token i), keys/values [slots, KVH, D] (float32 or bfloat16: kv_flags bit 0; bit 1:
+ * the queries are bfloat16 values, which with bfloat16 keys and an even D selects the bf16 form) through blocks
  * [B, nb] of bs slots; mask [B, Q, ctx] (1 = attend), or NULL: causal attention with token i at position
  * ctx - Q + i, or (causal 0) every row sees all ctx positions. lse [B * Q, H], where not NULL, gets each
  * row's log-sum-exp of its scaled scores (-inf where nothing was kept), to merge partial results. A task is up to 48 query rows of one KV head (its query heads for consecutive tokens of one
@@ -1003,17 +1107,20 @@ static inline __attribute__((always_inline)) void prefill_task(
  * depends on nothing but its own query, mask row and the keys and values it reads, not on the batch, the
  * other rows of its task or the split among threads. */
 void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64_t KVH, int64_t D, const void* k,
-                          const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
+                          const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
                           const uint8_t* mask, int causal, float scale, float* out, float* lse, int threads) {
     const int64_t G = H / KVH, rows = Q * G, cap = PA_VECS * 16;
+    const int kv_bf16 = kv_flags & 1, q_bf16 = (kv_flags >> 1) & 1;
+    /* kbuf: the widened keys, or (the bf16 form) the weight pairs; vbuf: the widened values or the value pairs */
+    const int64_t kv_floats = (PA_KEYS * D > PA_KEYS / 2 * cap ? PA_KEYS * D : PA_KEYS / 2 * cap) + 16;
     const int64_t tiles = (rows + cap - 1) / cap, per = (rows + tiles - 1) / tiles; /* rows a task takes */
     _Pragma("omp parallel num_threads(threads)")
     {
         float* qt = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
         float* ot = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
         float* st = aligned_alloc(64, (size_t)(PA_KEYS * cap) * sizeof(float));
-        float* kbuf = kv_bf16 ? aligned_alloc(64, (size_t)((PA_KEYS * D + 15) / 16 * 16) * sizeof(float)) : NULL;
-        float* vbuf = kv_bf16 ? aligned_alloc(64, (size_t)((PA_KEYS * D + 15) / 16 * 16) * sizeof(float)) : NULL;
+        float* kbuf = kv_bf16 ? aligned_alloc(64, (size_t)(kv_floats / 16 * 16) * sizeof(float)) : NULL;
+        float* vbuf = kv_bf16 ? aligned_alloc(64, (size_t)(kv_floats / 16 * 16) * sizeof(float)) : NULL;
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t task = 0; task < B * KVH * tiles; task++) {
             const int64_t b = task / (KVH * tiles), h = task / tiles % KVH, tile = task % tiles;
@@ -1021,13 +1128,13 @@ void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64
             const int NV = (int)((n + 15) / 16);
             const int64_t* table = blocks + b * nb;
             if (NV == 1)
-                prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, causal, scale, out,
+                prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
                              lse, qt, st, ot, kbuf, vbuf);
             else if (NV == 2)
-                prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, causal, scale, out,
+                prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
                              lse, qt, st, ot, kbuf, vbuf);
             else
-                prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, table, bs, ctx, mask, causal, scale, out,
+                prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
                              lse, qt, st, ot, kbuf, vbuf);
         }
         free(qt), free(ot), free(st), free(kbuf), free(vbuf);

@@ -396,7 +396,12 @@ def prefill_attention(
     gather; ``mask`` (bool, ``batch * q_len * ctx`` elements) keeps positions, ``None`` is causal with the
     queries the last ``q_len`` of ``ctx`` positions (``causal=False``: every query sees all ``ctx`` positions).
     ``with_lse``: also each row's float32 log-sum-exp ``[batch * q_len, heads]`` (for ``merge_attention``).
-    None where the kernel cannot run (the AVX-512 build only: the caller's torch path runs)."""
+    None where the kernel cannot run (the AVX-512 build only: the caller's torch path runs).
+
+    bfloat16 keys and values against bfloat16 queries (a bfloat16 model's) multiply by vdpbf16ps: the
+    query-key products exactly, and the softmax weights rounded to bfloat16 for their products with the
+    values (as torch's bfloat16 attention rounds them), their sum kept in float32. Otherwise every product
+    is float32."""
     rows, heads, head_dim = q.shape
     batch = blocks.shape[0]
     kv_heads = k_cache.shape[1]
@@ -420,8 +425,8 @@ def prefill_attention(
     lse = torch.empty(rows, heads) if with_lse else None
     lib.ts_prefill_attention(
         queries.data_ptr(), batch, rows // batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
-        int(causal), scale, out.data_ptr(), address(lse), torch.get_num_threads(),
+        int(k_cache.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1, table.data_ptr(), table.shape[1],
+        block_size, ctx, address(keep), int(causal), scale, out.data_ptr(), address(lse), torch.get_num_threads(),
     )  # fmt: skip
     return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
 
