@@ -4,7 +4,9 @@ One client, one request at a time, ``max_tokens = 1``; every prompt is fresh
 (new random text per request), tierserve gets a ``cache_salt`` of its own per
 request and llama-server ``cache_prompt: false``, so each system computes the
 whole prompt every time. Systems alternate within a repeat; the figure is the
-median TTFT per (system, prompt length).
+median TTFT per (system, prompt length). ``tierserve-bf16`` and
+``tierserve-int8`` (bfloat16 or int8 weights) are compared with the matching
+llama-server build (``llama-server-bf16``, ``llama-server-q8_0``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from pathlib import Path
 from bench.client import drive
 from bench.harness import BenchContext, warm_up
 from bench.llama_cpp import PRECISIONS
-from bench.servers import TIERSERVES, start
+from bench.servers import TIERSERVE_PRECISIONS, TIERSERVES, start
 from bench.workloads import text_with_tokens
 
-SYSTEMS = ("tierserve", "llama-server", "llama-server-bf16", "llama-server-q8_0")
+SYSTEMS = ("tierserve", *TIERSERVE_PRECISIONS, *PRECISIONS)
 DEFAULT_SYSTEMS = ("tierserve", "llama-server")
 
 

@@ -270,17 +270,20 @@ def cold_prefill_section(payload: dict) -> str:
         "|---:|---|---:|---:|---:|",
     ]
     for n in config["prompt_lens"]:
-        ours = median(grouped.get(("tierserve", n), []))
         for system in config["systems"]:
             ttft = median(grouped.get((system, n), []))
+            paired = PRECISION_PAIRS.get(system, "tierserve")
+            ours = median(grouped.get((paired if (paired, n) in grouped else "tierserve", n), []))
             note = f" ({errors[(system, n)]} errors)" if errors[(system, n)] else ""
             speed = n / ttft if ttft else None
             lines.append(f"| {n} | {system}{note} | {_ms(ttft)} | {_num(speed)} | {_x(ratio(ttft, ours))} |")
     lines += ["", "Target: cold prefill of 2048 tokens, llama-server TTFT / tierserve TTFT >= 1.0:"]
     for system in config["systems"]:
-        if system.startswith("llama-server") and (system, 2048) in grouped and ("tierserve", 2048) in grouped:
-            value = ratio(median(grouped[(system, 2048)]), median(grouped[("tierserve", 2048)]))
-            lines.append(f"- {system}: {_x(value)}, {_verdict(value, 1.0)}")
+        paired = PRECISION_PAIRS.get(system)
+        ours = paired if (paired, 2048) in grouped else "tierserve"
+        if paired and (system, 2048) in grouped and (ours, 2048) in grouped:
+            value = ratio(median(grouped[(system, 2048)]), median(grouped[(ours, 2048)]))
+            lines.append(f"- {system} / {ours}: {_x(value)}, {_verdict(value, 1.0)}")
     return "\n".join(lines)
 
 

@@ -152,6 +152,23 @@ def test_report_tables_targets_and_plots(tmp_path):
     assert "Measured on: test cpu, 2 cores" in text and "Reproduce: `python -m bench throughput`" in text
 
 
+def test_cold_prefill_report_pairs_each_precision_with_its_llama_server():
+    runs = [
+        {"system": system, "prompt_len": n, "repeat": 0, "request": 0, "ttft_s": ttft, "errors": 0}
+        for system, n, ttft in [
+            ("tierserve", 2048, 2.0), ("llama-server", 2048, 3.0),
+            ("tierserve-bf16", 2048, 1.0), ("llama-server-bf16", 2048, 0.8),
+            ("tierserve", 512, 0.5), ("tierserve-bf16", 512, 0.25), ("llama-server-bf16", 512, 0.5),
+        ]
+    ]  # fmt: skip
+    config = {"prompt_lens": [512, 2048], "requests": 1, "repeats": 1,
+              "systems": ["tierserve", "llama-server", "tierserve-bf16", "llama-server-bf16"]}  # fmt: skip
+    text = report.cold_prefill_section({"config": config, "runs": runs})
+    assert "- llama-server / tierserve: 1.50x, met" in text
+    assert "- llama-server-bf16 / tierserve-bf16: 0.80x, **missed**" in text
+    assert "| 512 | llama-server-bf16 | 500 | 1024.0 | 2.00x |" in text  # against tierserve-bf16's 250 ms
+
+
 def test_report_without_results_says_what_to_run(tmp_path):
     with pytest.raises(SystemExit, match="run a scenario first"):
         report.write(tmp_path)
