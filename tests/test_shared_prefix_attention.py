@@ -95,6 +95,35 @@ def test_shared_prefix_attention_equals_reading_every_row_whole(tmp_path, kv_dty
     torch.testing.assert_close(portable, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_shared_prefix_attention_of_a_bfloat16_model_is_its_whole_rows_to_bfloat16_rounding(tmp_path):
+    """A bfloat16 model's shared-prefix decode runs the prefill kernel's bfloat16 form (queries by keys in
+    bfloat16, the softmax weights rounded to bfloat16 for the values) where reading every row whole runs the
+    decode kernel's float32 weights: the two agree to bfloat16's rounding of the output."""
+    path = build_checkpoint(tmp_path, "llama", "llama")
+    model = PagedLlama(AutoConfig.from_pretrained(path), load_safetensors(path), torch.device("cpu"), torch.bfloat16)
+    block, shared_blocks, own_blocks, batch = 16, 6, 3, 5
+    model.allocate_kv_cache(shared_blocks + batch * own_blocks + 4, block)
+    generator = torch.Generator().manual_seed(1)
+    for cache in (*model.arena.k, *model.arena.v):
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    prefix = torch.randperm(shared_blocks, generator=generator) * 3 + 1
+    spare = [b for b in range(len(model.arena.k[0]) // block) if b not in set(prefix.tolist())]
+    tables = torch.stack(
+        [torch.cat([prefix, torch.tensor(spare[i * own_blocks : (i + 1) * own_blocks])]) for i in range(batch)]
+    )
+    lengths = [shared_blocks * block + 1 + 7 * i for i in range(batch)]
+    group, keeps = _decode_group(model, tables, lengths, None)
+    group.shared = shared_prefix(tables, min(lengths), keeps, block, torch.device("cpu"))
+    q = torch.randn(batch, model.num_heads, model.head_dim, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        cascaded = model.arena.attend(0, q, [group], None, model.scaling)
+        group.shared = None
+        whole = model.arena.attend(0, q, [group], None, model.scaling)
+    assert cascaded.dtype == whole.dtype == torch.bfloat16
+    torch.testing.assert_close(cascaded.float(), whole.float(), rtol=2e-2, atol=1e-2)
+    assert float((cascaded.float() - whole.float()).abs().mean()) < 2e-3
+
+
 def test_no_shared_part_where_a_window_hides_it_or_it_is_short():
     tables = torch.stack([torch.arange(10), torch.cat([torch.arange(8), torch.tensor([20, 21])])])
     lengths = torch.tensor([150, 150])
