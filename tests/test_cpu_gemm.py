@@ -587,3 +587,30 @@ def test_prefill_attention_over_a_shared_prefix_gives_each_rows_log_sum_exp():
     alone, alone_lse = cpu_gemm.prefill_attention(q[2:3], keys, values, table[None], block, ctx, None, 0.125,
                                                   False, True)  # fmt: skip
     assert torch.equal(alone[0], out[2]) and torch.equal(alone_lse[0], lse[2])
+
+
+def test_fbgemm_input_rows_are_torchs_to_the_bit():
+    """``unit_rows`` (one C pass) builds what Int8Linear's fbgemm path built with torch's ops: each row over
+    its largest |x| (a zero row over 1e-12, a NaN row NaN), the (1, -1, 0...) row below, the divisors."""
+    if cpu_gemm.library() is None:
+        pytest.skip("tierserve's CPU kernels are not built here")
+    generator = torch.Generator().manual_seed(5)
+    for rows, width in ((1, 768), (7, 100), (72, 3072)):
+        x = torch.randn(rows, width, generator=generator) * torch.rand(rows, 1, generator=generator) * 30
+        if rows > 3:
+            x[1], x[2], x[3, 4] = 0.0, 1e-20, float("nan")
+        span = torch.zeros(1, width)
+        span[0, :2] = torch.tensor([1.0, -1.0])
+        norms = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+        expected = torch.cat([x / norms, span])
+        out, found = cpu_gemm.unit_rows(x)
+        assert torch.equal(found.isnan(), norms.isnan()) and torch.equal(found.nan_to_num(), norms.nan_to_num())
+        assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.nan_to_num(), expected.nan_to_num())
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return  # the rows are checked; no fbgemm layer to run them
+    weight = torch.randn(96, 100, generator=generator) * 0.02
+    layer = Int8Linear(weight, None, "fbgemm", torch.float32)
+    x = torch.randn(9, 100, generator=generator)
+    norms = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+    by_torch = layer.op(torch.cat([x / norms, layer.span]), layer.weight, True)[:-1].mul_(norms)
+    assert torch.equal(layer(x), by_torch)

@@ -1232,6 +1232,45 @@ static inline void silu_mul_span(const float* g, const float* u, int64_t n, int 
     }
 }
 
+/* fbgemm's input as linear.py builds it: each row of x [M, K] divided by its largest |x| (at least 1e-12; a
+ * NaN stays NaN) into out [M + 1, K], whose last row is (1, -1, 0, ...), and the divisors into norms [M]. The
+ * same max, clamp and correctly rounded division as torch's abs().amax().clamp_min_() and rows / norms, so
+ * the same bits, in one pass instead of five ops. */
+void ts_unit_rows(const float* x, int64_t M, int64_t K, float* out, float* norms, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M * K >= 65536)")
+    for (int64_t m = 0; m < M; m++) {
+        const float* row = x + m * K;
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 top8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 v = _mm256_loadu_ps(row + k);
+            top8 = _mm256_max_ps(_mm256_and_ps(v, magnitude), top8); /* a NaN lane keeps top8's */
+            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8], top = 0.0f;
+        _mm256_storeu_ps(lanes, top8);
+        for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+        int nan = _mm256_movemask_ps(nan8) != 0;
+        for (; k < K; k++) {
+            const float a = fabsf(row[k]);
+            nan |= a != a;
+            top = a > top ? a : top;
+        }
+        if (nan) top = NAN;
+        else if (top < 1e-12f) top = 1e-12f;
+        norms[m] = top;
+        float* o = out + m * K;
+        const __m256 d = _mm256_set1_ps(top);
+        for (k = 0; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, _mm256_div_ps(_mm256_loadu_ps(row + k), d));
+        for (; k < K; k++) o[k] = row[k] / top;
+    }
+    float* span = out + M * K;
+    for (int64_t k = 0; k < K; k++) span[k] = 0.0f;
+    if (K > 0) span[0] = 1.0f;
+    if (K > 1) span[1] = -1.0f;
+}
+
 /* SwiGLU: gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up in float32. Rows are shared among
  * the threads. */
 void ts_silu_mul(const float* gate_up, int64_t M, int64_t I, float* out, int threads) {

@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("ts_rms_norm", "ts_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, i64, i64, p, ctypes.c_float, p]
         getattr(lib, name).restype = None
+    lib.ts_unit_rows.argtypes = [p, i64, i64, p, p, i32]
+    lib.ts_unit_rows.restype = None
     lib.ts_silu_mul.argtypes = [p, i64, i64, p, i32]
     lib.ts_silu_mul.restype = None
     lib.ts_silu_mul_bf16.argtypes = [p, i64, i64, p, i32]
@@ -456,6 +458,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty_like(x)
     lib.ts_rms_norm(x.data_ptr(), rows, x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
     return out
+
+
+def unit_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fbgemm's input as ``Int8Linear`` builds it, in one call: float32 CPU rows ``[M, K]`` each divided by
+    its largest |x| (at least 1e-12), with a last row of (1, -1, 0, ...), and the divisors ``[M, 1]``; the
+    same bits as torch's ops. None where torch's ops should run."""
+    if rows.dim() != 2 or rows.dtype != torch.float32 or rows.device.type != "cpu":
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0] + 1, rows.shape[1])
+    norms = rows.new_empty(rows.shape[0], 1)
+    lib.ts_unit_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr(), norms.data_ptr(), torch.get_num_threads())
+    return out, norms
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -296,8 +296,11 @@ class Int8Linear:
             return self.q8(rows).to(self.dtype).view(*x.shape[:-1], self.out_features)  # bias included
         if self.kernel == "fbgemm":
             rows = rows.float()
-            norms = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
-            out = self.op(torch.cat([rows / norms, self.span]), self.weight, True)[:-1].mul_(norms).to(self.dtype)
+            unit = cpu_gemm.unit_rows(rows)  # the same bits as the three lines below, in one pass
+            if unit is None:
+                norms = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+                unit = torch.cat([rows / norms, self.span]), norms
+            out = self.op(unit[0], self.weight, True)[:-1].mul_(unit[1]).to(self.dtype)
         elif self.kernel == "grouped":
             out = self._grouped(rows.to(self.dtype))
         elif self.kernel == "weight_only":
