@@ -59,6 +59,12 @@ def throughput_medians(payload: dict) -> dict[tuple[str, int], dict]:
 PRECISION_PAIRS = {"llama-server": "tierserve", "llama-server-bf16": "tierserve-bf16", "llama-server-q8_0": "tierserve-int8"}
 
 
+def _ours_for(system: str, n: int, present) -> tuple[str, int]:
+    """The tierserve row ``system`` is compared with at ``n``: its precision's peer where that ran, else tierserve."""
+    paired = PRECISION_PAIRS.get(system, "tierserve")
+    return (paired if (paired, n) in present else "tierserve", n)
+
+
 def _mb(size: float | None) -> str:
     return "-" if not size else f"{size / 1e6:.0f}"
 
@@ -79,8 +85,7 @@ def throughput_section(payload: dict) -> str:
     for n in config["concurrency"]:
         for system in systems:
             # llama-server at BF16 / Q8_0 is compared with tierserve at the same precision when it ran
-            paired = PRECISION_PAIRS.get(system, "tierserve")
-            ours = table.get((paired if (paired, n) in table else "tierserve", n), {}).get("output_tok_s")
+            ours = table.get(_ours_for(system, n, table), {}).get("output_tok_s")
             row = table.get((system, n))
             if row is None:
                 continue
@@ -272,18 +277,16 @@ def cold_prefill_section(payload: dict) -> str:
     for n in config["prompt_lens"]:
         for system in config["systems"]:
             ttft = median(grouped.get((system, n), []))
-            paired = PRECISION_PAIRS.get(system, "tierserve")
-            ours = median(grouped.get((paired if (paired, n) in grouped else "tierserve", n), []))
+            ours = median(grouped.get(_ours_for(system, n, grouped), []))
             note = f" ({errors[(system, n)]} errors)" if errors[(system, n)] else ""
             speed = n / ttft if ttft else None
             lines.append(f"| {n} | {system}{note} | {_ms(ttft)} | {_num(speed)} | {_x(ratio(ttft, ours))} |")
     lines += ["", "Target: cold prefill of 2048 tokens, llama-server TTFT / tierserve TTFT >= 1.0:"]
     for system in config["systems"]:
-        paired = PRECISION_PAIRS.get(system)
-        ours = paired if (paired, 2048) in grouped else "tierserve"
-        if paired and (system, 2048) in grouped and (ours, 2048) in grouped:
-            value = ratio(median(grouped[(system, 2048)]), median(grouped[(ours, 2048)]))
-            lines.append(f"- {system} / {ours}: {_x(value)}, {_verdict(value, 1.0)}")
+        ours = _ours_for(system, 2048, grouped)
+        if system in PRECISION_PAIRS and (system, 2048) in grouped and ours in grouped:
+            value = ratio(median(grouped[(system, 2048)]), median(grouped[ours]))
+            lines.append(f"- {system} / {ours[0]}: {_x(value)}, {_verdict(value, 1.0)}")
     return "\n".join(lines)
 
 

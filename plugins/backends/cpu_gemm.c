@@ -985,33 +985,35 @@ static inline __attribute__((always_inline)) void prefill_task(
                 const uint16_t* vb = 2 * j2 + 1 < nk ? vrow16[2 * j2 + 1] : NULL;
                 for (int64_t i = 0; i < (D + 15) / 16; i++) {
                     const __mmask16 lanes = row_lanes(i, D);
-                    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, va + 16 * i));
-                    const __m512i hi = vb ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, vb + 16 * i)), 16)
-                                          : _mm512_setzero_si512();
-                    _mm512_mask_storeu_epi32(vp2 + j2 * D + 16 * i, lanes, _mm512_or_si512(lo, hi));
+                    const __m512i first = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, va + 16 * i));
+                    const __m512i second =
+                        vb ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, vb + 16 * i)), 16)
+                           : _mm512_setzero_si512();
+                    _mm512_mask_storeu_epi32(vp2 + j2 * D + 16 * i, lanes, _mm512_or_si512(first, second));
                 }
             }
             for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow2[j] = krow2[0]; /* scores past nk are dropped */
-        }
-        for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow[j] = krow[0];
-        for (int64_t j = 0; pairs && j < nk; j += 8) {
-            const int64_t nj = nk - j < 8 ? nk - j : 8;
-            if (NV == 1) {
-                PA_CASES8(PA_SCORES_BF16, nj, 1, krow2 + j, D / 2, qt2, scale, st + j * RP)
-            } else if (NV == 2) {
-                PA_CASES8(PA_SCORES_BF16, nj, 2, krow2 + j, D / 2, qt2, scale, st + j * RP)
-            } else {
-                PA_CASES8(PA_SCORES_BF16, nj, 3, krow2 + j, D / 2, qt2, scale, st + j * RP)
+            for (int64_t j = 0; j < nk; j += 8) {
+                const int64_t nj = nk - j < 8 ? nk - j : 8;
+                if (NV == 1) {
+                    PA_CASES8(PA_SCORES_BF16, nj, 1, krow2 + j, D / 2, qt2, scale, st + j * RP)
+                } else if (NV == 2) {
+                    PA_CASES8(PA_SCORES_BF16, nj, 2, krow2 + j, D / 2, qt2, scale, st + j * RP)
+                } else {
+                    PA_CASES8(PA_SCORES_BF16, nj, 3, krow2 + j, D / 2, qt2, scale, st + j * RP)
+                }
             }
-        }
-        for (int64_t j = 0; !pairs && j < nk; j += 8) {
-            const int64_t nj = nk - j < 8 ? nk - j : 8;
-            if (NV == 1) {
-                PA_CASES8(PA_SCORES_NV, nj, 1, krow + j, D, qt, st + j * RP)
-            } else if (NV == 2) {
-                PA_CASES8(PA_SCORES_NV, nj, 2, krow + j, D, qt, st + j * RP)
-            } else {
-                PA_CASES8(PA_SCORES_NV, nj, 3, krow + j, D, qt, st + j * RP)
+        } else {
+            for (int64_t j = nk; j < (nk + 7) / 8 * 8; j++) krow[j] = krow[0]; /* scores past nk are dropped */
+            for (int64_t j = 0; j < nk; j += 8) {
+                const int64_t nj = nk - j < 8 ? nk - j : 8;
+                if (NV == 1) {
+                    PA_CASES8(PA_SCORES_NV, nj, 1, krow + j, D, qt, st + j * RP)
+                } else if (NV == 2) {
+                    PA_CASES8(PA_SCORES_NV, nj, 2, krow + j, D, qt, st + j * RP)
+                } else {
+                    PA_CASES8(PA_SCORES_NV, nj, 3, krow + j, D, qt, st + j * RP)
+                }
             }
         }
         if (mask) { /* a dropped position scores -inf */
@@ -1059,19 +1061,17 @@ static inline __attribute__((always_inline)) void prefill_task(
                     _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), rescale));
                 }
         }
-        for (int64_t d0 = 0; pairs && d0 < D; d0 += 8) {
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
             const int64_t nd = D - d0 < 8 ? D - d0 : 8, np = (nk + 1) / 2;
-            if (NV == 1) {
-                PA_CASES8(PA_VALUES_BF16, nd, 1, vp2, D, d0, pt2, np, ot)
-            } else if (NV == 2) {
-                PA_CASES8(PA_VALUES_BF16, nd, 2, vp2, D, d0, pt2, np, ot)
-            } else {
-                PA_CASES8(PA_VALUES_BF16, nd, 3, vp2, D, d0, pt2, np, ot)
-            }
-        }
-        for (int64_t d0 = 0; !pairs && d0 < D; d0 += 8) {
-            const int64_t nd = D - d0 < 8 ? D - d0 : 8;
-            if (NV == 1) {
+            if (pairs) {
+                if (NV == 1) {
+                    PA_CASES8(PA_VALUES_BF16, nd, 1, vp2, D, d0, pt2, np, ot)
+                } else if (NV == 2) {
+                    PA_CASES8(PA_VALUES_BF16, nd, 2, vp2, D, d0, pt2, np, ot)
+                } else {
+                    PA_CASES8(PA_VALUES_BF16, nd, 3, vp2, D, d0, pt2, np, ot)
+                }
+            } else if (NV == 1) {
                 PA_CASES8(PA_VALUES_NV, nd, 1, vrow, d0, st, nk, ot)
             } else if (NV == 2) {
                 PA_CASES8(PA_VALUES_NV, nd, 2, vrow, d0, st, nk, ot)
