@@ -55,14 +55,20 @@ def throughput_medians(payload: dict) -> dict[tuple[str, int], dict]:
     return out
 
 
-# each precision against llama.cpp's own at that precision (int8 weights against Q8_0)
-PRECISION_PAIRS = {"llama-server": "tierserve", "llama-server-bf16": "tierserve-bf16", "llama-server-q8_0": "tierserve-int8"}
+# each precision against llama.cpp's own at that precision (int8 weights against Q8_0); llama-server keeps
+# an F16 KV cache at every precision, so the float32 and int8 weights also run with bfloat16 KV
+PRECISION_PAIRS = {
+    "llama-server": ("tierserve", "tierserve-kvbf16"),
+    "llama-server-bf16": ("tierserve-bf16",),
+    "llama-server-q8_0": ("tierserve-int8", "tierserve-int8-kvbf16"),
+}
 
 
 def _ours_for(system: str, n: int, present) -> tuple[str, int]:
-    """The tierserve row ``system`` is compared with at ``n``: its precision's peer where that ran, else tierserve."""
-    paired = PRECISION_PAIRS.get(system, "tierserve")
-    return (paired if (paired, n) in present else "tierserve", n)
+    """The tierserve row ``system`` is compared with at ``n``: the first of its precision's peers that ran,
+    else tierserve."""
+    paired = [ours for ours in PRECISION_PAIRS.get(system, ()) if (ours, n) in present]
+    return (paired[0] if paired else "tierserve", n)
 
 
 def _mb(size: float | None) -> str:
@@ -102,7 +108,7 @@ def throughput_section(payload: dict) -> str:
     def speedup(n: int, ours: str, peer: str) -> float | None:
         return ratio(table.get((ours, n), {}).get("output_tok_s"), table.get((peer, n), {}).get("output_tok_s"))
 
-    llama = [(n, PRECISION_PAIRS[p], p, t) for p in PRECISION_PAIRS for n, t in ((32, 1.2), (1, 0.8))]
+    llama = [(n, ours, p, t) for p, pairs in PRECISION_PAIRS.items() for ours in pairs for n, t in ((32, 1.2), (1, 0.8))]
     peers = [(32, "tierserve", "transformers-serve-cb", 3.0), (32, "tierserve", "hf-generate", 0.9),
              (1, "tierserve", "hf-generate", 0.9), *llama]  # fmt: skip
     for n, ours, peer, target in peers:
@@ -174,14 +180,15 @@ def prefix_section(payload: dict) -> str:
         for state in ("L1", "L3"):
             value = ratio(theirs, table.get(("tierserve", state), {}).get("ttft_p50_s"))
             lines.append(f"- {peer} TTFT p50 / tierserve {state} TTFT p50 >= 5: {_x(value)}, {_verdict(value, 5.0)}")
-    for peer, ours in PRECISION_PAIRS.items():  # each precision against its own peer
+    for peer, pairs in PRECISION_PAIRS.items():  # each precision against its own peer
         llama = table.get((peer, "slot prompt cache"), {}).get("ttft_p50_s")
         if llama is None:
             continue
-        for state in ("fresh", "L1", "L3"):
-            value = ratio(llama, table.get((ours, state), {}).get("ttft_p50_s"))
-            if value is not None or ours == "tierserve":
-                lines.append(f"- {peer} TTFT p50 / {ours} {state} TTFT p50 >= 3: {_x(value)}, {_verdict(value, 3.0)}")
+        for ours in pairs:
+            for state in ("fresh", "L1", "L3"):
+                value = ratio(llama, table.get((ours, state), {}).get("ttft_p50_s"))
+                if value is not None or ours == "tierserve":
+                    lines.append(f"- {peer} TTFT p50 / {ours} {state} TTFT p50 >= 3: {_x(value)}, {_verdict(value, 3.0)}")
     return "\n".join(lines)
 
 

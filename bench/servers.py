@@ -7,6 +7,9 @@
   child process (``server.engine_process``), whatever the preset's default.
 - ``tierserve-bf16`` / ``tierserve-int8``: the same with ``model.dtype = "bfloat16"``
   or ``model.quantization = "int8"`` (the peers of llama-server's BF16 and Q8_0).
+- ``tierserve-kvbf16`` / ``tierserve-int8-kvbf16``: float32 or int8 weights with
+  ``kv_cache.dtype = "bfloat16"``, the KV precision llama-server runs by default
+  (its F16 cache, whatever the weights), so the pair differs in weights only.
 - ``tierserve-transformers`` / ``tierserve-unpaged``: the same with ``model.backend``
   set to the paged ``transformers`` backend or to ``transformers-unpaged`` (one
   ``DynamicCache`` per sequence), whatever ``auto`` would pick.
@@ -40,7 +43,12 @@ from bench.llama_cpp import PRECISIONS, gguf_file, llama_server_binary, server_c
 from tests.server_helpers import free_port  # the tests' own helper; bench runs from a checkout
 
 TIERSERVE_MODES = {"tierserve": None, "tierserve-inproc": False, "tierserve-process": True}
-TIERSERVE_PRECISIONS = {"tierserve-bf16": ["model.dtype=bfloat16"], "tierserve-int8": ["model.quantization=int8"]}
+TIERSERVE_PRECISIONS = {
+    "tierserve-bf16": ["model.dtype=bfloat16"],
+    "tierserve-int8": ["model.quantization=int8"],
+    "tierserve-kvbf16": ["kv_cache.dtype=bfloat16"],
+    "tierserve-int8-kvbf16": ["model.quantization=int8", "kv_cache.dtype=bfloat16"],
+}
 TIERSERVE_BACKENDS = {
     "tierserve-transformers": ['model.backend="transformers"'],
     "tierserve-unpaged": ['model.backend="transformers-unpaged"'],

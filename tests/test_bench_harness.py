@@ -124,6 +124,7 @@ def _prefix_payload() -> dict:
         run("llama-server", "slot prompt cache", 0.25),
         run("tierserve-bf16", "L1", 0.05),
         run("llama-server-bf16", "slot prompt cache", 0.2),
+        run("tierserve-kvbf16", "L1", 0.08),
     ]
     config = {"conversations": 8, "turns": 8, "prefix_len": 2048, "turn_len": 32, "output_len": 32, "repeats": 1}
     return {"scenario": "prefix", "machine": {}, "command": "python -m bench prefix", "config": config, "runs": runs}
@@ -148,6 +149,8 @@ def test_report_tables_targets_and_plots(tmp_path):
     # each precision against its own peer; a precision not run gets no line
     assert "llama-server TTFT p50 / tierserve L1 TTFT p50 >= 3: 2.50x, **missed**" in text
     assert "llama-server-bf16 TTFT p50 / tierserve-bf16 L1 TTFT p50 >= 3: 4.00x, met" in text
+    # float32 weights on bfloat16 KV (llama-server's F16 cache) are the float32 peer's too
+    assert "llama-server TTFT p50 / tierserve-kvbf16 L1 TTFT p50 >= 3: 3.12x, met" in text
     assert "llama-server-q8_0" not in text and "tierserve-bf16 L3" not in text
     assert "Measured on: test cpu, 2 cores" in text and "Reproduce: `python -m bench throughput`" in text
 

@@ -545,6 +545,37 @@ def test_prefill_attention_of_a_bfloat16_model_multiplies_in_bfloat16(queries, h
     assert torch.equal(last[0], whole[-1])  # the last query sees every position either way
 
 
+def test_prefill_attention_rounds_float32_queries_on_bfloat16_kv_when_asked():
+    """``round_queries`` (prompt rows of a float32 model with ``kv_cache.dtype = "bfloat16"``): float32
+    output within bfloat16's rounding of float64 softmax, the same as queries rounded beforehand; without
+    it float32 queries keep float32 products (1e-5). The cache fingerprint names the rounding."""
+    generator = torch.Generator().manual_seed(21)
+    block, ctx, queries = 16, 300, 75
+    keys = torch.randn(40 * block, 4, 64, generator=generator).to(torch.bfloat16)
+    values = torch.randn(40 * block, 4, 64, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(40, generator=generator)[: -(-ctx // block)]
+    q = torch.randn(queries, 12, 64, generator=generator)
+    keep = torch.arange(ctx)[None] <= torch.arange(ctx - queries, ctx)[:, None]
+    expected = prefill_reference(q, keys, values, table, block, ctx, keep, 0.125)
+    rounded = cpu_gemm.prefill_attention(q, keys, values, table[None], block, ctx, None, 0.125, round_queries=True)
+    if rounded is None:
+        pytest.skip("prefill attention runs on the AVX-512 build only")
+    assert rounded.dtype == torch.float32
+    assert torch.allclose(rounded.double(), expected, rtol=2e-2, atol=1e-2)
+    assert float((rounded.double() - expected).abs().mean()) < 1e-3
+    beforehand = q.to(torch.bfloat16).float()
+    again = cpu_gemm.prefill_attention(beforehand, keys, values, table[None], block, ctx, None, 0.125, round_queries=True)
+    assert torch.equal(again, rounded)
+    plain = cpu_gemm.prefill_attention(q, keys, values, table[None], block, ctx, None, 0.125)
+    assert torch.allclose(plain.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(plain, rounded)
+    cpu = torch.device("cpu")
+    named = cpu_gemm.fingerprint_tag(cpu, torch.float32, torch.bfloat16)
+    assert named.endswith("/bf16-prompt-attention")
+    assert named != cpu_gemm.fingerprint_tag(cpu, torch.float32, torch.float32)
+    assert not cpu_gemm.fingerprint_tag(cpu, torch.bfloat16, torch.bfloat16).endswith("attention")
+
+
 def test_prefill_attention_of_a_row_depends_on_nothing_but_its_own_positions():
     """A sequence's queries alone (causal, no mask) and next to a longer one (one call for both, the masks
     saying who sees what): the same bits, and the causal path gives the masked path's."""

@@ -71,12 +71,17 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-def fingerprint_tag(device: torch.device) -> str:
+def fingerprint_tag(device: torch.device, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> str:
     """What the cache fingerprint adds where these kernels compute (their source's hash): KV computed
-    with them is never served to a process computing without them, or with another version."""
+    with them is never served to a process computing without them, or with another version. bfloat16 KV
+    under float32 weights on the AVX-512 build: prompt attention rounds its queries (``prefill_attention``'s
+    ``round_queries``), so later layers' KV differs from a float32-query build's, and that is named too."""
     if device.type != "cpu" or library() is None:
         return ""
-    return f"/cpu-gemm-{isa()}-{_key()[:8]}"
+    tag = f"/cpu-gemm-{isa()}-{_key()[:8]}"
+    if isa() == "avx512" and kv_dtype == torch.bfloat16 and dtype == torch.float32:
+        tag += "/bf16-prompt-attention"
+    return tag
 
 
 @functools.cache
@@ -392,6 +397,7 @@ def prefill_attention(
     scale: float,
     causal: bool = True,
     with_lse: bool = False,
+    round_queries: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of ``q_len`` query tokens for each of ``batch`` sequences (``q: [batch * q_len, heads,
     head_dim]``, sequence by sequence) read straight from the paged arena through ``blocks: [batch, n]``, no
@@ -402,8 +408,10 @@ def prefill_attention(
 
     bfloat16 keys and values against bfloat16 queries (a bfloat16 model's) multiply by vdpbf16ps: the
     query-key products exactly, and the softmax weights rounded to bfloat16 for their products with the
-    values (as torch's bfloat16 attention rounds them), their sum kept in float32. Otherwise every product
-    is float32."""
+    values (as torch's bfloat16 attention rounds them), their sum kept in float32. ``round_queries`` with
+    bfloat16 keys and values: float32 queries are rounded to bfloat16 first and take that form too (as
+    llama.cpp's F16 cache rounds its queries to F16); the output stays float32. Otherwise every product is
+    float32."""
     rows, heads, head_dim = q.shape
     batch = blocks.shape[0]
     kv_heads = k_cache.shape[1]
@@ -420,14 +428,15 @@ def prefill_attention(
     lib = library()
     if lib is None or not hasattr(lib, "ts_prefill_attention"):
         return None
-    queries = q.float().contiguous()
+    bf16_queries = q.dtype == torch.bfloat16 or (round_queries and k_cache.dtype == torch.bfloat16)
+    queries = (q.to(torch.bfloat16) if bf16_queries else q).float().contiguous()
     out = torch.empty(rows, heads, head_dim)
     table = blocks.to(torch.int64).contiguous()
     keep = None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
     lse = torch.empty(rows, heads) if with_lse else None
     lib.ts_prefill_attention(
         queries.data_ptr(), batch, rows // batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1, table.data_ptr(), table.shape[1],
+        int(k_cache.dtype == torch.bfloat16) | int(bf16_queries) << 1, table.data_ptr(), table.shape[1],
         block_size, ctx, address(keep), int(causal), scale, out.data_ptr(), address(lse), torch.get_num_threads(),
     )  # fmt: skip
     return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)

@@ -111,7 +111,7 @@ class NativeBackend(ModelBackend):
         if self.model.own_kernels:
             from tierserve.plugins.backends.cpu_gemm import fingerprint_tag
 
-            kernels += fingerprint_tag(self.device)
+            kernels += fingerprint_tag(self.device, self.dtype, kv_dtype)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
         self.max_lora_rank = model.max_lora_rank

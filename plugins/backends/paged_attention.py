@@ -489,8 +489,10 @@ class KVArena:
             padded = isinstance(group.rows, torch.Tensor)
             if not padded and self.own_kernels and softcap is None:  # the CPU kernel reads blocks in place
                 mask = None if window is None and group.causal else group.masks[window]
+                # bfloat16 KV under float32 queries: prompt rows multiply in bfloat16 (decode rows stay float32)
                 result = cpu_gemm.prefill_attention(
-                    q[group.rows], k_cache, v_cache, group.blocks, self.block_size, group.ctx, mask, scale
+                    q[group.rows], k_cache, v_cache, group.blocks, self.block_size, group.ctx, mask, scale,
+                    round_queries=True,
                 )
                 if result is not None:
                     if direct:

@@ -209,7 +209,7 @@ class PagedTransformersBackend(ModelBackend):
         if own_kernels:
             from tierserve.plugins.backends.cpu_gemm import fingerprint_tag
 
-            kernels += fingerprint_tag(self.device)
+            kernels += fingerprint_tag(self.device, self.dtype, kv_dtype)
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
