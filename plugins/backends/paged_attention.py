@@ -64,6 +64,7 @@ class AttentionGroup:
     q_len: int
     shared: SharedPrefix | None = None  # decode groups only
     causal: bool = False  # one sequence whose queries see every position up to their own (masks[None] says so too)
+    prompt: bool = False  # one sequence's prompt rows (no drafts): over bfloat16 KV they may round their queries
 
 
 @dataclass(slots=True)
@@ -215,7 +216,12 @@ def build_paged_batch(
             masks[window] = None if plain else keep[None, None].to(device)
         row = first_row[id(chunk)]
         blocks = table[None, : -(-(start + n) // bs)]
-        groups.append(AttentionGroup(slice(row, row + n), blocks.to(device), start + n, masks, 1, n, causal=not dropped))
+        groups.append(
+            AttentionGroup(
+                slice(row, row + n), blocks.to(device), start + n, masks, 1, n, causal=not dropped,
+                prompt=not chunk.num_draft,
+            )
+        )
 
     sample_rows = [
         row
@@ -489,10 +495,11 @@ class KVArena:
             padded = isinstance(group.rows, torch.Tensor)
             if not padded and self.own_kernels and softcap is None:  # the CPU kernel reads blocks in place
                 mask = None if window is None and group.causal else group.masks[window]
-                # bfloat16 KV under float32 queries: prompt rows multiply in bfloat16 (decode rows stay float32)
+                # bfloat16 KV under float32 queries: a prompt's rows multiply in bfloat16; decode rows, drafts
+                # and short prompt tails keep float32 queries, so speculation verifies as plain decode computes
                 result = cpu_gemm.prefill_attention(
                     q[group.rows], k_cache, v_cache, group.blocks, self.block_size, group.ctx, mask, scale,
-                    round_queries=True,
+                    round_queries=group.prompt,
                 )
                 if result is not None:
                     if direct:
