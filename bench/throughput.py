@@ -25,7 +25,7 @@ from bench.workloads import throughput_requests
 SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate", "tierserve-inproc", "tierserve-process",
            "llama-server", "llama-server-bf16", "llama-server-q8_0", "tierserve-bf16", "tierserve-int8", "tierserve-kvbf16",
            "tierserve-int8-kvbf16",
-           "tierserve-transformers", "tierserve-unpaged", "tierserve-ungrouped", "tierserve-grouped")  # fmt: skip
+           "tierserve-transformers", "tierserve-unpaged", "tierserve-ungrouped", "tierserve-grouped", "tierserve-bf16-no-l3-writes")  # fmt: skip
 DEFAULT_SYSTEMS = SYSTEMS[:4]  # engine-core placements and llama.cpp are compared on request (--systems)
 
 

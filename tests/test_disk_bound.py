@@ -106,3 +106,27 @@ def test_pinned_blocks_stay_and_writes_that_would_need_their_room_are_dropped(tm
         assert block_file_bytes(tmp_path / "l3") <= bound
     finally:
         requests.close()
+
+
+def test_a_block_file_is_written_in_one_call_and_holds_exactly_the_stored_bytes(tmp_path, monkeypatch):
+    """Bytes full of newlines (diskcache's own store would write them line by line, ~one write per 256
+    bytes of a KV block): one chunk reaches the file, whose bytes are the value's, read back unchanged."""
+    from tierserve.plugins.tiers.disk_directory import BytesOnlyDisk, open_directory
+
+    chunks: list[int] = []
+    write = BytesOnlyDisk._write
+
+    def counting(self, full_path, iterator, mode, encoding=None):
+        parts = list(iterator)
+        chunks.append(len(parts))
+        return write(self, full_path, parts, mode, encoding)
+
+    monkeypatch.setattr(BytesOnlyDisk, "_write", counting)
+    cache = open_directory(tmp_path / "l3", "l3")
+    value = (b"kv\n" * 70_000) + bytes(range(256)) * 40
+    cache.set("ab" * 32, value, tag="cd" * 32, retry=True)
+    assert chunks == [1]
+    [file] = list((tmp_path / "l3").rglob("*.val"))
+    assert file.read_bytes() == value
+    assert cache.get("ab" * 32) == value
+    cache.close()
