@@ -19,13 +19,12 @@ from pathlib import Path
 from bench.client import drive
 from bench.harness import BenchContext, warm_up
 from bench.hf_reference import HFGenerate
-from bench.servers import start
+from bench.llama_cpp import PRECISIONS as LLAMA_SERVER_PRECISIONS
+from bench.servers import TIERSERVE_VARIANTS, start
 from bench.workloads import throughput_requests
 
 SYSTEMS = ("tierserve", "transformers-serve-cb", "transformers-serve", "hf-generate", "tierserve-inproc", "tierserve-process",
-           "llama-server", "llama-server-bf16", "llama-server-q8_0", "tierserve-bf16", "tierserve-int8", "tierserve-kvbf16",
-           "tierserve-int8-kvbf16",
-           "tierserve-transformers", "tierserve-unpaged", "tierserve-ungrouped", "tierserve-grouped", "tierserve-bf16-no-l3-writes")  # fmt: skip
+           *LLAMA_SERVER_PRECISIONS, *TIERSERVE_VARIANTS)  # fmt: skip
 DEFAULT_SYSTEMS = SYSTEMS[:4]  # engine-core placements and llama.cpp are compared on request (--systems)
 
 

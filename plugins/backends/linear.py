@@ -296,7 +296,7 @@ class Int8Linear:
             return self.q8(rows).to(self.dtype).view(*x.shape[:-1], self.out_features)  # bias included
         if self.kernel == "fbgemm":
             rows = rows.float()
-            unit = cpu_gemm.unit_rows(rows)  # the same bits as the three lines below, in one pass
+            unit = cpu_gemm.unit_rows(rows)  # in one pass, the same bits as torch's ops below
             if unit is None:
                 norms = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
                 unit = torch.cat([rows / norms, self.span]), norms
