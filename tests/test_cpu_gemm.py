@@ -442,6 +442,62 @@ def test_fused_decode_of_many_rows_equals_the_layer_loop(tmp_path, dtype):
     assert fused_steps == 0 and all(torch.equal(a, b) for a, b in zip(fused, loop))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"model__quantization": "int8"}, {"model__dtype": "bfloat16"}, {"model__dtype": "float32"},
+     {"model__dtype": "float32", "kv_cache__dtype": "bfloat16"}, {"model__quantization": "int8", "kv_cache__dtype": "bfloat16"}],
+    ids=["int8", "bf16", "f32", "f32-bfloat16-kv", "int8-bfloat16-kv"],
+)  # fmt: skip
+def test_fused_decode_reads_a_shared_prefix_once_and_equals_the_layer_loop(tmp_path, options):
+    """Sequences that share a cached prefix decode in one fused call that reads the prefix once for all rows
+    (the AVX-512 build): each step's logits are the layer loop's (which reads it once too) to the bit, at
+    every weight and KV precision, while the rows' own parts have different lengths."""
+    from tierserve.core.sampling_params import SamplingParams
+    from tests.engine_helpers import build_checkpoint, make_engine
+
+    path = build_checkpoint(tmp_path, "llama", "llama")
+    engine = make_engine(path, **options)
+    model = engine.driver.core.backend.model
+    fused = model.fused_decode
+    if fused is None or fused.prefill_attention is None:
+        engine.close()
+        pytest.skip("the fused decode of a shared prefix runs on the AVX-512 build's own kernels only")
+    prefix = [5 + (i * 11) % 150 for i in range(100)]  # 6 whole blocks of 16 shared
+    prompts = [prefix + [7 + i + j for j in range(2 + 3 * i)] for i in range(4)]
+    logits: list[torch.Tensor] = []
+    shared_steps: list[bool] = []
+    forward, run = model.forward, fused.run
+
+    def recording_forward(batch):
+        out = forward(batch)
+        logits.append(out[0].clone())
+        return out
+
+    def counted_run(batch):
+        hidden = run(batch)
+        shared_steps.append(hidden is not None and batch.groups[0].shared is not None)
+        return hidden
+
+    model.forward, fused.run = recording_forward, counted_run
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    try:
+        for salt, stack in (("fused", fused), ("layer-loop", None)):  # a salt each: both prefill the same
+            model.fused_decode = stack
+            logits.clear()
+            engine.warm([prefix], cache_salt=salt)
+            logits.clear()
+            engine.generate(prompts, params, cache_salt=salt)
+            runs.append(logits[:])
+    finally:
+        engine.close()
+    assert sum(shared_steps) == 9  # every decode step after the prefill read the prefix once, fused
+    with_fused, loop = runs
+    assert len(with_fused) == len(loop) == 10
+    for step, (a, b) in enumerate(zip(with_fused, loop)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
 def test_fused_decode_runs_only_plain_few_row_decodes(tmp_path):
     """Five int8 sequences (above the q8 kernel's batch: fbgemm runs them) and oneDNN's float32 weights keep
     the layer loop."""

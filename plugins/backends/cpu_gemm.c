@@ -1106,38 +1106,69 @@ static inline __attribute__((always_inline)) void prefill_task(
  * (float32, an online max per row, blocks of 64 positions) runs across rows in whole vectors. A row's result
  * depends on nothing but its own query, mask row and the keys and values it reads, not on the batch, the
  * other rows of its task or the split among threads. */
+/* A task's buffers (one set per thread): the transposed queries, outputs and scores of up to PA_VECS * 16
+ * rows, and for bfloat16 keys the widened keys and values, or (the bf16 form) their weight and value pairs */
+typedef struct {
+    float *qt, *ot, *st, *kbuf, *vbuf;
+} pa_buffers;
+
+static pa_buffers pa_alloc(int64_t D, int kv_bf16) {
+    const int64_t cap = PA_VECS * 16;
+    const int64_t kv_floats = (PA_KEYS * D > PA_KEYS / 2 * cap ? PA_KEYS * D : PA_KEYS / 2 * cap) + 16;
+    pa_buffers buf;
+    buf.qt = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
+    buf.ot = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
+    buf.st = aligned_alloc(64, (size_t)(PA_KEYS * cap) * sizeof(float));
+    buf.kbuf = kv_bf16 ? aligned_alloc(64, (size_t)(kv_floats / 16 * 16) * sizeof(float)) : NULL;
+    buf.vbuf = kv_bf16 ? aligned_alloc(64, (size_t)(kv_floats / 16 * 16) * sizeof(float)) : NULL;
+    return buf;
+}
+
+static void pa_free(pa_buffers* buf) { free(buf->qt), free(buf->ot), free(buf->st), free(buf->kbuf), free(buf->vbuf); }
+
+/* How ts_prefill_attention splits Q tokens x G query heads of one KV head into tasks of at most PA_VECS * 16
+ * rows: *tiles tasks of *per rows (the last may have fewer) */
+static inline void pa_tiles(int64_t rows, int64_t* tiles, int64_t* per) {
+    const int64_t cap = PA_VECS * 16;
+    *tiles = (rows + cap - 1) / cap;
+    *per = (rows + *tiles - 1) / *tiles;
+}
+
+/* rows r0 .. r0 + n - 1 of sequence b's query rows for KV head h (prefill_task with its vector count) */
+static void pa_rows(const float* q, int64_t b, int64_t h, int64_t r0, int64_t n, int64_t Q, int64_t H, int64_t KVH,
+                    int64_t D, const void* k, const void* v, int kv_bf16, int q_bf16, const int64_t* table,
+                    int64_t bs, int64_t ctx, const uint8_t* mask, int causal, float scale, float* out, float* lse,
+                    const pa_buffers* buf) {
+    const int NV = (int)((n + 15) / 16);
+    if (NV == 1)
+        prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
+                     lse, buf->qt, buf->st, buf->ot, buf->kbuf, buf->vbuf);
+    else if (NV == 2)
+        prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
+                     lse, buf->qt, buf->st, buf->ot, buf->kbuf, buf->vbuf);
+    else
+        prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
+                     lse, buf->qt, buf->st, buf->ot, buf->kbuf, buf->vbuf);
+}
+
 void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64_t KVH, int64_t D, const void* k,
                           const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
                           const uint8_t* mask, int causal, float scale, float* out, float* lse, int threads) {
-    const int64_t G = H / KVH, rows = Q * G, cap = PA_VECS * 16;
+    const int64_t G = H / KVH, rows = Q * G;
     const int kv_bf16 = kv_flags & 1, q_bf16 = (kv_flags >> 1) & 1;
-    /* kbuf: the widened keys, or (the bf16 form) the weight pairs; vbuf: the widened values or the value pairs */
-    const int64_t kv_floats = (PA_KEYS * D > PA_KEYS / 2 * cap ? PA_KEYS * D : PA_KEYS / 2 * cap) + 16;
-    const int64_t tiles = (rows + cap - 1) / cap, per = (rows + tiles - 1) / tiles; /* rows a task takes */
+    int64_t tiles, per;
+    pa_tiles(rows, &tiles, &per);
     _Pragma("omp parallel num_threads(threads)")
     {
-        float* qt = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
-        float* ot = aligned_alloc(64, (size_t)(D * cap) * sizeof(float));
-        float* st = aligned_alloc(64, (size_t)(PA_KEYS * cap) * sizeof(float));
-        float* kbuf = kv_bf16 ? aligned_alloc(64, (size_t)(kv_floats / 16 * 16) * sizeof(float)) : NULL;
-        float* vbuf = kv_bf16 ? aligned_alloc(64, (size_t)(kv_floats / 16 * 16) * sizeof(float)) : NULL;
+        pa_buffers buf = pa_alloc(D, kv_bf16);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t task = 0; task < B * KVH * tiles; task++) {
             const int64_t b = task / (KVH * tiles), h = task / tiles % KVH, tile = task % tiles;
             const int64_t r0 = tile * per, n = rows - r0 < per ? rows - r0 : per;
-            const int NV = (int)((n + 15) / 16);
-            const int64_t* table = blocks + b * nb;
-            if (NV == 1)
-                prefill_task(1, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
-                             lse, qt, st, ot, kbuf, vbuf);
-            else if (NV == 2)
-                prefill_task(2, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
-                             lse, qt, st, ot, kbuf, vbuf);
-            else
-                prefill_task(3, q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, table, bs, ctx, mask, causal, scale, out,
-                             lse, qt, st, ot, kbuf, vbuf);
+            pa_rows(q, b, h, r0, n, Q, H, KVH, D, k, v, kv_bf16, q_bf16, blocks + b * nb, bs, ctx, mask, causal, scale,
+                    out, lse, &buf);
         }
-        free(qt), free(ot), free(st), free(kbuf), free(vbuf);
+        pa_free(&buf);
     }
 }
 #endif
@@ -1160,6 +1191,22 @@ static inline uint16_t bf16_bits(float f) { /* f already a bfloat16 value */
 }
 
 /* 1 / sqrt(mean(x^2) + eps) of one row, summed in float32 eight lanes at a time. */
+/* Attention over two disjoint key sets from each set's result and log-sum-exp, one row of D values:
+ * (a e^(la - top) + b e^(lb - top)) / (e^(la - top) + e^(lb - top)), top the larger log-sum-exp, in float32
+ * (merge_attention in paged_attention.py's order); bf16: a and b rounded to bfloat16 first (as the layer
+ * loop's bfloat16 results of the two parts are) */
+static inline void merge_row(const float* a, float la, const float* b, float lb, int64_t D, int bf16, float* out) {
+    const float top = la > lb ? la : lb;
+    const float wa = expf(la - top), wb = expf(lb - top), total = wa + wb;
+    for (int64_t d = 0; d < D; d++) out[d] = (rounded(a[d], bf16) * wa + rounded(b[d], bf16) * wb) / total;
+}
+
+void ts_merge_attention(const float* a, const float* la, const float* b, const float* lb, int64_t n, int64_t D,
+                        float* out, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t i = 0; i < n; i++) merge_row(a + i * D, la[i], b + i * D, lb[i], D, 0, out + i * D);
+}
+
 static inline float norm_scale(const float* xr, int64_t H, float eps) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -1347,8 +1394,8 @@ static void add_rows(float* hidden, const float* delta, int64_t n, int bf16) {
 void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t I,
                       float eps, float scale, int act_bf16, float* hidden, const float* cos, const float* sin,
                       const int64_t* slots, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                      const void* const* ptrs, const int64_t* kinds, float* work, int8_t* qx, float* dx,
-                      int threads) {
+                      const int64_t* shared_blocks, int64_t shared_tokens, const void* const* ptrs,
+                      const int64_t* kinds, float* work, int8_t* qx, float* dx, int threads) {
     const int64_t qkv_n = (NH + 2 * KVH) * D, qsize = NH * D, kvsize = KVH * D;
     const int64_t wide = H > I ? H : I, widest = wide > qsize ? wide : qsize;
     void (*norm)(const float*, int64_t, int64_t, const float*, float, float*) = act_bf16 ? ts_rms_norm_bf16 : ts_rms_norm;
@@ -1359,8 +1406,21 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
     float* delta = attn + M * qsize;      /* [M, H] a projection's output before the residual add */
     float* gu = delta + M * H;            /* [M, 2I] */
     uint16_t* xb = (uint16_t*)(gu + M * 2 * I);            /* [M, widest] bfloat16 rows of a bf16 projection */
-    float* scores = gu + M * 2 * I + M * ((widest + 15) / 16 * 8); /* [M * NH * ctx] */
+    float* common = gu + M * 2 * I + M * ((widest + 15) / 16 * 8); /* [M, NH * D] the shared prefix's part */
+    float* own_lse = common + M * qsize;  /* [M, NH] */
+    float* common_lse = own_lse + M * NH; /* [M, NH] */
+    float* scores = common_lse + M * NH;  /* [M * NH * ctx] */
+#if TS_AVX512
+    const int64_t G = NH / KVH;
+    int64_t common_tiles, common_per;
+    pa_tiles(M * G, &common_tiles, &common_per);
+#endif
     _Pragma("omp parallel num_threads(threads)")
+    {
+#if TS_AVX512
+    pa_buffers buf = {0};
+    if (shared_tokens) buf = pa_alloc(D, kv_bf16);
+#endif
     for (int64_t l = 0; l < layers; l++) {
         const void* const* p = ptrs + l * L_PTRS;
         const int64_t* kind = kinds + l * L_KINDS;
@@ -1403,10 +1463,35 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
                 }
             }
         }
-        _Pragma("omp for schedule(static)")
-        for (int64_t task = 0; task < M * KVH; task++)
-            attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs, ctx,
-                           (const uint8_t*)p[L_MASK], scale, attn, scores);
+#if TS_AVX512
+        if (shared_tokens) {
+            /* a prefix every row shares, read once: all rows' queries against it as the tokens of one sequence,
+             * each row's own blocks as a sequence of one token (ctx and the mask are the own part's), merged by
+             * log-sum-exp; the same kernels and tiles as the layer loop's two ts_prefill_attention calls */
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t task = 0; task < M * KVH + KVH * common_tiles; task++) {
+                if (task < M * KVH) {
+                    const int64_t m = task / KVH, h = task % KVH;
+                    pa_rows(qh, m, h, 0, G, 1, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, act_bf16,
+                            blocks + m * nb, bs, ctx, (const uint8_t*)p[L_MASK], 0, scale, attn, own_lse, &buf);
+                } else {
+                    const int64_t t = task - M * KVH, h = t / common_tiles, r0 = t % common_tiles * common_per;
+                    const int64_t n = M * G - r0 < common_per ? M * G - r0 : common_per;
+                    pa_rows(qh, 0, h, r0, n, M, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, act_bf16,
+                            shared_blocks, bs, shared_tokens, NULL, 0, scale, common, common_lse, &buf);
+                }
+            }
+            _Pragma("omp for schedule(static)")
+            for (int64_t i = 0; i < M * NH; i++)
+                merge_row(attn + i * D, own_lse[i], common + i * D, common_lse[i], D, act_bf16, attn + i * D);
+        } else
+#endif
+        {
+            _Pragma("omp for schedule(static)")
+            for (int64_t task = 0; task < M * KVH; task++)
+                attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs,
+                       ctx, (const uint8_t*)p[L_MASK], scale, attn, scores);
+        }
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             if (act_bf16)
@@ -1434,6 +1519,10 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
             if (q8_down) ts_q8_quantize(x + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
         }
         project((int)kind[P_DOWN], x, qx, dx, xb, M, I, p[L_DOWN_W], (const float*)p[L_DOWN_S], 0, H, delta);
+    }
+#if TS_AVX512
+    if (shared_tokens) pa_free(&buf);
+#endif
     }
     add_rows(hidden, delta, M * H, act_bf16);
 }

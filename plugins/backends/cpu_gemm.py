@@ -155,8 +155,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ts_silu_mul_bf16.argtypes = [p, i64, i64, p, i32]
     lib.ts_silu_mul_bf16.restype = None
     lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
-                                     p, i32, p, i64, i64, i64, p, p, p, p, p, i32]  # fmt: skip
+                                     p, i32, p, i64, i64, i64, p, i64, p, p, p, p, p, i32]  # fmt: skip
     lib.ts_decode_layers.restype = None
+    lib.ts_merge_attention.argtypes = [p, p, p, p, i64, i64, p, i32]
+    lib.ts_merge_attention.restype = None
     if hasattr(lib, "ts_prefill_attention"):  # the AVX-512 build's
         lib.ts_prefill_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, i32,
                                              ctypes.c_float, p, p, i32]  # fmt: skip
@@ -440,6 +442,26 @@ def prefill_attention(
         block_size, ctx, address(keep), int(causal), scale, out.data_ptr(), address(lse), torch.get_num_threads(),
     )  # fmt: skip
     return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
+
+
+def merge_attention(
+    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor | None:
+    """``paged_attention.merge_attention`` of two CPU results ``[rows, heads, head_dim]`` and their float32
+    log-sum-exps ``[rows, heads]`` in one call, in ``a``'s dtype (float32 arithmetic, the same order); the
+    fused decode merges a shared prefix's part with this code, so both paths give the same bits. None where
+    the library is missing."""
+    lib = library()
+    if lib is None or a.device.type != "cpu" or a.shape != b.shape:
+        return None
+    first, second = a.float().contiguous(), b.float().contiguous()
+    first_lse, second_lse = lse_a.float().contiguous(), lse_b.float().contiguous()
+    out = torch.empty(first.shape)
+    lib.ts_merge_attention(
+        first.data_ptr(), first_lse.data_ptr(), second.data_ptr(), second_lse.data_ptr(),
+        first_lse.numel(), a.shape[-1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.to(a.dtype)
 
 
 # rows up to which rms_norm (one thread) beats torch's five ops (5-30 us each): decode rows, or their heads

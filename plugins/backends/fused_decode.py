@@ -18,8 +18,9 @@ are the Python path's to the bit (tests/test_cpu_gemm.py checks).
 Rows: at most ``SMALL_BATCH`` where a matrix is int8 (the layer loop runs
 fbgemm above that), at most ``cpu_gemm.NORM_ROWS`` otherwise (above that the
 layer loop normalises with torch's op, in another order). Anything else
-(prefill chunks, drafts, LoRA rows, a shared prefix read once for the batch,
-more rows) runs the Python path.
+(prefill chunks, drafts, LoRA rows, more rows) runs the Python path. A prefix
+every row of the batch shares (``paged_attention.shared_prefix``) is read once
+for all rows, as the Python path reads it: the AVX-512 build only.
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ class FusedDecode:
         wide = max(config.hidden_size, config.intermediate_size)
         self.widest = max(config.hidden_size, q_size, config.intermediate_size)
         bf16_rows = (self.widest + 15) // 16 * 8  # a bfloat16 projection's rounded input row, in floats
-        self.work_per_row = wide + qkv_size + 2 * q_size + config.hidden_size + 2 * config.intermediate_size + bf16_rows
+        self.work_per_row = (
+            wide + qkv_size + 2 * q_size + config.hidden_size + 2 * config.intermediate_size + bf16_rows
+            + q_size + 2 * heads  # a shared prefix's part of the attention and both parts' log-sum-exps
+        )  # fmt: skip
+        # a shared prefix runs the prefill attention kernel (the AVX-512 build's)
+        self.prefill_attention = getattr(cpu_gemm.library(), "ts_prefill_attention", None)
         # int8 rows past SMALL_BATCH run fbgemm in the layer loop; float rows use tierserve's RMSNorm up to NORM_ROWS
         int8 = any(kind in (Q8_ROW, Q8_GROUPED) for row in kinds for kind in row)
         self.max_rows = SMALL_BATCH if int8 else cpu_gemm.NORM_ROWS
@@ -129,7 +135,10 @@ class FusedDecode:
         if rows > self.max_rows or batch.lora is not None or len(batch.groups) != 1:
             return None
         group = batch.groups[0]
-        if group.q_len != 1 or group.shared is not None or group.rows != slice(0, rows):
+        if group.q_len != 1 or group.rows != slice(0, rows):
+            return None
+        shared = group.shared
+        if shared is not None and self.prefill_attention is None:
             return None
         if model.layers[0].q_norm is not None and rows * model.num_heads > cpu_gemm.NORM_ROWS:
             return None  # the Python path normalises that many head rows with torch's op
@@ -140,10 +149,22 @@ class FusedDecode:
             self.pointers[:, K_CACHE] = torch.tensor([k.data_ptr() for k in arena.k])
             self.pointers[:, V_CACHE] = torch.tensor([v.data_ptr() for v in arena.v])
             self.arena_keys = arena.k
-        ctx = group.ctx
+        bs = arena.block_size
+        if shared is None:
+            ctx, blocks, shared_blocks, shared_tokens = group.ctx, group.blocks, None, 0
+            row_masks = group.masks
+        else:  # the prefix is read once for all rows; each row's own part has its own blocks, context and mask
+            ctx, shared_tokens = group.ctx - shared.tokens, shared.tokens
+            blocks = group.blocks[:, shared_tokens // bs :]
+            keys = shared.keys
+            first = keys.start // bs if isinstance(keys, slice) else 0
+            shared_blocks = (
+                torch.arange(first, first + shared_tokens // bs) if isinstance(keys, slice) else keys.to(torch.int64)
+            ).contiguous()
+            row_masks = shared.own_keeps
         masks = {
             window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
-            for window, mask in group.masks.items()
+            for window, mask in row_masks.items()
         }
         self.pointers[:, MASK] = torch.tensor([address(masks[window]) for window in self.windows])
         heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
@@ -152,12 +173,12 @@ class FusedDecode:
         hidden = model.embed(batch.input_ids).float().contiguous()  # a new tensor: updated in place
         cos = model.cos[batch.positions].float().contiguous()
         sin = model.sin_signed[batch.positions].float().contiguous()
-        blocks = group.blocks.to(torch.int64).contiguous()
+        blocks = blocks.to(torch.int64).contiguous()
         self.function(
             rows, len(model.layers), hidden_size, heads, kv_heads, head_dim, inter, model.eps, model.scaling,
             int(model.dtype == torch.bfloat16), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             batch.slot_mapping.data_ptr(), int(arena.dtype == torch.bfloat16), blocks.data_ptr(), blocks.shape[1],
-            arena.block_size, ctx, self.pointers.data_ptr(), self.kinds.data_ptr(), work.data_ptr(),
+            bs, ctx, address(shared_blocks), shared_tokens, self.pointers.data_ptr(), self.kinds.data_ptr(), work.data_ptr(),
             quantized.data_ptr(), block_scales.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return hidden.to(model.dtype)

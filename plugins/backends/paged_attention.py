@@ -560,6 +560,9 @@ class KVArena:
         if common is None:
             return None
         (own_out, own_lse), (common_out, common_lse) = own, common
+        merged = cpu_gemm.merge_attention(own_out, own_lse, common_out, common_lse)  # the fused decode's merge
+        if merged is not None:
+            return merged
         return merge_attention(own_out, own_lse[..., None], common_out, common_lse[..., None])
 
     def _attend_decode(
