@@ -39,6 +39,7 @@ class Block:
     block_hash: bytes | None = None  # set while the block is registered in the prefix cache
     parent_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    follows: bytes | None = None  # the hash it is listed after in ``BlockPool.children`` (parent, or a root)
     accesses: int = 0  # prefix hits on the registered content; carried down a tier when the block is evicted
 
 
@@ -63,6 +64,7 @@ class BlockPool:
         self.evictions = 0
         self.on_evict: Callable[[Block], None] | None = None
         self.pinned: set[bytes] = set()  # hashes kept cached even with no sequence holding them
+        self.children: dict[bytes, set[int]] = {}  # parent hash -> registered blocks that follow it
         self._free: deque[int] = deque(range(num_blocks))
         self._num_cached_free = 0  # ref 0, registered, not pinned
 
@@ -147,9 +149,17 @@ class BlockPool:
                     self.policy.unpin(block.block_hash)
                     self._num_cached_free += 1
 
-    def register(self, block_id: int, block_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> bool:
+    def register(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        parent: bytes | None,
+        token_ids: tuple[int, ...],
+        root: bytes | None = None,
+    ) -> bool:
         """Publish an in-use, fully computed block under its hash; False if that hash is already cached
-        or the block already carries one."""
+        or the block already carries one. It is listed among ``parent``'s children (``longest_child``), a
+        first block (no parent) among ``root``'s where one is given."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
             raise ValueError(f"block {block_id} is free; only a block in use can be registered")
@@ -157,6 +167,9 @@ class BlockPool:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
         self.cached[block_hash] = block_id
+        block.follows = parent if parent is not None else root
+        if block.follows is not None:
+            self.children.setdefault(block.follows, set()).add(block_id)
         self.policy.insert(block_hash, 1)
         self.policy.pin(block_hash)
         return True
@@ -208,10 +221,31 @@ class BlockPool:
             self.policy.unpin(block_hash)
             self._num_cached_free += 1
 
+    def longest_child(self, parent: bytes, token_ids: tuple[int, ...]) -> tuple[int, int] | None:
+        """The registered block listed after ``parent`` (a block's hash, or a root for first blocks) whose
+        tokens begin with the longest run of ``token_ids``: ``(block id, tokens in common)``, or None where
+        no child shares even the first token."""
+        best = None
+        for block_id in self.children.get(parent, ()):
+            held = self.blocks[block_id].token_ids
+            common = 0
+            for mine, theirs in zip(token_ids, held):
+                if mine != theirs:
+                    break
+                common += 1
+            if common and (best is None or common > best[1]):
+                best = (block_id, common)
+        return best
+
     def _forget(self, block: Block) -> None:
         """Drop the block's registration (the caller settles the policy and the pin)."""
+        if block.follows is not None:
+            siblings = self.children[block.follows]
+            siblings.discard(block.block_id)
+            if not siblings:
+                del self.children[block.follows]
         del self.cached[block.block_hash]
-        block.block_hash = block.parent_hash = block.token_ids = None
+        block.block_hash = block.parent_hash = block.token_ids = block.follows = None
         block.accesses = 0
 
     def check_integrity(self) -> None:
@@ -236,6 +270,9 @@ class BlockPool:
             assert self.blocks[block_id].block_hash == block_hash, f"cached map points at block {block_id} wrongly"
         registered = sum(1 for b in self.blocks if b.block_hash is not None)
         assert registered == len(self.cached), "a block carries a hash the cached map does not know"
+        listed = {(key, block_id) for key, children in self.children.items() for block_id in children}
+        follows = {(b.follows, b.block_id) for b in self.blocks if b.block_hash is not None and b.follows is not None}
+        assert listed == follows and all(self.children.values()), "the children lists differ from the blocks'"
         assert set(self.policy) == set(self.cached), "policy keys differ from the registered hashes"
         held = {key for key in self.policy if self.policy.is_pinned(key)}
         in_use_hashes = {key for key, block_id in self.cached.items() if self.blocks[block_id].ref_count > 0}

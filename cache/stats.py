@@ -54,6 +54,7 @@ class StoreStats:
     prefix_matches: int = 0
     write_through: int = 0
     cached_tokens: int = 0
+    partial_block_tokens: int = 0  # of cached_tokens: copied from the start of a block the prompt shares in part
     computed_tokens: int = 0
     token_mismatches: int = 0
     lookup_seconds: float = 0.0
@@ -219,6 +220,7 @@ class CacheSnapshot:
     computed_tokens: int
     token_mismatches: int
     lookup_seconds: float
+    partial_block_tokens: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """Plain data for JSON and Prometheus (times rounded to microseconds)."""
@@ -231,6 +233,7 @@ class CacheSnapshot:
             "demotions": dict(self.demotions),
             "write_through": self.write_through,
             "cached_tokens": self.cached_tokens,
+            "partial_block_tokens": self.partial_block_tokens,
             "computed_tokens": self.computed_tokens,
             "token_mismatches": self.token_mismatches,
             "lookup_seconds": round(self.lookup_seconds, 6),

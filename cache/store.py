@@ -50,6 +50,9 @@ class TieredStore:
         tiers: the tiers below L1, in the order data moves down.
         block_bytes: bytes one L1 block takes across all layers (L1's bytes and byte capacity in
             statistics; 0: unknown, reported as 0 bytes and no byte bound).
+        reuse_partial_blocks: where a prompt's whole blocks end inside a block L1 holds (one that
+            follows the same prefix and starts with some of the prompt's next tokens), copy that
+            block into a new one of the sequence's and reuse those tokens too (``match_prefix``).
 
     Attributes:
         tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
@@ -63,6 +66,7 @@ class TieredStore:
         fingerprint: str,
         tiers: Seq[StoreTier] = (),
         block_bytes: int = 0,
+        reuse_partial_blocks: bool = True,
     ) -> None:
         names = [t.name for t in tiers]
         for name in names:
@@ -78,6 +82,7 @@ class TieredStore:
         self.fingerprint = fingerprint
         self.block_size = pool.block_size
         self.block_bytes = block_bytes
+        self.reuse_partial_blocks = reuse_partial_blocks and transfer is not None
         self.tiers = list(tiers)
         self.tier_names = ["l1", *names]
         self.placement = Placement(pool, [t.tier for t in self.tiers], self.tier_names)
@@ -142,8 +147,12 @@ class TieredStore:
             hits[self.tier_names[position]] += 1
         seq.block_table[:] = table
         cached = len(table) * bs
-        seq.num_computed_tokens = seq.num_cached_tokens = cached
         seq.num_registered_blocks = len(table)
+        if len(table) == len(plan) and self.reuse_partial_blocks:
+            partial = self._copy_partial_block(seq, len(table))
+            cached += partial
+            self.stats.partial_block_tokens += partial
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
         if cached:
             self.stats.prefix_matches += 1
         self.stats.cached_tokens += cached
@@ -151,6 +160,31 @@ class TieredStore:
         self.stats.lookup_seconds += elapsed
         seq.cache_lookup_seconds += elapsed
         return PrefixMatch(usable, hits, elapsed)
+
+    def _copy_partial_block(self, seq: Sequence, whole: int) -> int:
+        """After ``whole`` matched blocks (maybe none), reuse the start of an L1 block that follows the same prefix and
+        begins with some of the prompt's next tokens (a conversation's next turn ends the last turn's block
+        differently: the reply the model gave is not the one the client sends back). The block is shared
+        and immutable, so its content is copied into a new block of the sequence's, which computes the
+        rest; returns the tokens reused (0: none, or no free block). Never the prompt's last token."""
+        bs = self.block_size
+        start = whole * bs
+        wanted = tuple(seq.token_ids[start : min(start + bs - 1, seq.num_tokens - 1)])
+        after = seq.block_hashes[whole - 1] if whole else self.root_for(seq.cache_salt)
+        found = self.pool.longest_child(after, wanted) if wanted else None
+        if found is None:
+            return 0
+        source, tokens = found
+        self.pool.share(source, hit=False)  # held so the allocation below cannot evict it
+        try:
+            if not self.pool.num_free_blocks:
+                return 0
+            [copy] = self.pool.allocate(1)
+            self.transfer.write_blocks([copy], self.transfer.read_blocks([source]))
+        finally:
+            self.pool.free([source])
+        seq.block_table.append(copy)
+        return tokens
 
     def _fetch_below(self, key: bytes, tokens: tuple[int, ...]) -> tuple[int, CacheEntry] | None:
         held = self.index.tiers_of(key)
@@ -198,14 +232,15 @@ class TieredStore:
             return
         self.placement.sync_removed()
         bs = self.block_size
-        extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, full * bs)
+        root = self.root_for(seq.cache_salt)
+        extend_hashes(seq.block_hashes, root, seq.token_ids, bs, full * bs)
         fresh: list[tuple[int, bytes, bytes | None, tuple[int, ...], list[int]]] = []  # ..., tiers to write
         for index in range(seq.num_registered_blocks, full):
             key = seq.block_hashes[index]
             parent = seq.block_hashes[index - 1] if index else None
             tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
             block_id = seq.block_table[index]
-            if self.pool.register(block_id, key, parent, tokens):
+            if self.pool.register(block_id, key, parent, tokens, root=root):
                 self.placement.add(key, parent, L1)
                 held = self.index.tiers_of(key)
                 targets = [position for position in self._write_through if not held & (1 << position)]
@@ -390,6 +425,7 @@ class TieredStore:
             computed_tokens=s.computed_tokens,
             token_mismatches=s.token_mismatches,
             lookup_seconds=s.lookup_seconds,
+            partial_block_tokens=s.partial_block_tokens,
         )
 
     def check_integrity(self) -> None:

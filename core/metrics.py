@@ -97,6 +97,7 @@ class EngineCollector(Collector):
             ("lookups", "Prefix lookups"),
             ("prefix_matches", "Lookups that reused at least one block"),
             ("cached_tokens", "Prompt tokens served from the cache"),
+            ("partial_block_tokens", "Of those, tokens copied from the start of a cached block a prompt shares in part"),
             ("computed_tokens", "Tokens whose KV was computed and published"),
             ("write_through", "Blocks written through to a persistent tier"),
         ):

@@ -272,6 +272,12 @@ class KVCacheSettings(Section):
     ttl_seconds: float | None = Field(3600, ge=0, description="0 or unset: entries never expire; tiers may override")
     tiers: list[TierSettings] = Field(default_factory=list, description="the tiers below L1, in order")
     enable_prefix_caching: bool = True
+    reuse_partial_blocks: bool = Field(
+        True,
+        description="a prompt whose whole cached blocks end inside a block L1 holds (the same prefix, then some "
+        "of the prompt's next tokens: a chat's last turn ended there) copies that block's start instead of "
+        "recomputing it; false: reuse whole blocks only",
+    )
     warm_prompts: list[str] = Field(default_factory=list)
     warm_prompts_file: str | None = None
     warm_frequent_blocks: int = Field(

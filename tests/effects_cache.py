@@ -71,12 +71,11 @@ def files_in(path: Path) -> list[Path]:
 
 def kv_cache_block_size(lab: Lab) -> None:
     prompt_tokens = len(lab.shared.encode_prompt(LONG))
-    with lab.engine({"kv_cache.block_size": 4}) as engine:
-        assert engine.info.block_size == 4
-        run(engine, LONG)
-        assert run(engine, LONG).cached_tokens == (prompt_tokens - 1) // 4 * 4
-    run(lab.shared, LONG)
-    assert run(lab.shared, LONG).cached_tokens == (prompt_tokens - 1) // 16 * 16
+    for block_size in (4, 16):  # whole blocks only: a prompt's cached part is a multiple of the block size
+        with lab.engine({"kv_cache.block_size": block_size, "kv_cache.reuse_partial_blocks": False}) as engine:
+            assert engine.info.block_size == block_size
+            run(engine, LONG)
+            assert run(engine, LONG).cached_tokens == (prompt_tokens - 1) // block_size * block_size
 
 
 def kv_cache_dtype(lab: Lab) -> None:
@@ -137,6 +136,17 @@ def kv_cache_enable_prefix_caching(lab: Lab) -> None:
         assert engine.info.tier_names == ()
         run(engine, LONG)
         assert run(engine, LONG).cached_tokens == 0
+
+
+def kv_cache_reuse_partial_blocks(lab: Lab) -> None:
+    # the same prompt again: with the setting its tail is copied from the block the first run completed
+    ids = [5 + i % 100 for i in range(16 + 9)]
+    params = greedy(12)
+    for reuse, cached in ((True, 24), (False, 16)):
+        with lab.engine({"kv_cache.reuse_partial_blocks": reuse}) as engine:
+            [first] = engine.generate([ids], params)
+            [again] = engine.generate([ids], params)
+            assert again.cached_tokens == cached and again.token_ids == first.token_ids
 
 
 def kv_cache_warm_prompts(lab: Lab) -> None:
@@ -368,6 +378,7 @@ PROBES = {
     "kv_cache.ttl_seconds": kv_cache_ttl_seconds,
     "kv_cache.tiers": kv_cache_tiers,
     "kv_cache.enable_prefix_caching": kv_cache_enable_prefix_caching,
+    "kv_cache.reuse_partial_blocks": kv_cache_reuse_partial_blocks,
     "kv_cache.warm_prompts": kv_cache_warm_prompts,
     "kv_cache.warm_prompts_file": kv_cache_warm_prompts_file,
     "kv_cache.warm_frequent_blocks": kv_cache_warm_frequent_blocks,

@@ -137,7 +137,10 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
     try:
         for tier in kv.tiers:
             tiers.append(StoreTier(tier.name, build_tier(tier, plugins, backend.fingerprint), tier.write_through))
-        return TieredStore(pool, backend, backend.fingerprint, tiers, backend.kv_spec(kv.block_size).block_bytes)
+        return TieredStore(
+            pool, backend, backend.fingerprint, tiers, backend.kv_spec(kv.block_size).block_bytes,
+            reuse_partial_blocks=kv.reuse_partial_blocks,
+        )  # fmt: skip
     except BaseException:
         for made in tiers:  # a later tier failed: release the ones already open (threads, files)
             made.tier.close()
