@@ -271,7 +271,8 @@ def test_elementwise_kernels_match_torch():
 @pytest.mark.parametrize("block", [4, 16])  # 16: positions also run eight at a time
 def test_decode_attention_reads_the_blocks_in_place(kv_dtype, block):
     """Three sequences of different lengths through scattered blocks, one with positions masked (a sliding
-    window), against softmax attention over the gathered keys and values."""
+    window), against softmax attention over the gathered keys and values; asked for it, each row's
+    log-sum-exp of its scaled scores too, with the same output."""
     generator = torch.Generator().manual_seed(5)
     kv_heads, head_dim = 2, 16
     keys = torch.randn(12 * block, kv_heads, head_dim, generator=generator).to(kv_dtype)
@@ -285,14 +286,18 @@ def test_decode_attention_reads_the_blocks_in_place(kv_dtype, block):
         mask[row, ..., :n] = True
     mask[0, ..., : block + 3] = False  # outside a window
     out = cpu_gemm.decode_attention(q, keys, values, blocks, block, ctx, mask, 0.25)
+    again, lse = cpu_gemm.decode_attention(q, keys, values, blocks, block, ctx, mask, 0.25, with_lse=True)
+    assert torch.equal(again, out) and lse.shape == (3, 6)
     for row in range(3):
         slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in blocks[row].tolist()])[:ctx]
         keep = mask[row, 0, 0]
         k, v = keys[slots][keep].float(), values[slots][keep].float()  # [n, kv_heads, d]
         for head in range(6):
             kv = head // 3
-            weights = torch.softmax(k[:, kv] @ q[row, head] * 0.25, dim=0)
+            scores = k[:, kv] @ q[row, head] * 0.25
+            weights = torch.softmax(scores, dim=0)
             assert torch.allclose(out[row, head], weights @ v[:, kv], rtol=1e-5, atol=1e-5)
+            assert torch.allclose(lse[row, head], torch.logsumexp(scores, dim=0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

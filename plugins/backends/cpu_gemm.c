@@ -493,8 +493,10 @@ static inline void store_scores(__m256 dots8, float scale, int64_t left, const u
 }
 
 /* Each of a task's heads' scores [group, ctx] (max top[g]) become softmax weights: e^(s - top) eight at a
- * time, the total summed in position order; a masked position weighs exactly nothing. */
-static void softmax_rows(float* scores, int64_t group, int64_t ctx, const float* top, const uint8_t* keep) {
+ * time, the total summed in position order; a masked position weighs exactly nothing. lse, where not NULL,
+ * gets each head's log-sum-exp of its scaled scores, top + log(total) (-inf where nothing was kept). */
+static void softmax_rows(float* scores, int64_t group, int64_t ctx, const float* top, const uint8_t* keep,
+                         float* lse) {
     for (int64_t g = 0; g < group; g++) {
         float* sg = scores + g * ctx;
         const __m256 mx = _mm256_set1_ps(top[g]);
@@ -513,6 +515,7 @@ static void softmax_rows(float* scores, int64_t group, int64_t ctx, const float*
         }
         const float inv = 1.0f / total;
         for (p = 0; p < ctx; p++) sg[p] *= inv;
+        if (lse) lse[g] = total > 0.0f ? top[g] + logf(total) : -INFINITY;
     }
 }
 
@@ -526,7 +529,7 @@ static void softmax_rows(float* scores, int64_t group, int64_t ctx, const float*
  * are walked block by block; each head's output is summed in registers, ATTN_CHUNK vectors per pass. */
 static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
                            const void* v, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                           const uint8_t* mask, float scale, float* out, float* scratch) {
+                           const uint8_t* mask, float scale, float* out, float* scratch, float* lse) {
     const int64_t group = H / KVH, vecs = D / 8;
     const int64_t b = task / KVH, h = task % KVH;
     const int64_t* table = blocks + b * nb;
@@ -574,7 +577,7 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
             }
         }
     }
-    softmax_rows(scores, group, ctx, top, keep);
+    softmax_rows(scores, group, ctx, top, keep, lse ? lse + b * H + h * group : 0);
     for (int64_t g = 0; g < group; g++) {
         const float* sg = scores + g * ctx;
         for (int64_t c0 = 0; c0 < vecs; c0 += ATTN_CHUNK) {
@@ -667,7 +670,7 @@ static inline __attribute__((always_inline)) void value_chunk(
 static void attention_task512(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
                               const void* v, int kv_bf16, int q_bf16, const int64_t* blocks, int64_t nb,
                               int64_t bs, int64_t ctx, const uint8_t* mask, float scale, float* out,
-                              float* scratch) {
+                              float* scratch, float* lse) {
     const int64_t group = H / KVH, v16 = (D + 15) / 16, stride = KVH * D;
     const int64_t b = task / KVH, h = task % KVH;
     const int64_t* table = blocks + b * nb;
@@ -737,7 +740,7 @@ static void attention_task512(int64_t task, const float* q, int64_t H, int64_t K
             }
         }
     }
-    softmax_rows(scores, group, ctx, top, keep);
+    softmax_rows(scores, group, ctx, top, keep, lse ? lse + b * H + h * group : 0);
     float* o = out + (b * H + h * group) * D;
     for (int64_t g = 0; g < group; g += 4) {
         const int64_t ng = group - g < 4 ? group - g : 4;
@@ -759,21 +762,22 @@ static void attention_task512(int64_t task, const float* q, int64_t H, int64_t K
  * the queries are bfloat16 values (a bfloat16 model's), which the AVX-512 kernel's vdpbf16ps takes exactly. */
 static inline void attend(int64_t task, const float* q, int64_t H, int64_t KVH, int64_t D, const void* k,
                           const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                          const uint8_t* mask, float scale, float* out, float* scratch) {
+                          const uint8_t* mask, float scale, float* out, float* scratch, float* lse) {
 #if TS_AVX512
     attention_task512(task, q, H, KVH, D, k, v, kv_flags & 1, kv_flags >> 1 & 1, blocks, nb, bs, ctx, mask, scale,
-                      out, scratch);
+                      out, scratch, lse);
 #else
-    attention_task(task, q, H, KVH, D, k, v, kv_flags & 1, blocks, nb, bs, ctx, mask, scale, out, scratch);
+    attention_task(task, q, H, KVH, D, k, v, kv_flags & 1, blocks, nb, bs, ctx, mask, scale, out, scratch, lse);
 #endif
 }
 
+/* lse [B, H], where not NULL: each row's log-sum-exp of its scaled scores, to merge partial results */
 void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int64_t D, const void* k,
                          const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                         const uint8_t* mask, float scale, float* out, float* scratch, int threads) {
+                         const uint8_t* mask, float scale, float* out, float* scratch, float* lse, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t task = 0; task < B * KVH; task++)
-        attend(task, q, H, KVH, D, k, v, kv_flags, blocks, nb, bs, ctx, mask, scale, out, scratch);
+        attend(task, q, H, KVH, D, k, v, kv_flags, blocks, nb, bs, ctx, mask, scale, out, scratch, lse);
 }
 
 #if TS_AVX512
@@ -1465,15 +1469,14 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
         }
 #if TS_AVX512
         if (shared_tokens) {
-            /* a prefix every row shares, read once: all rows' queries against it as the tokens of one sequence,
-             * each row's own blocks as a sequence of one token (ctx and the mask are the own part's), merged by
-             * log-sum-exp; the same kernels and tiles as the layer loop's two ts_prefill_attention calls */
+            /* a prefix every row shares, read once: all rows' queries against it as the tokens of one sequence
+             * (the prefill kernel), each row's own blocks by the decode kernel (ctx and the mask are the own
+             * part's), merged by log-sum-exp; the same kernels, tiles and merge as the layer loop's */
             _Pragma("omp for schedule(dynamic, 1)")
             for (int64_t task = 0; task < M * KVH + KVH * common_tiles; task++) {
                 if (task < M * KVH) {
-                    const int64_t m = task / KVH, h = task % KVH;
-                    pa_rows(qh, m, h, 0, G, 1, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, act_bf16,
-                            blocks + m * nb, bs, ctx, (const uint8_t*)p[L_MASK], 0, scale, attn, own_lse, &buf);
+                    attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs,
+                           ctx, (const uint8_t*)p[L_MASK], scale, attn, scores, own_lse);
                 } else {
                     const int64_t t = task - M * KVH, h = t / common_tiles, r0 = t % common_tiles * common_per;
                     const int64_t n = M * G - r0 < common_per ? M * G - r0 : common_per;
@@ -1490,7 +1493,7 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
             _Pragma("omp for schedule(static)")
             for (int64_t task = 0; task < M * KVH; task++)
                 attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs,
-                       ctx, (const uint8_t*)p[L_MASK], scale, attn, scores);
+                       ctx, (const uint8_t*)p[L_MASK], scale, attn, scores, 0);
         }
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {

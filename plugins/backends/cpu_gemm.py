@@ -143,7 +143,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ts_bf16_gemm.restype = None
     lib.ts_q8_gemm.argtypes = [p, i64, i64, p, p, i32, p, i64, p, p, p, i32]
     lib.ts_q8_gemm.restype = None
-    lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, i32]
+    lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, p, i32]
     lib.ts_decode_attention.restype = None
     for name in ("ts_rms_norm", "ts_rms_norm_bf16"):
         getattr(lib, name).argtypes = [p, i64, i64, p, ctypes.c_float, p]
@@ -353,11 +353,13 @@ def decode_attention(
     ctx: int,
     mask: torch.Tensor | None,
     scale: float,
-) -> torch.Tensor | None:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of one query token per sequence (``q: [batch, heads, head_dim]``) read straight from the
     paged arena (``[slots, kv_heads, head_dim]``) through ``blocks: [batch, n]``, no gather; ``mask``
-    (bool, ``batch * ctx`` elements) keeps positions. None where the kernel cannot run (the caller's
-    torch path does)."""
+    (bool, ``batch * ctx`` elements) keeps positions. ``with_lse``: also each row's float32 log-sum-exp
+    ``[batch, heads]`` (for ``merge_attention``). None where the kernel cannot run (the caller's torch
+    path does)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if (
@@ -378,14 +380,15 @@ def decode_attention(
     scratch = torch.empty(batch * heads * ctx)
     table = blocks.to(torch.int64).contiguous()
     keep = None if mask is None else mask.reshape(batch, ctx).contiguous().view(torch.uint8)
+    lse = torch.empty(batch, heads) if with_lse else None
     # bit 1: the queries are bfloat16 values, which the AVX-512 kernel multiplies with vdpbf16ps exactly
     flags = int(k_cache.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1
     lib.ts_decode_attention(
         queries.data_ptr(), batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         flags, table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
-        scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        scale, out.data_ptr(), scratch.data_ptr(), address(lse), torch.get_num_threads(),
     )  # fmt: skip
-    return out.to(q.dtype)
+    return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
 
 
 def prefill_attention(

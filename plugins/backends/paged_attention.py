@@ -538,9 +538,10 @@ class KVArena:
         window: int | None,
         scale: float,
     ) -> torch.Tensor | None:
-        """A decode group with a shared prefix through the CPU kernel, both parts read from the arena in place:
-        the prefix once with every row's queries as the rows of one sequence, each row's own blocks as a
-        sequence of one query token; merged by log-sum-exp. None where the kernel cannot run."""
+        """A decode group with a shared prefix through the CPU kernels, both parts read from the arena in place:
+        the prefix once with every row's queries as the rows of one sequence (the prefill kernel), each row's
+        own blocks by the decode kernel; merged by log-sum-exp (as the fused decode does, to the bit). None
+        where the kernels cannot run."""
         shared = group.shared
         bs = self.block_size
         if isinstance(shared.keys, slice):
@@ -548,9 +549,9 @@ class KVArena:
         else:
             prefix_blocks = shared.keys
         own_blocks = group.blocks[:, shared.tokens // bs :]
-        own = cpu_gemm.prefill_attention(
+        own = cpu_gemm.decode_attention(
             q, k_cache, v_cache, own_blocks, bs, group.ctx - shared.tokens, shared.own_keeps[window], scale,
-            causal=False, with_lse=True,
+            with_lse=True,
         )  # fmt: skip
         if own is None:
             return None
