@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from tierserve.cache.eviction import EvictionPolicy
 
 
+MAX_CHILDREN_SCANNED = 32  # candidates ``longest_child`` compares, at most
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool cannot supply the blocks asked for."""
 
@@ -64,7 +67,8 @@ class BlockPool:
         self.evictions = 0
         self.on_evict: Callable[[Block], None] | None = None
         self.pinned: set[bytes] = set()  # hashes kept cached even with no sequence holding them
-        self.children: dict[bytes, set[int]] = {}  # parent hash -> registered blocks that follow it
+        # (parent hash or root, first token) -> registered blocks that follow it and begin with that token
+        self.children: dict[tuple[bytes, int], set[int]] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._num_cached_free = 0  # ref 0, registered, not pinned
 
@@ -168,8 +172,8 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
         self.cached[block_hash] = block_id
         block.follows = parent if parent is not None else root
-        if block.follows is not None:
-            self.children.setdefault(block.follows, set()).add(block_id)
+        if block.follows is not None and token_ids:
+            self.children.setdefault((block.follows, token_ids[0]), set()).add(block_id)
         self.policy.insert(block_hash, 1)
         self.policy.pin(block_hash)
         return True
@@ -226,7 +230,11 @@ class BlockPool:
         tokens begin with the longest run of ``token_ids``: ``(block id, tokens in common)``, or None where
         no child shares even the first token."""
         best = None
-        for block_id in self.children.get(parent, ()):
+        if not token_ids:
+            return None
+        for scanned, block_id in enumerate(self.children.get((parent, token_ids[0]), ())):
+            if scanned == MAX_CHILDREN_SCANNED:  # a prompt's lookup stays bounded however many turns branch here
+                break
             held = self.blocks[block_id].token_ids
             common = 0
             for mine, theirs in zip(token_ids, held):
@@ -239,11 +247,12 @@ class BlockPool:
 
     def _forget(self, block: Block) -> None:
         """Drop the block's registration (the caller settles the policy and the pin)."""
-        if block.follows is not None:
-            siblings = self.children[block.follows]
+        if block.follows is not None and block.token_ids:
+            key = (block.follows, block.token_ids[0])
+            siblings = self.children[key]
             siblings.discard(block.block_id)
             if not siblings:
-                del self.children[block.follows]
+                del self.children[key]
         del self.cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = block.follows = None
         block.accesses = 0
@@ -271,7 +280,11 @@ class BlockPool:
         registered = sum(1 for b in self.blocks if b.block_hash is not None)
         assert registered == len(self.cached), "a block carries a hash the cached map does not know"
         listed = {(key, block_id) for key, children in self.children.items() for block_id in children}
-        follows = {(b.follows, b.block_id) for b in self.blocks if b.block_hash is not None and b.follows is not None}
+        follows = {
+            ((b.follows, b.token_ids[0]), b.block_id)
+            for b in self.blocks
+            if b.block_hash is not None and b.follows is not None and b.token_ids
+        }
         assert listed == follows and all(self.children.values()), "the children lists differ from the blocks'"
         assert set(self.policy) == set(self.cached), "policy keys differ from the registered hashes"
         held = {key for key in self.policy if self.policy.is_pinned(key)}

@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+import structlog
+
 from tierserve.cache import frequency, warming
 from tierserve.cache.block_pool import Block, BlockPool
 from tierserve.cache.hashing import extend_hashes, root_hash
@@ -36,6 +38,8 @@ from tierserve.cache.warming import WarmReport
 
 if TYPE_CHECKING:
     from tierserve.core.sequence import Sequence
+
+log = structlog.get_logger(__name__)
 
 RESERVED_NAMES = ("l1", "all")
 
@@ -53,6 +57,8 @@ class TieredStore:
         reuse_partial_blocks: where a prompt's whole blocks end inside a block L1 holds (one that
             follows the same prefix and starts with some of the prompt's next tokens), copy that
             block into a new one of the sequence's and reuse those tokens too (``match_prefix``).
+        partial_min_tokens: the fewest tokens worth that copy (where recomputing a few tokens costs less
+            than moving a block through ``transfer``, as on a GPU).
 
     Attributes:
         tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
@@ -67,6 +73,7 @@ class TieredStore:
         tiers: Seq[StoreTier] = (),
         block_bytes: int = 0,
         reuse_partial_blocks: bool = True,
+        partial_min_tokens: int = 1,
     ) -> None:
         names = [t.name for t in tiers]
         for name in names:
@@ -83,6 +90,7 @@ class TieredStore:
         self.block_size = pool.block_size
         self.block_bytes = block_bytes
         self.reuse_partial_blocks = reuse_partial_blocks and transfer is not None
+        self.partial_min_tokens = max(1, partial_min_tokens)
         self.tiers = list(tiers)
         self.tier_names = ["l1", *names]
         self.placement = Placement(pool, [t.tier for t in self.tiers], self.tier_names)
@@ -162,27 +170,39 @@ class TieredStore:
         return PrefixMatch(usable, hits, elapsed)
 
     def _copy_partial_block(self, seq: Sequence, whole: int) -> int:
-        """After ``whole`` matched blocks (maybe none), reuse the start of an L1 block that follows the same prefix and
-        begins with some of the prompt's next tokens (a conversation's next turn ends the last turn's block
-        differently: the reply the model gave is not the one the client sends back). The block is shared
-        and immutable, so its content is copied into a new block of the sequence's, which computes the
-        rest; returns the tokens reused (0: none, or no free block). Never the prompt's last token."""
+        """After ``whole`` matched blocks (maybe none), reuse the start of an L1 block that follows the same
+        prefix and begins with at least ``partial_min_tokens`` of the prompt's next tokens (a conversation's
+        next turn ends the last turn's block differently: the reply the model gave is not the one the client
+        sends back). The block is shared and immutable, so its content is copied into a new block of the
+        sequence's, which computes the rest; returns the tokens reused. Never the prompt's last token, and
+        only where the pool can also hold the rest of the prompt (else the admission would fail and the copy
+        be made again every step); a failed copy is logged and reuses nothing."""
         bs = self.block_size
         start = whole * bs
         wanted = tuple(seq.token_ids[start : min(start + bs - 1, seq.num_tokens - 1)])
+        if len(wanted) < self.partial_min_tokens:
+            return 0
         after = seq.block_hashes[whole - 1] if whole else self.root_for(seq.cache_salt)
-        found = self.pool.longest_child(after, wanted) if wanted else None
-        if found is None:
+        found = self.pool.longest_child(after, wanted)
+        if found is None or found[1] < self.partial_min_tokens:
             return 0
         source, tokens = found
-        self.pool.share(source, hit=False)  # held so the allocation below cannot evict it
+        pool = self.pool
+        blocks = pool.blocks
+        idle = blocks[source].ref_count == 0 and blocks[source].block_hash not in pool.pinned
+        needed = -(-seq.num_tokens // bs) - whole  # the copy and every block after it
+        if pool.num_free_blocks - idle < needed:  # holding the source takes it out of the free count
+            return 0
+        pool.share(source, hit=False)  # held so the allocation below cannot evict it
+        [copy] = pool.allocate(1)
         try:
-            if not self.pool.num_free_blocks:
-                return 0
-            [copy] = self.pool.allocate(1)
             self.transfer.write_blocks([copy], self.transfer.read_blocks([source]))
+        except Exception as exc:  # the whole blocks still serve; this prompt computes the rest
+            pool.free([copy])
+            log.warning("partial_block_copy_failed", error=str(exc))
+            return 0
         finally:
-            self.pool.free([source])
+            pool.free([source])
         seq.block_table.append(copy)
         return tokens
 

@@ -254,10 +254,11 @@ def test_elementwise_kernels_match_torch():
     expected = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6)
     assert torch.allclose(cpu_gemm.rms_norm(x, weight, 1e-6), expected, rtol=1e-5, atol=1e-6)
     assert cpu_gemm.rms_norm(torch.randn(200, 40), weight, 1e-6) is None  # a prefill: torch's op
-    rows = torch.randn(cpu_gemm.LOOP_NORM_ROWS, 40, generator=generator)  # unless the layer loop allows as many
-    loop = cpu_gemm.rms_norm(rows, weight, 1e-6, max_rows=cpu_gemm.LOOP_NORM_ROWS)
+    rows = torch.randn(cpu_gemm.LOOP_NORM_ELEMENTS // 40, 40, generator=generator)  # the layer loop allows more
+    loop = cpu_gemm.rms_norm(rows, weight, 1e-6, max_elements=cpu_gemm.LOOP_NORM_ELEMENTS)
     assert torch.allclose(loop, torch.nn.functional.rms_norm(rows, (40,), weight, 1e-6), rtol=1e-5, atol=1e-6)
-    assert cpu_gemm.rms_norm(torch.cat([rows, rows[:1]]), weight, 1e-6, max_rows=cpu_gemm.LOOP_NORM_ROWS) is None
+    more = torch.cat([rows, rows[:1]])
+    assert cpu_gemm.rms_norm(more, weight, 1e-6, max_elements=cpu_gemm.LOOP_NORM_ELEMENTS) is None
     # decode rows; prefill rows, shared among the threads; 42 columns: a tail of 2; 150: bfloat16 spans of 64 and 22
     for rows, width in ((2, 84), (37, 84), (5, 300)):
         gate_up = torch.randn(rows, width, generator=generator) * 4

@@ -90,18 +90,46 @@ def test_no_reuse_across_salts_when_turned_off_or_once_the_block_is_gone():
     s.store.check_integrity()
 
 
-def test_whole_blocks_only_when_no_block_is_free_for_the_copy():
-    s = Store(num_blocks=4)
+def test_whole_blocks_only_when_the_pool_cannot_hold_the_copy_and_the_rest():
+    s = Store(num_blocks=5)
     s.compute(s.admit(FIRST))
-    held = s.admit(FIRST[:8] + [1])  # shares blocks 0-1, then takes the one empty block
+    held = s.admit(FIRST[:8] + [1])  # shares blocks 0-1, then takes an empty block
     assert held.num_cached_tokens == 8 and s.kv.allocate_slots(held, held.num_tokens)
-    assert s.pool.num_free_blocks == 1  # FIRST's block 2, cached: the copy's source, so nothing to copy into
-    assert s.admit(FIRST[:10] + [7]).num_cached_tokens == 8
+    # free: one empty block and FIRST's block 2 (cached, the copy's source): the copy fits, not a block after it
+    assert s.pool.num_free_blocks == 2
+    assert s.admit(FIRST[:10] + [7, 8, 9]).num_cached_tokens == 8  # 14 tokens: the copy and one more block
+    assert s.pool.blocks[block_holding(s.pool, FIRST[8:12])].block_hash is not None  # the source stays cached
+    fits = s.admit(FIRST[:10] + [7])  # 11 tokens: the copy alone
+    assert fits.num_cached_tokens == 10 and s.pool.num_free_blocks == 1  # the source, still cached
     s.store.check_integrity()
+    s.kv.free(fits)
     s.kv.free(held)
     held = s.admit(FIRST[:8] + [1])
-    assert s.kv.allocate_slots(held, held.num_tokens + BLOCK)  # now the empty block and FIRST's block 2 (evicted)
+    assert s.kv.allocate_slots(held, held.num_tokens + 2 * BLOCK)  # the empty blocks, then FIRST's block 2 evicted
     assert s.admit(FIRST[:10] + [7]).num_cached_tokens == 8  # the block is gone
+    s.store.check_integrity()
+
+
+def test_a_copy_worth_fewer_tokens_than_the_minimum_is_not_made():
+    s = Store()
+    s.store.partial_min_tokens = 3
+    s.compute(s.admit(FIRST))
+    assert s.admit(FIRST[:10] + [7]).num_cached_tokens == 8  # two tokens in common: recomputed
+    assert s.admit(FIRST[:11] + [7]).num_cached_tokens == 11
+
+
+def test_a_failed_copy_reuses_whole_blocks_and_frees_what_it_took():
+    s = Store()
+    s.compute(s.admit(FIRST))
+    free = s.pool.num_free_blocks
+
+    def broken(block_ids, data):
+        raise RuntimeError("device lost")
+
+    s.arena.write_blocks = broken
+    seq = s.admit(FIRST[:10] + [7])
+    assert seq.num_cached_tokens == 8 and len(seq.block_table) == 2
+    assert s.pool.num_free_blocks == free - 2  # the two shared blocks are held now; the copy went back
     s.store.check_integrity()
 
 

@@ -17,6 +17,7 @@ from tierserve.cache.store import StoreTier, TieredStore
 from tierserve.core.engine.core import EngineCore
 from tierserve.core.engine.messages import ModelInfo
 from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
+from tierserve.core.backend import ModelBackend
 from tierserve.core.backend_choice import AUTO, UnsupportedModel, backend_candidates
 from tierserve.core.engine.requests import RequestError, read_warm_prompts
 from tierserve.core.engine.runner import ModelRunner
@@ -26,7 +27,6 @@ from tierserve.core.scheduler import ModelLimits
 
 if TYPE_CHECKING:
     from tierserve.cache.tier import CacheTier
-    from tierserve.core.backend import ModelBackend
     from tierserve.core.speculation import Speculator
     from tierserve.core.tier_settings import TierSettings
     from tierserve.core.config import Settings
@@ -137,9 +137,13 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
     try:
         for tier in kv.tiers:
             tiers.append(StoreTier(tier.name, build_tier(tier, plugins, backend.fingerprint), tier.write_through))
+        # a partial block is copied through read_blocks / write_blocks, which a paged plugin may lack; off a
+        # CPU a few tokens more in a prefill chunk cost less than a block's trip through the host
+        copies = type(backend).read_blocks is not ModelBackend.read_blocks
         return TieredStore(
             pool, backend, backend.fingerprint, tiers, backend.kv_spec(kv.block_size).block_bytes,
-            reuse_partial_blocks=kv.reuse_partial_blocks,
+            reuse_partial_blocks=kv.reuse_partial_blocks and copies,
+            partial_min_tokens=1 if backend.device.type == "cpu" else kv.block_size // 2,
         )  # fmt: skip
     except BaseException:
         for made in tiers:  # a later tier failed: release the ones already open (threads, files)

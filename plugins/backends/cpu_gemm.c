@@ -1194,7 +1194,6 @@ static inline uint16_t bf16_bits(float f) { /* f already a bfloat16 value */
     return (uint16_t)(bits >> 16);
 }
 
-/* 1 / sqrt(mean(x^2) + eps) of one row, summed in float32 eight lanes at a time. */
 /* Attention over two disjoint key sets from each set's result and log-sum-exp, one row of D values:
  * (a e^(la - top) + b e^(lb - top)) / (e^(la - top) + e^(lb - top)), top the larger log-sum-exp, in float32
  * (merge_attention in paged_attention.py's order); bf16: a and b rounded to bfloat16 first (as the layer
@@ -1211,6 +1210,7 @@ void ts_merge_attention(const float* a, const float* la, const float* b, const f
     for (int64_t i = 0; i < n; i++) merge_row(a + i * D, la[i], b + i * D, lb[i], D, 0, out + i * D);
 }
 
+/* 1 / sqrt(mean(x^2) + eps) of one row, summed in float32 eight lanes at a time. */
 static inline float norm_scale(const float* xr, int64_t H, float eps) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -1473,15 +1473,16 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
              * (the prefill kernel), each row's own blocks by the decode kernel (ctx and the mask are the own
              * part's), merged by log-sum-exp; the same kernels, tiles and merge as the layer loop's */
             _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t task = 0; task < M * KVH + KVH * common_tiles; task++) {
-                if (task < M * KVH) {
-                    attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs,
-                           ctx, (const uint8_t*)p[L_MASK], scale, attn, scores, own_lse);
-                } else {
-                    const int64_t t = task - M * KVH, h = t / common_tiles, r0 = t % common_tiles * common_per;
+            for (int64_t task = 0; task < KVH * common_tiles + M * KVH; task++) { /* the long prefix tasks first */
+                if (task < KVH * common_tiles) {
+                    const int64_t h = task / common_tiles, r0 = task % common_tiles * common_per;
                     const int64_t n = M * G - r0 < common_per ? M * G - r0 : common_per;
                     pa_rows(qh, 0, h, r0, n, M, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, act_bf16,
                             shared_blocks, bs, shared_tokens, NULL, 0, scale, common, common_lse, &buf);
+                } else {
+                    attend(task - KVH * common_tiles, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE],
+                           kv_bf16 | act_bf16 << 1, blocks, nb, bs, ctx, (const uint8_t*)p[L_MASK], scale, attn,
+                           scores, own_lse);
                 }
             }
             _Pragma("omp for schedule(static)")

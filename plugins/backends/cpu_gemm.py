@@ -469,19 +469,22 @@ def merge_attention(
 
 # rows up to which rms_norm (one thread) beats torch's five ops (5-30 us each): decode rows, or their heads
 NORM_ROWS = 64
-# rows up to which the layer loop's norms run it all the same: torch's fused op splits more than 32k elements
-# among the threads, and its first parallel op after one of these kernels' regions waits ~0.1 ms for the
-# pool (measured on the 2-vCPU host: 155 us for 72 x 768 rows in a prefill step, against 40 us on one thread)
-LOOP_NORM_ROWS = 256
+# elements up to which the layer loop's norms run it all the same (256 rows of 768): torch's fused op splits
+# more than 32k elements among the threads, and in a prefill step it took ~155 us for 72 x 768 rows against
+# ~40 us on one thread (the 2-vCPU host); past this a row count the threads share is the better split
+LOOP_NORM_ELEMENTS = 256 * 768
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, max_rows: int = NORM_ROWS) -> torch.Tensor | None:
-    """Hugging Face's RMSNorm of up to ``max_rows`` float32 or bfloat16 CPU rows in one call, on one thread
-    (bfloat16: normalised in float32, rounded, times the weight, rounded, as ``llama.rms_norm``); None where
-    torch's ops should run."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, max_elements: int | None = None
+) -> torch.Tensor | None:
+    """Hugging Face's RMSNorm of up to ``NORM_ROWS`` float32 or bfloat16 CPU rows (``max_elements``: or more
+    rows of at most that many elements in all) in one call, on one thread (bfloat16: normalised in float32,
+    rounded, times the weight, rounded, as ``llama.rms_norm``); None where torch's ops should run."""
     rows = x.numel() // x.shape[-1]
+    too_many = rows > NORM_ROWS and (max_elements is None or x.numel() > max_elements)
     if (
-        x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or rows > max_rows
+        x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or too_many
         or weight.dtype != x.dtype or not weight.is_contiguous() or weight.shape != x.shape[-1:]
     ):  # fmt: skip
         return None

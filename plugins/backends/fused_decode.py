@@ -16,8 +16,9 @@ wherever the Python path's bfloat16 tensors round them, so the hidden states
 are the Python path's to the bit (tests/test_cpu_gemm.py checks).
 
 Rows: at most ``SMALL_BATCH`` where a matrix is int8 (the layer loop runs
-fbgemm above that), at most ``cpu_gemm.NORM_ROWS`` otherwise (above that the
-layer loop normalises with torch's op, in another order). Anything else
+fbgemm above that), at most ``cpu_gemm.NORM_ROWS`` otherwise (the scratch and
+the per-row split are sized for decode batches; within that the layer loop
+normalises with the same kernel). Anything else
 (prefill chunks, drafts, LoRA rows, more rows) runs the Python path. A prefix
 every row of the batch shares (``paged_attention.shared_prefix``) is read once
 for all rows, as the Python path reads it: the AVX-512 build only.

@@ -51,10 +51,10 @@ class LayerWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, own: bool = False) -> torch.Tensor:
     """Hugging Face's LlamaRMSNorm: normalise in float32, scale in the input dtype; ``own``: up to
-    ``cpu_gemm.LOOP_NORM_ROWS`` rows run tierserve's kernel (torch's ops cost ~30 us at decode, and more
-    when a prefill step's rows make them parallel), which sums the squares in its own order."""
+    ``cpu_gemm.LOOP_NORM_ELEMENTS`` elements run tierserve's kernel (torch's ops cost ~30 us at decode,
+    and more when a prefill step's rows make them parallel), which sums the squares in its own order."""
     dtype = x.dtype
-    out = cpu_gemm.rms_norm(x, weight, eps, max_rows=cpu_gemm.LOOP_NORM_ROWS) if own else None
+    out = cpu_gemm.rms_norm(x, weight, eps, max_elements=cpu_gemm.LOOP_NORM_ELEMENTS) if own else None
     if out is not None:
         return out
     if dtype == torch.float32:  # torch's fused op instead of five; the same float32 arithmetic
