@@ -359,18 +359,13 @@ def test_torch_kernels_are_used_throughout_when_asked(tmp_path):
     assert backends["auto"].fingerprint != backends["torch"].fingerprint
 
 
-def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> tuple[list, list, int]:
-    """Every step's logits of one greedy batch decoded with the fused decode (``ts_decode_layers``) and
-    again through the Python layer loop, and how many steps the fused call computed (the engine should not
-    cache prefixes: the second run would prefill differently)."""
-    from tierserve.core.sampling_params import SamplingParams
-
-    model = engine.driver.core.backend.model  # white-box: the stack each step runs
+def record_steps(model) -> tuple[list[torch.Tensor], list[tuple[bool, bool]]]:
+    """Wrap ``model``'s forward and fused call (white-box): every forward's logits, and for each fused call
+    whether it computed the step and whether that step's rows read a shared prefix."""
     fused = model.fused_decode
-    assert fused is not None
     logits: list[torch.Tensor] = []
+    calls: list[tuple[bool, bool]] = []
     forward, run = model.forward, fused.run
-    fused_steps = []
 
     def recording_forward(batch):
         out = forward(batch)
@@ -379,10 +374,22 @@ def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> 
 
     def counted_run(batch):
         hidden = run(batch)
-        fused_steps.append(hidden is not None)
+        calls.append((hidden is not None, batch.groups[0].shared is not None))
         return hidden
 
     model.forward, fused.run = recording_forward, counted_run
+    return logits, calls
+
+
+def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> tuple[list, list, int]:
+    """Every step's logits of one greedy batch decoded with the fused decode (``ts_decode_layers``) and
+    again through the Python layer loop, and how many steps the fused call computed (the engine should not
+    cache prefixes: the second run would prefill differently)."""
+    from tierserve.core.sampling_params import SamplingParams
+
+    model = engine.driver.core.backend.model  # white-box: the stack each step runs
+    assert model.fused_decode is not None
+    logits, calls = record_steps(model)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     try:
         engine.generate(prompts, params)
@@ -392,7 +399,7 @@ def fused_and_layer_loop_logits(engine, prompts: list[str], steps: int = 12) -> 
         engine.generate(prompts, params)
     finally:
         engine.close()
-    return with_fused, logits, sum(fused_steps)
+    return with_fused, logits, sum(ran for ran, _ in calls)
 
 
 @pytest.mark.parametrize(
@@ -474,21 +481,7 @@ def test_fused_decode_reads_a_shared_prefix_once_and_equals_the_layer_loop(tmp_p
         pytest.skip("the fused decode of a shared prefix runs on the AVX-512 build's own kernels only")
     prefix = [5 + (i * 11) % 150 for i in range(100)]  # 6 whole blocks of 16 shared
     prompts = [prefix + [7 + i + j for j in range(2 + 3 * i)] for i in range(4)]
-    logits: list[torch.Tensor] = []
-    shared_steps: list[bool] = []
-    forward, run = model.forward, fused.run
-
-    def recording_forward(batch):
-        out = forward(batch)
-        logits.append(out[0].clone())
-        return out
-
-    def counted_run(batch):
-        hidden = run(batch)
-        shared_steps.append(hidden is not None and batch.groups[0].shared is not None)
-        return hidden
-
-    model.forward, fused.run = recording_forward, counted_run
+    logits, calls = record_steps(model)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = []
     try:
@@ -501,7 +494,7 @@ def test_fused_decode_reads_a_shared_prefix_once_and_equals_the_layer_loop(tmp_p
             runs.append(logits[:])
     finally:
         engine.close()
-    assert sum(shared_steps) == 9  # every decode step after the prefill read the prefix once, fused
+    assert sum(ran and shared for ran, shared in calls) == 9  # every decode step after the prefill, fused
     with_fused, loop = runs
     assert len(with_fused) == len(loop) == 10
     for step, (a, b) in enumerate(zip(with_fused, loop)):
