@@ -157,11 +157,7 @@ class FusedDecode:
         else:  # the prefix is read once for all rows; each row's own part has its own blocks, context and mask
             ctx, shared_tokens = group.ctx - shared.tokens, shared.tokens
             blocks = group.blocks[:, shared_tokens // bs :]
-            keys = shared.keys
-            first = keys.start // bs if isinstance(keys, slice) else 0
-            shared_blocks = (
-                torch.arange(first, first + shared_tokens // bs) if isinstance(keys, slice) else keys.to(torch.int64)
-            ).contiguous()
+            shared_blocks = shared.block_ids(bs).contiguous()
             row_masks = shared.own_keeps
         masks = {
             window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)

@@ -51,6 +51,12 @@ class SharedPrefix:
     tokens: int  # key positions 0..tokens-1, whole blocks
     own_keeps: dict[int | None, torch.Tensor | None]  # sliding window -> visible own positions [batch, ctx - tokens]
 
+    def block_ids(self, block_size: int) -> torch.Tensor:
+        """The ids of the blocks holding the prefix, in order (int64)."""
+        if isinstance(self.keys, slice):
+            return torch.arange(self.keys.start // block_size, self.keys.stop // block_size)
+        return self.keys.to(torch.int64)
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -544,10 +550,7 @@ class KVArena:
         where the kernels cannot run."""
         shared = group.shared
         bs = self.block_size
-        if isinstance(shared.keys, slice):
-            prefix_blocks = torch.arange(shared.keys.start // bs, shared.keys.stop // bs)
-        else:
-            prefix_blocks = shared.keys
+        prefix_blocks = shared.block_ids(bs)
         own_blocks = group.blocks[:, shared.tokens // bs :]
         own = cpu_gemm.decode_attention(
             q, k_cache, v_cache, own_blocks, bs, group.ctx - shared.tokens, shared.own_keeps[window], scale,
@@ -561,10 +564,7 @@ class KVArena:
         if common is None:
             return None
         (own_out, own_lse), (common_out, common_lse) = own, common
-        merged = cpu_gemm.merge_attention(own_out, own_lse, common_out, common_lse)  # the fused decode's merge
-        if merged is not None:
-            return merged
-        return merge_attention(own_out, own_lse[..., None], common_out, common_lse[..., None])
+        return cpu_gemm.merge_attention(own_out, own_lse, common_out, common_lse)  # the fused decode's merge
 
     def _attend_decode(
         self,
