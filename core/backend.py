@@ -103,7 +103,8 @@ class ModelBackend(ABC):
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """CPU copy of whole arena blocks, ``[n, layers, 2, block_size, kv_heads, head_dim]``
-        (paged backends; this is what the cache tiers store)."""
+        (paged backends; this is what the cache tiers store, and, with ``write_blocks``, how L1 copies a
+        block a prompt shares in part: a backend that keeps the default reuses whole blocks only)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no paged KV arena")
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
