@@ -802,6 +802,25 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mask_add_ps(y, big, y, y);
 }
 
+/* exp16 of softmax exponents (a score less the running max: x <= 0, or -inf for a dropped position), the same
+ * polynomial: for x in [-87, 0] the same bits, since y * 2^n is exact either way. Below, x is floored at -110,
+ * whose 2^n factor (scalef) underflows to an exact 0, so -inf needs no mask and no NaN is made. */
+static inline __m512 exp16_softmax(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
 #define PA_VECS 3  /* row vectors a prefill attention task takes: 48 query rows (tokens x query heads) */
 #define PA_KEYS 64 /* key positions per block of the online softmax */
 
@@ -1045,9 +1064,7 @@ static inline __attribute__((always_inline)) void prefill_task(
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < nk; j++) {
                 float* s = st + (j * NV + u) * 16;
-                const __m512 x = _mm512_load_ps(s);
-                const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                const __m512 e = _mm512_maskz_mov_ps(kept, exp16(_mm512_sub_ps(x, base)));
+                const __m512 e = exp16_softmax(_mm512_sub_ps(_mm512_load_ps(s), base));
                 _mm512_store_ps(s, e);
                 sum = _mm512_add_ps(sum, e);
             }
