@@ -22,7 +22,11 @@ Within a run, later turns also reuse the conversation's own earlier turns.
 ``tierserve-bf16`` and ``tierserve-int8`` run the same states with bfloat16 or
 int8 weights, the peers of ``llama-server-bf16`` and ``llama-server-q8_0``;
 ``tierserve-kvbf16-whole-blocks`` reuses whole blocks only (against
-``tierserve-kvbf16``: what partial-block reuse gives).
+``tierserve-kvbf16``: what partial-block reuse gives);
+``tierserve-prompts-every-step`` and ``tierserve-kvbf16-prompts-every-step`` let
+new prompts start in the step right after one that started prompts (against
+``tierserve`` and ``tierserve-kvbf16``: what the production preset's decode step
+between prefills gives).
 The peers run the same requests once, on a freshly started server.
 ``transformers serve`` without continuous batching keeps no KV between
 requests; with it, identical prompt blocks are shared in memory while the
@@ -48,7 +52,8 @@ from bench.servers import TIERSERVE_PRECISIONS, Server, start
 from bench.stats import median
 from bench.workloads import shared_prefix_conversations
 
-OURS = ("tierserve", *TIERSERVE_PRECISIONS, "tierserve-kvbf16-whole-blocks")
+OURS = ("tierserve", *TIERSERVE_PRECISIONS, "tierserve-kvbf16-whole-blocks", "tierserve-prompts-every-step",
+        "tierserve-kvbf16-prompts-every-step")
 PEERS = ("transformers-serve-cb", "transformers-serve", *LLAMA_SERVER_PRECISIONS)
 DEFAULT_PEERS = PEERS[:2]  # llama-server (built from source on first use) on request
 CACHE_STATES = ("cold", "fresh", "L1", "L2", "L3")

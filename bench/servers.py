@@ -15,6 +15,9 @@
   ``DynamicCache`` per sequence), whatever ``auto`` would pick.
 - ``tierserve-bf16-no-l3-writes``: ``tierserve-bf16`` with ``kv_cache.persistence =
   false``, so L3 is not written through (what the disk writer costs a busy step loop).
+- ``tierserve-prompts-every-step`` / ``tierserve-kvbf16-prompts-every-step``: ``tierserve`` /
+  ``tierserve-kvbf16`` with ``scheduler.decode_steps_between_prefills = 0`` (new prompts may start in the
+  step right after one that started prompts: what the production preset's decode step between prefills gives).
 - ``tierserve-kvbf16-whole-blocks``: ``tierserve-kvbf16`` with ``kv_cache.reuse_partial_blocks =
   false`` (prefix reuse in whole blocks only: what partial-block reuse gives the prefix scenario).
 - ``transformers-serve`` / ``transformers-serve-cb``: ``transformers serve``
@@ -60,6 +63,9 @@ TIERSERVE_BACKENDS = {
 # the production preset's prefill grouping A/B: prompts together up to max_num_batched_tokens, or 256 a group
 TIERSERVE_POLICIES = {"tierserve-ungrouped": ["scheduler.prefill_group_tokens=0"],
                       "tierserve-grouped": ["scheduler.prefill_group_tokens=256"],
+                      "tierserve-prompts-every-step": ["scheduler.decode_steps_between_prefills=0"],
+                      "tierserve-kvbf16-prompts-every-step": ["kv_cache.dtype=bfloat16",
+                                                              "scheduler.decode_steps_between_prefills=0"],
                       "tierserve-bf16-no-l3-writes": ["model.dtype=bfloat16", "kv_cache.persistence=false"],
                       "tierserve-kvbf16-whole-blocks": ["kv_cache.dtype=bfloat16", "kv_cache.reuse_partial_blocks=false"]}
 TIERSERVE_VARIANTS = {**TIERSERVE_PRECISIONS, **TIERSERVE_BACKENDS, **TIERSERVE_POLICIES}

@@ -251,6 +251,14 @@ class SchedulerSettings(Section):
         "prompts is prefilled one group a step, so the first get their first token sooner; 0 = no limit but "
         "max_num_batched_tokens",
     )
+    decode_steps_between_prefills: int = Field(
+        0,
+        ge=0,
+        description="after a step that started new prompts, this many steps start none while sequences are "
+        "decoding (those steps run the decodes, and any prompt already part-way through its prefill): a decoding "
+        "sequence never waits behind two prefill steps in a row, and chat clients that send their next turn as "
+        "the last one ends stop queuing behind each other's prefill; 0 = prompts start in any step with room",
+    )
 
 
 class KVCacheSettings(Section):

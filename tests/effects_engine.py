@@ -153,6 +153,17 @@ def scheduler_prefill_group_tokens(lab: Lab) -> None:
             assert (stats.requests_running, stats.requests_waiting) == (running, 3 - running)
 
 
+def scheduler_decode_steps_between_prefills(lab: Lab) -> None:
+    for steps, running_after_one_step in ((1, 1), (0, 2)):  # the second prompt waits a step, or starts at once
+        with lab.engine({"scheduler.decode_steps_between_prefills": steps}) as engine:
+            engine.submit(engine.encode_prompt("a b c"), greedy(8))
+            engine.step()  # the first prompt; it now decodes
+            engine.submit(engine.encode_prompt("d e f"), greedy(8))
+            engine.step()
+            stats = engine.stats()
+            assert (stats.requests_running, stats.requests_waiting) == (running_after_one_step, 2 - running_after_one_step)
+
+
 def scheduler_max_waiting_requests(lab: Lab) -> None:
     with lab.engine({"scheduler.max_waiting_requests": 2}) as engine:
         ids = engine.encode_prompt("a")
@@ -434,6 +445,7 @@ PROBES = {
     "scheduler.max_num_batched_tokens": scheduler_max_num_batched_tokens,
     "scheduler.max_waiting_requests": scheduler_max_waiting_requests,
     "scheduler.prefill_group_tokens": scheduler_prefill_group_tokens,
+    "scheduler.decode_steps_between_prefills": scheduler_decode_steps_between_prefills,
     "speculative.method": speculative_method,
     "speculative.num_speculative_tokens": speculative_num_speculative_tokens,
     "speculative.adaptive": speculative_adaptive,

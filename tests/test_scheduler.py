@@ -78,6 +78,7 @@ class FakeEngine:
         max_num_batched_tokens: int = 32,
         max_waiting_requests: int = 512,
         prefill_group_tokens: int = 0,
+        decode_steps_between_prefills: int = 0,
     ) -> None:
         self.settings = SchedulerSettings(
             name=name,
@@ -85,6 +86,7 @@ class FakeEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_waiting_requests=max_waiting_requests,
             prefill_group_tokens=prefill_group_tokens,
+            decode_steps_between_prefills=decode_steps_between_prefills,
         )
         self.pool = BlockPool(num_blocks, block_size, _POLICIES.get("lru").factory(num_blocks))
         self.scheduler: Scheduler = _SCHEDULERS.get(name).factory(self.settings, KVCacheManager(self.pool))
@@ -231,6 +233,76 @@ def test_a_burst_of_prompts_is_prefilled_one_group_a_step(name):
             assert [c.num_tokens for c in engine.outputs[1].chunks] == [1, 1, 10, 10]  # two decodes, two prompts
         else:
             assert [first_token_step[s] for s in seqs] == [1] * 6
+
+
+def closed_loop_prefill_waits(engine: FakeEngine, clients: int, turns: int, prompt_len: int, max_tokens: int):
+    """Chat clients that each send their next prompt as their last one finishes: the reply reaches the
+    client while the next step already runs, so the prompt arrives during that step and can start in the one
+    after. Per prompt (in arrival order after the first turns), the prompt tokens of other sequences that the
+    step it arrived during computed: on a compute-bound device, how long it waited before its own step."""
+    ids = itertools.count()
+    arrivals: dict[int, list[int]] = {1: [turns] * clients}  # step before which prompts are queued -> turns left
+    waited, running = [], {}
+    for step in itertools.count(1):
+        for left in arrivals.pop(step, []):
+            seq = make_seq(next(ids), prompt_len, max_tokens)
+            engine.add(seq)
+            running[seq] = left
+        if not running and not arrivals:
+            return waited
+        assert step < 10_000
+        out = engine.step()
+        prompt_tokens = sum(c.num_tokens for c in out.chunks if c.seq.num_output_tokens == 0 or c.start < prompt_len)
+        for seq, left in list(running.items()):
+            if seq.is_finished:
+                del running[seq]
+                if left > 1:
+                    arrivals.setdefault(step + 2, []).append(left - 1)
+                    waited.append(("arrives during", step + 1))
+        waited = [prompt_tokens if w == ("arrives during", step) else w for w in waited]
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_after_a_step_that_started_prompts_the_next_one_runs_the_decodes_alone(name):
+    """decode_steps_between_prefills = 1: a prompt that arrives right after one was started waits one step,
+    in which the decoding sequences get their token; with nothing decoding it starts at once."""
+    engine = FakeEngine(name, max_num_batched_tokens=64, num_blocks=128, decode_steps_between_prefills=1)
+    first, second, third = (make_seq(i, prompt_len=10, max_tokens=6) for i in range(3))
+    engine.add(first)
+    assert [c.seq for c in engine.step().chunks] == [first]
+    engine.add(second)
+    assert [c.seq for c in engine.step().chunks] == [first]  # first decodes alone; second waits
+    assert [(c.seq, c.num_tokens) for c in engine.step().chunks] == [(first, 1), (second, 10)]
+    engine.add(third)
+    assert [c.seq for c in engine.step().chunks] == [first, second]
+    assert [c.seq for c in engine.step().chunks] == [first, second, third]
+    engine.run()
+    engine.check_all_done([first, second, third])
+    idle = FakeEngine(name, max_num_batched_tokens=64, num_blocks=128, decode_steps_between_prefills=1)
+    alone, after = make_seq(0, prompt_len=10, max_tokens=1), make_seq(1, prompt_len=10, max_tokens=1)
+    idle.add(alone)
+    idle.step()  # alone finishes in its prefill step: nothing decodes, so the next prompt need not wait
+    idle.add(after)
+    assert [c.seq for c in idle.step().chunks] == [after]
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_a_decode_step_between_prefills_spreads_closed_loop_chat_turns(name):
+    """Four clients whose turns end one step apart: with prompts allowed in every step each new prompt
+    arrives while the previous client's prompt is being prefilled and waits that whole step, turn after turn;
+    with one decode step between prefills their first turns start two steps apart, and every later prompt
+    arrives during a step of decodes only."""
+    every_step = FakeEngine(name, max_num_batched_tokens=64, num_blocks=256, prefill_group_tokens=1)
+    spaced = FakeEngine(name, max_num_batched_tokens=64, num_blocks=256, prefill_group_tokens=1,
+                        decode_steps_between_prefills=1)  # fmt: skip
+    waited = {}
+    for label, engine in (("every step", every_step), ("spaced", spaced)):
+        waited[label] = closed_loop_prefill_waits(engine, clients=4, turns=6, prompt_len=12, max_tokens=16)
+        assert len(waited[label]) == 4 * 5  # every turn after the first
+        engine.check_blocks()
+    # the first client of each round arrives during decodes; each of the others during the previous one's prefill
+    assert waited["every step"] == [0, 12, 12, 12] * 5
+    assert waited["spaced"] == [0] * 20
 
 
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)
@@ -433,6 +505,7 @@ def workloads(draw):
         "num_blocks": largest + draw(st.integers(0, 12)),
         "max_num_seqs": draw(st.integers(1, 6)),
         "max_num_batched_tokens": draw(st.integers(1, 48)),
+        "decode_steps_between_prefills": draw(st.integers(0, 2)),
         "requests": requests,
     }
 
@@ -446,6 +519,7 @@ def test_random_workloads_keep_invariants_and_terminate(w):
         block_size=w["block_size"],
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=w["max_num_batched_tokens"],
+        decode_steps_between_prefills=w["decode_steps_between_prefills"],
     )
     arrivals = sorted(enumerate(w["requests"]), key=lambda r: r[1][3])
     seqs = []

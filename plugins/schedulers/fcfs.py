@@ -23,7 +23,12 @@ class FCFSScheduler(Scheduler):
     of those already admitted this step plus the next one's whole prompt): on
     a compute-bound device a step's time grows with its prefill tokens, so
     prefilling a burst one group a step gives the first prompts their first
-    token after their own prefill instead of after everyone's.
+    token after their own prefill instead of after everyone's. After a step
+    that started prompts, ``decode_steps_between_prefills`` steps start none
+    while any sequence decodes: with closed-loop clients (a chat sends its
+    next turn as its last one ends) sequences that finish one step apart
+    would otherwise send prompts that each arrive during the previous one's
+    prefill step and wait all of it, turn after turn.
 
     When a running sequence needs a block and none is free, the last-admitted
     running sequence is preempted: its blocks are freed and it goes back to
@@ -36,6 +41,7 @@ class FCFSScheduler(Scheduler):
         self._waiting: list[tuple[Any, Sequence]] = []  # heap by order key
         self._running: list[Sequence] = []
         self._counter = itertools.count()
+        self._steps_before_prompts = 0  # steps that start no new prompt while sequences decode
 
     def order_key(self, seq: Sequence) -> Any:
         """Lower runs first; preemption takes the highest. Subclasses change the policy here."""
@@ -112,7 +118,9 @@ class FCFSScheduler(Scheduler):
         budget = self.settings.max_num_batched_tokens - output.num_tokens
 
         group_limit, group_tokens = self.settings.prefill_group_tokens, 0
-        if not output.preempted:
+        hold = bool(decoding) and self._steps_before_prompts > 0
+        self._steps_before_prompts = self._steps_before_prompts - 1 if hold else 0
+        if not output.preempted and not hold:
             while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
                 seq = self._waiting[0][-1]
                 # judged on the whole prompt, before the cache is asked: a deferred prompt is looked up once
@@ -129,6 +137,7 @@ class FCFSScheduler(Scheduler):
                 self._running.append(seq)
                 output.chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
+                self._steps_before_prompts = self.settings.decode_steps_between_prefills
         return output
 
 
