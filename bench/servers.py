@@ -220,6 +220,10 @@ def start_transformers_serve(
     return Server(name, base, str(checkpoint), process, log_path)
 
 
+# GGUF files whose llama-server crashed loading with the repacked (AMX) weights in this run.
+_MODELS_WITHOUT_REPACK: set[Path] = set()
+
+
 def start_llama_server(
     name: str, checkpoint: Path, log_dir: Path, slots: int, context_per_slot: int, timeout: float = 600.0
 ) -> Server:
@@ -230,21 +234,28 @@ def start_llama_server(
     port = free_port()
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     command = server_command(llama_server_binary(), model, port, slots, context_per_slot, threads)
+    if model in _MODELS_WITHOUT_REPACK:
+        command.append("--no-repack")
     log_path = log_dir / f"{name}.log"
     process = _launch(command, log_path, dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
         _ready_or_killed(f"{base}/health", process, log_path, timeout)
     except RuntimeError:
-        if process.returncode != -signal.SIGSEGV:
+        if process.returncode not in (-signal.SIGSEGV, -signal.SIGILL) or "--no-repack" in command:
             raise
         # llama.cpp 0.3.36's AMX buffer (Q8_0 and other quantized types, on CPUs reporting amx_int8)
-        # crashes in its load-time warm-up on some hosts; without the extra buffer types it runs its
-        # ordinary AVX-512 kernels. Said on stderr and in the log, so a run's figures say which it was.
-        note = f"{name}: llama-server crashed (SIGSEGV) while loading; starting it again with --no-repack"
+        # crashes in its load-time warm-up on some hosts (SIGSEGV, at times SIGILL); without the extra
+        # buffer types it runs its ordinary AVX-512 kernels. Said on stderr and in the log, so a run's
+        # figures say which it was, and remembered, so every repeat of the run uses the same kernels.
+        note = (
+            f"{name}: llama-server crashed ({signal.Signals(-process.returncode).name}) while loading;"
+            " starting it again with --no-repack, as every later start of this model in this run"
+        )
         print(note, file=sys.stderr)
         with log_path.open("a") as log:
             log.write(f"\n[bench] {note}\n")
+        _MODELS_WITHOUT_REPACK.add(model)
         process = _launch([*command, "--no-repack"], log_path, dict(os.environ))
         _ready_or_killed(f"{base}/health", process, log_path, timeout)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
