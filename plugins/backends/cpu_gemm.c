@@ -23,8 +23,9 @@
  *
  * On CPUs with AVX-512 VNNI and BF16 (cpu_gemm.py adds -mavx512f -mavx512bw -mavx512vl -mavx512vnni
  * -mavx512bf16 there; TS_AVX512 below), two things change:
- *   q8    a block's int8 products are summed by vpdpbusd instead of maddubs + madd: the same exact int32
- *         lane sums, so the results are the AVX2 build's to the bit;
+ *   q8    a block's int8 products are summed by vpdpbusd instead of maddubs + madd, two output rows' blocks
+ *         per 512-bit instruction: the same exact int32 lane sums, scaled and added in the same order, so
+ *         the results are the AVX2 build's to the bit;
  *   bf16  vdpbf16ps multiplies the weight panels by the activation rows rounded to bfloat16 (exact for a
  *         bfloat16 model's rows, which are bfloat16 values, but for subnormals, which vcvtneps2bf16 and
  *         vdpbf16ps flush to zero) and adds pairs of products into float32 lanes, with its own fixed
@@ -358,16 +359,109 @@ void ts_q8_quantize(const float* x, int64_t K, int8_t* q, float* d) {
     }
 }
 
+#if TS_AVX512
+/* Two output rows' blocks at once: w holds rows r and r + 1 of a tile's block (64 bytes), abs_x the
+ * activation block's |x| in both 256-bit halves, negative its sign bits. w's bytes are negated where x is
+ * negative (where x is 0, |x| is, so the byte adds nothing): the AVX2 build's sign_epi8 products, and
+ * vpdpbusd's exact int32 lane sums, each half the lanes of one row. */
+static inline __m512 block_dot2(__m512i abs_x, __mmask64 negative, const int8_t* w) {
+    const __m512i wv = _mm512_loadu_si512((const void*)w);
+    const __m512i signed_w = _mm512_mask_sub_epi8(wv, negative, _mm512_setzero_si512(), wv);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), abs_x, signed_w));
+}
+
+/* Block k's scales for rows (r, r + 1) of a tile, one per 256-bit half: the activation's d times the
+ * weight's per-block scale (grouped), or d alone (a per-row weight scale is applied by store_tile). */
+static inline __m512 pair_scale(const float* st, int64_t k, int r, float d) {
+    if (!st) return _mm512_set1_ps(d);
+    const __m256d high = _mm256_castps_pd(_mm256_set1_ps(d * st[k * 4 + r + 1]));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d * st[k * 4 + r])), high, 1));
+}
+
+static inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
+static inline __m256 high_half(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* The rounded activation rows qx [M, K] as the tiles read them, made once a call by each thread instead of
+ * once per tile: |x| [M, K] and, per block of 32, its sign bits twice (the mask of both 256-bit halves). */
+typedef struct {
+    const uint8_t* abs;
+    const uint64_t* negative;
+    void* owned; /* a large call's buffer, freed by q8_signs_done; small ones stay with the thread */
+} q8_signs;
+
+#define Q8_SIGNS_KEPT (1 << 20)
+
+static q8_signs q8_signs_of(const int8_t* qx, int64_t M, int64_t K) {
+    static __thread uint8_t* kept = 0;
+    const int64_t blocks = K / QK, bytes = (M * K + M * blocks * 8 + 63) / 64 * 64;
+    uint8_t* held = bytes <= Q8_SIGNS_KEPT ? kept : 0;
+    if (!held) held = (uint8_t*)aligned_alloc(64, bytes <= Q8_SIGNS_KEPT ? Q8_SIGNS_KEPT : bytes);
+    if (!held) { /* nothing to compute with; the rows' products would be garbage, so stop here */
+        fprintf(stderr, "cpu_gemm: out of memory for %lld bytes of q8 activation signs\n", (long long)bytes);
+        abort();
+    }
+    if (bytes <= Q8_SIGNS_KEPT) kept = held;
+    uint64_t* negative = (uint64_t*)held;
+    uint8_t* abs = held + M * blocks * 8;
+    for (int64_t b = 0; b < M * blocks; b++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qx + b * QK));
+        const uint64_t bits = (uint32_t)_mm256_movemask_epi8(v);
+        negative[b] = bits | bits << 32;
+        _mm256_storeu_si256((__m256i*)(abs + b * QK), _mm256_abs_epi8(v));
+    }
+    return (q8_signs){abs, negative, bytes <= Q8_SIGNS_KEPT ? 0 : held};
+}
+
+static void q8_signs_done(q8_signs signs) { free(signs.owned); }
+
+/* |x| of an activation block in both halves of a 512-bit vector. */
+static inline __m512i block_abs2(const uint8_t* abs) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)abs));
+}
+
+/* Four output rows x two activation rows per pass, two output rows per 512-bit instruction: each lane
+ * gets the AVX2 build's products and sums in its order, so the results are its bits. */
+static inline void q8_tile(const int8_t* wt, const float* st, const uint8_t* x0, const uint64_t* n0, const uint8_t* x1,
+                           const uint64_t* n1, const float* d0, const float* d1, int64_t blocks, __m256* a, __m256* b) {
+    __m512 a01 = _mm512_setzero_ps(), a23 = a01, b01 = a01, b23 = a01;
+    for (int64_t k = 0; k < blocks; k++) {
+        const int8_t* wb = wt + k * 4 * QK;
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK + 64), _MM_HINT_T0);
+        const __m512i au = block_abs2(x0 + k * QK), av = block_abs2(x1 + k * QK);
+        const __mmask64 nu = _cvtu64_mask64(n0[k]), nv = _cvtu64_mask64(n1[k]);
+        a01 = _mm512_fmadd_ps(block_dot2(au, nu, wb), pair_scale(st, k, 0, d0[k]), a01);
+        a23 = _mm512_fmadd_ps(block_dot2(au, nu, wb + 2 * QK), pair_scale(st, k, 2, d0[k]), a23);
+        b01 = _mm512_fmadd_ps(block_dot2(av, nv, wb), pair_scale(st, k, 0, d1[k]), b01);
+        b23 = _mm512_fmadd_ps(block_dot2(av, nv, wb + 2 * QK), pair_scale(st, k, 2, d1[k]), b23);
+    }
+    a[0] = low_half(a01), a[1] = high_half(a01), a[2] = low_half(a23), a[3] = high_half(a23);
+    b[0] = low_half(b01), b[1] = high_half(b01), b[2] = low_half(b23), b[3] = high_half(b23);
+}
+
+/* One activation row against a tile: the sums of q8_tile's first row, in the same order. */
+static inline void q8_tile_one(const int8_t* wt, const float* st, const uint8_t* x0, const uint64_t* n0,
+                               const float* d0, int64_t blocks, __m256* a) {
+    __m512 a01 = _mm512_setzero_ps(), a23 = a01;
+    for (int64_t k = 0; k < blocks; k++) {
+        const int8_t* wb = wt + k * 4 * QK;
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + Q8_PREFETCH * 4 * QK + 64), _MM_HINT_T0);
+        const __m512i au = block_abs2(x0 + k * QK);
+        const __mmask64 nu = _cvtu64_mask64(n0[k]);
+        a01 = _mm512_fmadd_ps(block_dot2(au, nu, wb), pair_scale(st, k, 0, d0[k]), a01);
+        a23 = _mm512_fmadd_ps(block_dot2(au, nu, wb + 2 * QK), pair_scale(st, k, 2, d0[k]), a23);
+    }
+    a[0] = low_half(a01), a[1] = high_half(a01), a[2] = low_half(a23), a[3] = high_half(a23);
+}
+#else
 /* Sum over one block of 32 of |x| * (w with x's sign), in 8 int32 lanes widened to float: maddubs
  * multiplies unsigned by signed bytes, and |x|, |w| <= 127 keeps each pair sum under int16's limit. */
 static inline __m256 block_dot(__m256i abs_x, __m256i x, const int8_t* w, __m256i ones) {
     __m256i signed_w = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)w), x);
-#if TS_AVX512
-    (void)ones; /* vpdpbusd: each lane the same four products' exact sum */
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), abs_x, signed_w));
-#else
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(abs_x, signed_w), ones));
-#endif
 }
 
 /* Four output rows x two activation rows per pass: each weight block loaded once for two rows. */
@@ -410,6 +504,8 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
     }
 }
 
+#endif
+
 /* The products of already-rounded activation rows qx [M, K] (block scales dx [M, K/32]) with a packed
  * weight; grouped = 0: ws holds one scale per row [N]; grouped = 1: one per 32 columns, packed
  * [N/4][K/32][4]. The tiles are shared among the enclosing parallel region's threads (an orphaned
@@ -417,6 +513,12 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
 static void q8_rows(const int8_t* qx, const float* dx, int64_t M, int64_t K, const int8_t* w, const float* ws,
                     int grouped, const float* bias, int64_t N, float* out) {
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
+#if TS_AVX512
+    const q8_signs signs = q8_signs_of(qx, M, K);
+#define Q8_ROW(m) signs.abs + (m) * K, signs.negative + (m) * blocks
+#else
+#define Q8_ROW(m) qx + (m) * K
+#endif
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < tiles; t++) {
         const int8_t* wt = w + t * 4 * K;
@@ -425,16 +527,21 @@ static void q8_rows(const int8_t* qx, const float* dx, int64_t M, int64_t K, con
         int64_t m = 0;
         for (; m + 1 < M; m += 2) {
             __m256 a[4], b[4];
-            q8_tile(wt, st, qx + m * K, qx + (m + 1) * K, dx + m * blocks, dx + (m + 1) * blocks, blocks, a, b);
+            q8_tile(wt, st, Q8_ROW(m), Q8_ROW(m + 1), dx + m * blocks, dx + (m + 1) * blocks, blocks, a, b);
             store_tile(out + m * N, N, t * 4, a, row_scale, bias);
             store_tile(out + (m + 1) * N, N, t * 4, b, row_scale, bias);
         }
         if (m < M) {
             __m256 a[4];
-            q8_tile_one(wt, st, qx + m * K, dx + m * blocks, blocks, a);
+            q8_tile_one(wt, st, Q8_ROW(m), dx + m * blocks, blocks, a);
             store_tile(out + m * N, N, t * 4, a, row_scale, bias);
         }
     }
+#undef Q8_ROW
+#if TS_AVX512
+    /* each thread read only the signs it made */
+    q8_signs_done(signs);
+#endif
 }
 
 /* out [M, N] = x [M, K] @ W^T (+ bias), x rounded to Q8_0 blocks into the scratch qx [M, K], dx [M, K/32]. */
