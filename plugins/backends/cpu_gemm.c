@@ -395,14 +395,19 @@ typedef struct {
 
 static q8_signs q8_signs_of(const int8_t* qx, int64_t M, int64_t K) {
     static __thread uint8_t* kept = 0;
+    static __thread int64_t kept_bytes = 0;
     const int64_t blocks = K / QK, bytes = (M * K + M * blocks * 8 + 63) / 64 * 64;
-    uint8_t* held = bytes <= Q8_SIGNS_KEPT ? kept : 0;
-    if (!held) held = (uint8_t*)aligned_alloc(64, bytes <= Q8_SIGNS_KEPT ? Q8_SIGNS_KEPT : bytes);
+    const int keep = bytes <= Q8_SIGNS_KEPT;
+    uint8_t* held = keep && bytes <= kept_bytes ? kept : 0;
+    if (!held) {
+        if (keep) free(kept), kept = 0, kept_bytes = 0;
+        held = (uint8_t*)aligned_alloc(64, bytes);
+    }
     if (!held) { /* nothing to compute with; the rows' products would be garbage, so stop here */
         fprintf(stderr, "cpu_gemm: out of memory for %lld bytes of q8 activation signs\n", (long long)bytes);
         abort();
     }
-    if (bytes <= Q8_SIGNS_KEPT) kept = held;
+    if (keep) kept = held, kept_bytes = bytes;
     uint64_t* negative = (uint64_t*)held;
     uint8_t* abs = held + M * blocks * 8;
     for (int64_t b = 0; b < M * blocks; b++) {
@@ -411,7 +416,7 @@ static q8_signs q8_signs_of(const int8_t* qx, int64_t M, int64_t K) {
         negative[b] = bits | bits << 32;
         _mm256_storeu_si256((__m256i*)(abs + b * QK), _mm256_abs_epi8(v));
     }
-    return (q8_signs){abs, negative, bytes <= Q8_SIGNS_KEPT ? 0 : held};
+    return (q8_signs){abs, negative, keep ? 0 : held};
 }
 
 static void q8_signs_done(q8_signs signs) { free(signs.owned); }
@@ -512,6 +517,7 @@ static inline void q8_tile_one(const int8_t* wt, const float* st, const int8_t* 
  * omp for). Rows run in pairs; a lone (odd) last row runs alone, with the same sums in the same order. */
 static void q8_rows(const int8_t* qx, const float* dx, int64_t M, int64_t K, const int8_t* w, const float* ws,
                     int grouped, const float* bias, int64_t N, float* out) {
+    if (M <= 0) return; /* every thread alike, so none waits at the omp for */
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
 #if TS_AVX512
     const q8_signs signs = q8_signs_of(qx, M, K);
