@@ -102,7 +102,9 @@ def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
     generator = torch.Generator().manual_seed(11)
     weight, x = torch.randn(70, 128, generator=generator) * 0.05, torch.randn(5, 128, generator=generator)
     bias, many = torch.randn(70, generator=generator), torch.randn(29, 128, generator=generator)
-    torch.save({"weight": weight, "x": x, "bias": bias, "many": many}, tmp_path / "inputs.pt")
+    # a prefill-sized call: the AVX-512 build's per-call activation signs outgrow the buffer a thread keeps
+    wide, tall = torch.randn(70, 4096, generator=generator) * 0.05, torch.randn(260, 4096, generator=generator)
+    torch.save({"weight": weight, "x": x, "bias": bias, "many": many, "wide": wide, "tall": tall}, tmp_path / "inputs.pt")
     script = (
         "import sys, torch; from tierserve.plugins.backends import cpu_gemm;"
         "from tierserve.plugins.backends.linear import Int8Linear, quantize_groups;"
@@ -111,7 +113,8 @@ def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
         "rows = Int8Linear(d['weight'], None, 'q8', torch.float32)(d['x']);"
         "groups = Int8Linear(quantize_groups(d['weight']), None, 'grouped', torch.float32, True)(d['x']);"
         "floats = cpu_gemm.PackedFloat(d['weight'], d['bias'])(d['many']);"
-        "torch.save({'rows': rows, 'groups': groups, 'floats': floats}, sys.argv[2])"
+        "tall = Int8Linear(d['wide'], None, 'q8', torch.float32)(d['tall']);"
+        "torch.save({'rows': rows, 'groups': groups, 'floats': floats, 'tall': tall}, sys.argv[2])"
     )
     env = {**os.environ, cpu_gemm.ISA_VARIABLE: "avx2", "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
@@ -121,6 +124,7 @@ def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
     assert torch.equal(Int8Linear(weight, None, "q8", torch.float32)(x), avx2["rows"])
     assert torch.equal(Int8Linear(quantize_groups(weight), None, "grouped", torch.float32, True)(x), avx2["groups"])
     assert torch.equal(cpu_gemm.PackedFloat(weight, bias)(many), avx2["floats"])
+    assert torch.equal(Int8Linear(wide, None, "q8", torch.float32)(tall), avx2["tall"])
 
 
 def test_a_compiler_without_avx512_bf16_builds_for_avx2(tmp_path):

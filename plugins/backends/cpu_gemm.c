@@ -384,7 +384,10 @@ static inline __m256 high_half(__m512 v) {
 }
 
 /* The rounded activation rows qx [M, K] as the tiles read them, made once a call by each thread instead of
- * once per tile: |x| [M, K] and, per block of 32, its sign bits twice (the mask of both 256-bit halves). */
+ * once per tile: |x| [M, K] and, per block of 32, its sign bits twice (the mask of both 256-bit halves).
+ * Each thread makes all M rows (its tiles take every row): a long prefill through q8 (GGUF Q8_0 weights)
+ * allocates about M * K * 1.25 bytes a thread for the call, a few ms against the call's seconds. A
+ * thread's buffer of at most 1 MiB stays with it for its next calls (and is not freed when it exits). */
 typedef struct {
     const uint8_t* abs;
     const uint64_t* negative;
@@ -396,7 +399,7 @@ typedef struct {
 static q8_signs q8_signs_of(const int8_t* qx, int64_t M, int64_t K) {
     static __thread uint8_t* kept = 0;
     static __thread int64_t kept_bytes = 0;
-    const int64_t blocks = K / QK, bytes = (M * K + M * blocks * 8 + 63) / 64 * 64;
+    const int64_t blocks = K / QK, bytes = (M * K + M * blocks * 8 + 64) / 64 * 64; /* never 0 */
     const int keep = bytes <= Q8_SIGNS_KEPT;
     uint8_t* held = keep && bytes <= kept_bytes ? kept : 0;
     if (!held) {
