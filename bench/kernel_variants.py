@@ -3,8 +3,9 @@
     python -m bench.kernel_variants bf16 8,16,32,64     (bf16-panels: BF16_PREFETCH, 128-byte panel rows ahead)
     python -m bench.kernel_variants q8 8,16,32 --rows 2  (q8, per-row scales: Q8_PREFETCH, blocks of 128 bytes)
 
-Each distance is its own build of ``cpu_gemm.c`` (this machine's flags plus
-``-D<MACRO>=<distance>``), loaded side by side; the bench model's 48 layer
+Each distance is its own build of ``cpu_gemm.c`` (this machine's build's flags
+plus ``-D<MACRO>=<distance>``, compiled here with ``$CC`` or ``cc``), loaded
+side by side through ``cpu_gemm_abi.Kernels``; the bench model's 48 layer
 matmuls (12 layers of qkv, o, gate_up, down) run through each build in turn,
 repeat after repeat, so the builds share the machine's moods. Every build's
 output must equal the first's to the bit (a prefetch moves no arithmetic).
@@ -15,7 +16,8 @@ second. Not part of the tests: the defaults in ``cpu_gemm.c`` came from it.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import os
+import shlex
 import statistics
 import subprocess
 import tempfile
@@ -26,18 +28,23 @@ import torch
 
 from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.cpu_gemm import PackedFloat, PackedQ8
+from tierserve.plugins.backends.cpu_gemm_abi import Kernels
+from tierserve.plugins.backends.cpu_gemm_builds import LINK_FLAGS, compile_flags
 
 SHAPES = [(1280, 768), (768, 768), (6144, 768), (768, 3072)]  # the bench model's qkv, o, gate_up, down
 LAYERS = 12
 MACROS = {"bf16": "BF16_PREFETCH", "q8": "Q8_PREFETCH"}
 
 
-def build(macro: str, distance: int, folder: Path) -> ctypes.CDLL:
-    """``cpu_gemm.c`` compiled with ``-D<macro>=<distance>``, declared as ``cpu_gemm`` declares its own build."""
+def build(macro: str, distance: int, folder: Path) -> Kernels:
+    """``cpu_gemm.c`` compiled with this machine's build's flags and ``-D<macro>=<distance>``, bound as
+    ``cpu_gemm`` binds the installed build."""
+    isa = cpu_gemm.isa()
     target = folder / f"cpu_gemm-{macro}-{distance}.so"
-    command = [*cpu_gemm.c_compiler(), *cpu_gemm.build_flags(), f"-D{macro}={distance}", "-o", str(target)]
-    subprocess.run([*command, str(cpu_gemm.SOURCE)], check=True)
-    return cpu_gemm._declare(ctypes.CDLL(str(target)))
+    compiler = shlex.split(os.environ.get("CC", "")) or ["cc"]
+    flags = [*compile_flags(isa), *LINK_FLAGS, "-shared", "-fPIC", f"-D{macro}={distance}"]
+    subprocess.run([*compiler, *flags, str(Path(cpu_gemm.__file__).with_name("cpu_gemm.c")), "-o", str(target)], check=True)
+    return Kernels(target, isa)
 
 
 def main() -> None:
@@ -48,7 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     if cpu_gemm.library() is None:
-        raise SystemExit("tierserve's C kernels do not build here (x86-64 with AVX2 and a C compiler needed)")
+        raise SystemExit(f"tierserve's C kernels do not run here: {cpu_gemm.unavailable_reason()}")
     distances = [int(d) for d in args.distances.split(",")]
     torch.manual_seed(0)
     if args.kernel == "bf16":
@@ -62,28 +69,30 @@ def main() -> None:
     inputs = {k: torch.randn(rows, k) for _, k in SHAPES}
     outputs = {n: torch.empty(rows, n) for n, _ in SHAPES}
     widest = max(k for _, k in SHAPES)
-    quantized, block_scales = torch.empty(rows * widest, dtype=torch.int8), torch.empty(rows * widest // cpu_gemm.QK)
-    threads = torch.get_num_threads()
+    quantized = {k: torch.empty(rows, k, dtype=torch.int8) for _, k in SHAPES}
+    block_scales = {k: torch.empty(rows, k // cpu_gemm.QK) for _, k in SHAPES}
     scratch = torch.empty(rows * widest, dtype=torch.int16)  # ts_bf16_gemm's rounded rows (AVX-512 build)
 
-    def one_pass(lib: ctypes.CDLL) -> None:
-        for layer in layers:
-            for (n, k), packed in zip(SHAPES, layer):
-                x, out = inputs[k].data_ptr(), outputs[n].data_ptr()
+    def one_pass(lib: Kernels, weights: list) -> None:
+        for layer in weights:
+            for (n, k), weight in zip(SHAPES, layer):
                 if args.kernel == "bf16":
-                    lib.ts_bf16_gemm(x, rows, k, packed.weight.data_ptr(), None, n, out, 0, scratch.data_ptr(), threads)
+                    lib.matmul(weight, inputs[k], outputs[n], bf16_rows=scratch)
                 else:
-                    lib.ts_q8_gemm(x, rows, k, packed.weight.data_ptr(), packed.scale.data_ptr(), 0, None, n, out,
-                                   quantized.data_ptr(), block_scales.data_ptr(), threads)  # fmt: skip
+                    lib.matmul(weight, inputs[k], outputs[n], q8_rows=quantized[k], q8_scales=block_scales[k])
 
     with tempfile.TemporaryDirectory(prefix="tierserve-kernel-variants-") as folder:
         builds = {d: build(MACROS[args.kernel], d, Path(folder)) for d in distances}
+        checked = {  # each build's view of the same packed weights
+            d: [[lib.matmul_weight(p.projection(), n, k) for (n, k), p in zip(SHAPES, layer)] for layer in layers]
+            for d, lib in builds.items()
+        }
         times: dict[int, list[float]] = {d: [] for d in distances}
         reference = None
         for _ in range(args.repeats):
             for distance, lib in builds.items():
                 start = time.perf_counter()
-                one_pass(lib)
+                one_pass(lib, checked[distance])
                 times[distance].append(time.perf_counter() - start)
                 result = torch.cat([outputs[n] for n, _ in SHAPES], 1)
                 if reference is None:

@@ -8,14 +8,24 @@ float32 scaling), so it matches to float32 rounding of the block sums' scaling.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tierserve.plugins.backends import cpu_gemm
+from tests.conftest import REPO_ROOT
+from tierserve.plugins.backends import cpu_gemm, cpu_gemm_abi
+from tierserve.plugins.backends.cpu_gemm_abi import (
+    Q8_ROW, DecoderLayer, DecodeShape, KernelArgumentError, KernelLoadError, Kernels, Layer, Projection,
+)
+from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, object_name
 from tierserve.plugins.backends.linear import Int8Linear, LinearFactory, quantize_groups, quantize_rows
 
 pytestmark = pytest.mark.skipif(
@@ -95,10 +105,9 @@ def test_float_kernels_compute_the_product_of_the_weights_held(dtype):
 def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
     """The AVX-512 build sums a q8 block with vpdpbusd: the same int32 lanes as AVX2's maddubs + madd, so
     the same float32 results to the bit; float32 panels are one multiply-add chain per output element in
-    both builds (12 rows a group there, 6 here), so the same bits too (the AVX2 build runs in a subprocess,
-    on its own kernel cache)."""
+    both builds (12 rows a group there, 6 here), so the same bits too (the AVX2 build runs in a subprocess)."""
     if cpu_gemm.isa() != "avx512":
-        pytest.skip("this CPU runs the AVX2 build only")
+        pytest.skip("this process runs the AVX2 build")
     generator = torch.Generator().manual_seed(11)
     weight, x = torch.randn(70, 128, generator=generator) * 0.05, torch.randn(5, 128, generator=generator)
     bias, many = torch.randn(70, generator=generator), torch.randn(29, 128, generator=generator)
@@ -116,7 +125,7 @@ def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
         "tall = Int8Linear(d['wide'], None, 'q8', torch.float32)(d['tall']);"
         "torch.save({'rows': rows, 'groups': groups, 'floats': floats, 'tall': tall}, sys.argv[2])"
     )
-    env = {**os.environ, cpu_gemm.ISA_VARIABLE: "avx2", "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, cpu_gemm.ISA_VARIABLE: "avx2"}
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
                           env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -127,29 +136,61 @@ def test_avx512_build_gives_the_avx2_builds_q8_and_float32_bits(tmp_path):
     assert torch.equal(Int8Linear(wide, None, "q8", torch.float32)(tall), avx2["tall"])
 
 
-def test_a_compiler_without_avx512_bf16_builds_for_avx2(tmp_path):
-    """``auto`` on an AVX-512 CPU with a compiler that refuses -mavx512bf16: the AVX2 build loads instead
-    (warned), and the fingerprint says avx2."""
+def kernels_only(folder, *isas: str):
+    """``folder`` holding copies of this install's builds of ``isas`` (as an install that made only those)."""
+    folder.mkdir(exist_ok=True)
+    for isa in isas:
+        shutil.copy(cpu_gemm.KERNEL_DIR / object_name(isa), folder / object_name(isa))
+    return folder
+
+
+def run_with_kernels_in(folder, script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``script`` in a new interpreter (environment ``env``, else this one's) whose ``cpu_gemm`` loads its
+    builds from ``folder``."""
+    setup = (
+        "from pathlib import Path; from tierserve.plugins.backends import cpu_gemm;"
+        f"cpu_gemm.KERNEL_DIR = Path({str(folder)!r});"
+    )
+    return subprocess.run([sys.executable, "-c", setup + script], env=os.environ if env is None else env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_an_install_without_the_avx512_build_runs_avx2(tmp_path):
+    """``auto`` on an AVX-512 CPU where the install could not build the AVX-512 object (a compiler without
+    -mavx512bf16): the AVX2 build loads instead (warned), and the fingerprint says avx2."""
     if cpu_gemm.isa() != "avx512":
-        pytest.skip("this CPU runs the AVX2 build only")
+        pytest.skip("this process runs the AVX2 build")
+    script = (
+        "import torch; print(cpu_gemm.library() is not None, cpu_gemm.isa(), cpu_gemm.bf16_dot(),"
+        "cpu_gemm.fingerprint_tag(torch.device('cpu')))"
+    )
+    env = {key: value for key, value in os.environ.items() if key != cpu_gemm.ISA_VARIABLE}
+    done = run_with_kernels_in(kernels_only(tmp_path / "kernels", "avx2"), script, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "avx2", "False", f"/cpu-gemm-avx2-v{cpu_gemm.KERNEL_VERSION}"]
+    assert "cpu_gemm_avx512_not_built" in done.stderr
+
+
+def test_a_compiler_without_avx512_bf16_still_builds_the_avx2_kernels(tmp_path):
+    """``setup.py`` with a compiler that refuses -mavx512bf16: the AVX2 object is built, the AVX-512 one is
+    left out with a warning, and the build succeeds (the install goes on)."""
     compiler = tmp_path / "old-cc"
     compiler.write_text('#!/bin/sh\ncase "$*" in *-mavx512bf16*) echo "unrecognized option" >&2; exit 1;; esac\nexec cc "$@"\n')
     compiler.chmod(0o755)
-    script = (
-        "import torch; from tierserve.plugins.backends import cpu_gemm;"
-        "print(cpu_gemm.library() is not None, cpu_gemm.isa(), cpu_gemm.bf16_dot(), cpu_gemm.fingerprint_tag(torch.device('cpu')))"
-    )
-    env = {**os.environ, "CC": str(compiler), "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop(cpu_gemm.ISA_VARIABLE, None)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    out, temp = tmp_path / "lib", tmp_path / "temp"
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-lib", str(out), "--build-temp", str(temp)],
+        cwd=REPO_ROOT, env={**os.environ, "CC": str(compiler)}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[:3] == ["True", "avx2", "False"] and "/cpu-gemm-avx2-" in done.stdout
-    assert "cpu_gemm_avx512_build_failed" in done.stdout + done.stderr
+    built = sorted(path.name for path in out.rglob("*.so"))
+    assert built == [object_name("avx2")]
+    assert "_cpu_gemm_avx512" in done.stdout + done.stderr and "failed" in done.stdout + done.stderr
 
 
-def test_an_unknown_isa_is_refused_with_the_allowed_values(tmp_path):
+def test_an_unknown_isa_is_refused_with_the_allowed_values():
     script = "from tierserve.plugins.backends import cpu_gemm; print(cpu_gemm.library(), cpu_gemm.unavailable_reason())"
-    env = {**os.environ, cpu_gemm.ISA_VARIABLE: "sse9", "TIERSERVE_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, cpu_gemm.ISA_VARIABLE: "sse9"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "None TIERSERVE_CPU_GEMM_ISA: got 'sse9', allowed: auto, avx2, avx512" in done.stdout
@@ -232,23 +273,38 @@ def test_bfloat16_prefill_chunks_run_onednn_on_the_widened_weight():
     assert differing < 0.05, differing
 
 
-def test_without_a_compiler_torch_kernels_run(tmp_path):
-    """An empty kernel cache and a compiler that fails: the library is not loaded, the reason is given,
-    and int8 and bfloat16 layers fall back to torch's kernels."""
+def test_without_the_built_kernels_torch_kernels_run(tmp_path):
+    """An install that built no kernels (no C compiler then): the library is not loaded, the log and
+    ``unavailable_reason()`` say why and what to do, and int8 and bfloat16 layers fall back to torch's kernels."""
     script = (
-        "import torch; from tierserve.plugins.backends import cpu_gemm;"
-        "from tierserve.plugins.backends.linear import LinearFactory;"
+        "import torch; from tierserve.plugins.backends.linear import LinearFactory;"
         "assert cpu_gemm.library() is None; print(cpu_gemm.unavailable_reason());"
         "print(LinearFactory('auto', torch.device('cpu'), torch.float32, 'int8').kernel);"
         "print(LinearFactory('auto', torch.device('cpu'), torch.bfloat16).kernel)"
     )
-    env = {**os.environ, "CC": "false", "TIERSERVE_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = run_with_kernels_in(kernels_only(tmp_path / "kernels"), script)
     assert result.returncode == 0, result.stderr
     reason, int8_kernel, bf16_kernel = result.stdout.strip().splitlines()
-    assert reason.startswith("false failed")
+    assert "kernels were not built" in reason and "install gcc and reinstall tierserve" in reason
+    assert "cpu_gemm_unavailable" in result.stderr
     assert "+q8" not in int8_kernel and bf16_kernel in ("onednn", "torch")
-    assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_loading_the_kernels_compiles_nothing(tmp_path):
+    """The first use of the kernels loads the objects the install built: with no compiler on the path and
+    an empty cache directory, they load and compute, and nothing is written to the cache."""
+    cache, empty = tmp_path / "cache", tmp_path / "no-compilers"
+    empty.mkdir()
+    script = (
+        "import torch; from tierserve.plugins.backends import cpu_gemm;"
+        "layer = cpu_gemm.PackedQ8(torch.ones(8, 32, dtype=torch.int8), torch.ones(8), None);"
+        "print(cpu_gemm.library().isa, layer(torch.ones(1, 32))[0, 0].item())"
+    )
+    env = {**os.environ, "PATH": str(empty), "CC": "false", "TIERSERVE_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [cpu_gemm.isa(), "32.0"]
+    assert not cache.exists() or not any(cache.rglob("*"))
 
 
 def test_elementwise_kernels_match_torch():
@@ -480,7 +536,7 @@ def test_fused_decode_reads_a_shared_prefix_once_and_equals_the_layer_loop(tmp_p
     engine = make_engine(path, **options)
     model = engine.driver.core.backend.model
     fused = model.fused_decode
-    if fused is None or fused.prefill_attention is None:
+    if fused is None or not fused.prefill_attention:
         engine.close()
         pytest.skip("the fused decode of a shared prefix runs on the AVX-512 build's own kernels only")
     prefix = [5 + (i * 11) % 150 for i in range(100)]  # 6 whole blocks of 16 shared
@@ -708,3 +764,258 @@ def test_fbgemm_input_rows_are_torchs_to_the_bit():
     norms = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
     by_torch = layer.op(torch.cat([x / norms, layer.span]), layer.weight, True)[:-1].mul_(norms)
     assert torch.equal(layer(x), by_torch)
+
+
+def pattern(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    """Float32 values in [-scale, scale) from integer hashing: the same inputs on every torch version (its
+    random generators promise no such thing)."""
+    i = torch.arange(math.prod(shape), dtype=torch.int64) + seed * 1_000_003
+    h = (i * 1103515245 + 12345) & 0x7FFFFFFF
+    h = ((h ^ (h >> 13)) * 1664525 + 1013904223) & 0x7FFFFFFF
+    h = h ^ (h >> 16)
+    return ((h.double() / 2**31 - 0.5) * (2 * scale)).float().view(shape)
+
+
+def int8s(seed: int, *shape: int) -> torch.Tensor:
+    return (pattern(seed, *shape) * 127).round().to(torch.int8)
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    """The first 16 hex digits of the sha256 of the tensors' bytes."""
+    hashed = hashlib.sha256()
+    for tensor in tensors:
+        hashed.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return hashed.hexdigest()[:16]
+
+
+def fused_decode_digest(dtype: torch.dtype, kv_dtype: torch.dtype, shared: bool) -> str:
+    """Three rows through two layers of ``ts_decode_layers`` (float32: q8 and panel projections mixed, a
+    qkv bias, q/k norms, a masked layer; bfloat16: the bfloat16 kernel throughout; ``shared``: a prefix every
+    row shares, read once): the hidden rows after it and the arena it wrote."""
+    shape = DecodeShape(hidden_size=64, heads=4, kv_heads=2, head_dim=16, intermediate_size=96)
+    rows, block, ctx = 3, 16, 20
+    qkv_n = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    sizes = {"qkv": (qkv_n, 64), "o": (64, 64), "gate_up": (192, 64), "down": (64, 96)}
+
+    def projection(seed: int, name: str, kind: str) -> Projection:
+        n, k = sizes[name]
+        bias = pattern(seed + 2, n) if name == "qkv" else None
+        if kind == "q8-row":
+            return cpu_gemm.PackedQ8(int8s(seed, n, k), pattern(seed + 1, n, scale=0.01).abs(), bias).projection()
+        if kind == "q8-groups":
+            return cpu_gemm.PackedQ8(int8s(seed, n, k), pattern(seed + 1, n, k // 32, scale=0.01).abs(), bias).projection()
+        return cpu_gemm.PackedFloat(pattern(seed, n, k, scale=0.1).to(dtype), bias).projection()
+
+    kinds = ({"qkv": "q8-row", "o": "float", "gate_up": "q8-groups", "down": "q8-row"}, dict.fromkeys(sizes, "float"))
+    if dtype == torch.bfloat16:
+        kinds = (dict.fromkeys(sizes, "float"),) * 2
+    layers = [
+        DecoderLayer(
+            pattern(100 * i + 1, 64).to(dtype).float(), pattern(100 * i + 2, 64).to(dtype).float(),
+            pattern(100 * i + 3, 16).to(dtype).float(), pattern(100 * i + 4, 16).to(dtype).float(),
+            *(projection(100 * i + 10 * j + 10, name, kinds[i][name]) for j, name in enumerate(sizes)),
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    stack = cpu_gemm.library().decode_stack(shape, layers, act_bf16=dtype == torch.bfloat16)
+    keys = [pattern(50 + i, 10 * block, 2, 16).to(kv_dtype) for i in range(2)]
+    values = [pattern(60 + i, 10 * block, 2, 16).to(kv_dtype) for i in range(2)]
+    stack.set_arena(keys, values)
+    blocks = torch.tensor([[3, 1], [0, 5], [4, 2]])
+    slots = blocks[:, (ctx - 1) // block] * block + (ctx - 1) % block
+    window = torch.ones(rows, ctx, dtype=torch.uint8)
+    window[:, :6] = 0
+    hidden = pattern(70, rows, 64).to(dtype).float()
+    stack.run(
+        hidden, pattern(71, rows, 16), pattern(72, rows, 16), slots, blocks, block, ctx, [None, window], 1e-6, 0.25,
+        torch.empty(rows * shape.work_floats(ctx)), torch.empty(rows * shape.widest, dtype=torch.int8),
+        torch.empty(rows * shape.widest // 32), torch.tensor([8, 9]) if shared else None, 2 * block if shared else 0,
+    )  # fmt: skip
+    return digest(hidden, *keys, *values)
+
+
+def kernel_digests() -> dict[str, str]:
+    """Every kernel of this process's build run on fixed inputs: a digest of each one's output bits."""
+    out = {}
+    x, weight, bias = pattern(1, 7, 96), pattern(2, 70, 96, scale=0.1), pattern(3, 70)
+    out["f32_gemm"] = digest(cpu_gemm.PackedFloat(weight, bias)(x))
+    packed = cpu_gemm.PackedFloat(weight.bfloat16(), bias)
+    out["bf16_gemm"] = digest(packed(x.bfloat16().float()), packed(x))
+    if cpu_gemm.bf16_dot():
+        out["bf16_gemm_bf16_rows"] = digest(packed(x.bfloat16()))
+    q, row_scales, group_scales = int8s(4, 99, 96), pattern(5, 99, scale=0.01).abs(), pattern(6, 99, 3, scale=0.01).abs()
+    xq = pattern(7, 5, 96)
+    xq[2, 32:64] = 0
+    out["q8_gemm_rows"] = digest(cpu_gemm.PackedQ8(q, row_scales, pattern(8, 99))(xq))
+    out["q8_gemm_groups"] = digest(cpu_gemm.PackedQ8(q, group_scales, None)(xq))
+    block, ctx = 16, 47
+    table = torch.tensor([[7, 2, 9], [0, 11, 3], [5, 1, 4]])
+    mask = torch.ones(3, ctx, dtype=torch.bool)
+    mask[0, :19], mask[2, 5:] = False, False
+    for kv in (torch.float32, torch.bfloat16):
+        keys, values = pattern(9, 12 * block, 2, 64).to(kv), pattern(10, 12 * block, 2, 64).to(kv)
+        name = "f32" if kv == torch.float32 else "bf16"
+        q = pattern(11, 3, 6, 64)
+        found, lse = cpu_gemm.decode_attention(q, keys, values, table, block, ctx, mask, 0.125, with_lse=True)
+        out[f"decode_attention_{name}"] = digest(found, lse)
+        if kv == torch.bfloat16:
+            found = cpu_gemm.decode_attention(q.bfloat16(), keys, values, table, block, ctx, None, 0.125)
+            out["decode_attention_bf16_queries"] = digest(found)
+        q = pattern(12, 2 * 20, 6, 64)
+        cache = (keys, values, torch.tensor([[7, 2, 9, 3], [0, 11, 5, 1]]), block, 50)
+        causal = cpu_gemm.prefill_attention(q, *cache, None, 0.125)
+        if causal is None:
+            continue  # the AVX2 build has no prefill kernel
+        own = torch.arange(50 - 20, 50)[:, None]
+        keep = (torch.arange(50)[None] <= own) & (torch.arange(50)[None] > own - 24)
+        masked = cpu_gemm.prefill_attention(q, *cache, torch.stack([keep, keep]), 0.125)
+        whole, whole_lse = cpu_gemm.prefill_attention(q, *cache, None, 0.125, False, True)
+        out[f"prefill_attention_{name}"] = digest(causal, masked, whole, whole_lse)
+        if kv == torch.bfloat16:
+            out["prefill_attention_bf16_queries"] = digest(cpu_gemm.prefill_attention(q.bfloat16(), *cache, None, 0.125))
+            rounded = cpu_gemm.prefill_attention(q, *cache, None, 0.125, round_queries=True)
+            out["prefill_attention_rounded_queries"] = digest(rounded)
+    a, b = pattern(13, 5, 4, 32), pattern(14, 5, 4, 32)
+    out["merge_attention"] = digest(cpu_gemm.merge_attention(a, pattern(15, 5, 4), b, pattern(16, 5, 4)))
+    rows, norm = pattern(17, 3, 5, 40, scale=3), pattern(18, 40)
+    bf16 = cpu_gemm.rms_norm(rows.bfloat16(), norm.bfloat16(), 1e-6)
+    out["rms_norm"] = digest(cpu_gemm.rms_norm(rows, norm, 1e-6), bf16)
+    rows = pattern(19, 7, 100, scale=30)
+    rows[1] = 0
+    out["unit_rows"] = digest(*cpu_gemm.unit_rows(rows))
+    gate_up = pattern(20, 37, 300, scale=8)
+    gate_up[0, :4] = torch.tensor([-100.0, -87.5, 60.0, 0.0])
+    out["silu_mul"] = digest(cpu_gemm.silu_mul(gate_up), cpu_gemm.silu_mul(gate_up.bfloat16()))
+    out["decode_layers_f32"] = fused_decode_digest(torch.float32, torch.float32, shared=False)
+    out["decode_layers_f32_bf16_kv"] = fused_decode_digest(torch.float32, torch.bfloat16, shared=False)
+    out["decode_layers_bf16"] = fused_decode_digest(torch.bfloat16, torch.bfloat16, shared=False)
+    if cpu_gemm.library().has_prefill_attention:
+        out["decode_layers_f32_shared"] = fused_decode_digest(torch.float32, torch.float32, shared=True)
+        out["decode_layers_bf16_shared"] = fused_decode_digest(torch.bfloat16, torch.bfloat16, shared=True)
+    return out
+
+
+# Each KERNEL_VERSION's output bits for kernel_digests()' inputs, per build (gcc 12, glibc 2.36: CI's machine).
+# When a kernel's results change, test_each_build_computes_its_kernel_versions_bits fails: bump KERNEL_VERSION
+# in plugins/backends/cpu_gemm_builds.py and add the new version's digests here; never edit an earlier version's.
+GOLDEN = {
+    1: {
+        "avx2": {
+            "f32_gemm": "d8c110650bde231a", "bf16_gemm": "bdaf3cdc4cf08314", "q8_gemm_rows": "b7d8d8a66fab4316",
+            "q8_gemm_groups": "6da560169a99a879", "decode_attention_f32": "43bb7c6615d5d68a",
+            "decode_attention_bf16": "d8c81cb2fd0c85e9", "decode_attention_bf16_queries": "4d366f4c3c243bf4",
+            "merge_attention": "330a87de94466bf5", "rms_norm": "3d34c9772a013298", "unit_rows": "ba6f3e427fbec417",
+            "silu_mul": "add97eef8bfefc50", "decode_layers_f32": "ead9fdc983a89028",
+            "decode_layers_f32_bf16_kv": "c77c75ababf1fbbc", "decode_layers_bf16": "e6873c793febf206",
+        },
+        "avx512": {
+            "f32_gemm": "d8c110650bde231a", "bf16_gemm": "173d5425478dd03e", "bf16_gemm_bf16_rows": "41c7b3aed6f57df3",
+            "q8_gemm_rows": "b7d8d8a66fab4316", "q8_gemm_groups": "6da560169a99a879",
+            "decode_attention_f32": "4d21b49804be2e9b", "prefill_attention_f32": "599c44f7fbd0791a",
+            "decode_attention_bf16": "7ce528343996fdc6", "decode_attention_bf16_queries": "4d366f4c3c243bf4",
+            "prefill_attention_bf16": "7aeffb206818bd1c", "prefill_attention_bf16_queries": "7faccb8c3d89cc40",
+            "prefill_attention_rounded_queries": "f0fa1dc5f52e096d", "merge_attention": "330a87de94466bf5",
+            "rms_norm": "3d34c9772a013298", "unit_rows": "ba6f3e427fbec417", "silu_mul": "add97eef8bfefc50",
+            "decode_layers_f32": "37619f58cfa37bdf", "decode_layers_f32_bf16_kv": "39f1ff4c181407bf",
+            "decode_layers_bf16": "e6873c793febf206", "decode_layers_f32_shared": "aa20e5e478192060",
+            "decode_layers_bf16_shared": "20347bec7095c3d5",
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_each_build_computes_its_kernel_versions_bits(isa):
+    """Every kernel of each build on fixed inputs gives the output bits recorded for this KERNEL_VERSION (the
+    cache fingerprint's name for them): a change of results without a version bump fails here. The build
+    this process does not run is run in a subprocess that loads it."""
+    if isa == "avx512" and not cpu_gemm._cpu_flags().issuperset(CPU_FLAGS["avx512"]):
+        pytest.skip("this CPU cannot run the AVX-512 build")
+    if isa == cpu_gemm.isa():
+        found = kernel_digests()
+    else:
+        script = "import json; from tests.test_cpu_gemm import kernel_digests; print(json.dumps(kernel_digests()))"
+        env = {**os.environ, cpu_gemm.ISA_VARIABLE: isa}
+        done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=240)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        found = json.loads(done.stdout.splitlines()[-1])
+    version = cpu_gemm.KERNEL_VERSION
+    assert version in GOLDEN, f"no digests recorded for KERNEL_VERSION {version}: add GOLDEN[{version}] = {found}"
+    expected = GOLDEN[version][isa]
+    changed = sorted(name for name in found.keys() | expected.keys() if found.get(name) != expected.get(name))
+    assert not changed, (
+        f"the {isa} build's results changed under KERNEL_VERSION {version} ({', '.join(changed)}): bump "
+        f"KERNEL_VERSION in plugins/backends/cpu_gemm_builds.py and record GOLDEN[{version + 1}][{isa!r}] = {found}"
+    )
+
+
+def test_kernel_calls_check_their_tensors():
+    """A kernel handed a tensor it cannot take (dtype, shape, contiguity, too small a scratch) raises an error
+    that names the kernel, the argument, what it takes and what it got, before the C code runs."""
+    lib = cpu_gemm.library()
+    packed = cpu_gemm.PackedQ8(int8s(1, 8, 64), torch.ones(8), None)
+    x, out = pattern(2, 2, 64), torch.empty(2, 8)
+    scratch = {"q8_rows": torch.empty(2, 64, dtype=torch.int8), "q8_scales": torch.empty(2, 2)}
+    lib.matmul(packed.checked, x, out, **scratch)
+    assert torch.equal(out, packed(x))
+    with pytest.raises(KernelArgumentError,
+                       match=r"q8_gemm: x must be a contiguous cpu float32 tensor \[2, 64\]; got cpu float64"):  # fmt: skip
+        lib.matmul(packed.checked, x.double(), out, **scratch)
+    strided = torch.empty(8, 2).T
+    with pytest.raises(KernelArgumentError, match=r"q8_gemm: out must be a contiguous cpu float32 tensor \[2, 8\]; "
+                       r"got cpu float32 \[2, 8\] \(strides \(1, 2\)\)"):  # fmt: skip
+        lib.matmul(packed.checked, x, strided, **scratch)
+    with pytest.raises(KernelArgumentError, match=r"q8_gemm: q8_rows must be .* int8 tensor \[2, 64\]; got .* \[1, 64\]"):
+        lib.matmul(packed.checked, x, out, q8_rows=scratch["q8_rows"][:1], q8_scales=scratch["q8_scales"])
+    with pytest.raises(KernelArgumentError, match=r"q8_gemm: packed scale must be .* float32 tensor \[8\]; got .* \[7\]"):
+        lib.matmul_weight(Projection(Q8_ROW, packed.weight, packed.scale[:7], None), 8, 64)
+    with pytest.raises(KernelArgumentError, match=r"f32_gemm: packed weight must be .* tensor \[2, 48, 32\]; got .*\[2, 64, 32\]"):
+        lib.matmul_weight(cpu_gemm.PackedFloat(pattern(3, 40, 64), None).projection(), 40, 48)
+    floats = cpu_gemm.PackedFloat(pattern(3, 40, 64), None)
+    with pytest.raises(KernelArgumentError, match=r"f32_gemm: x must be .* float32 tensor \[3, 64\]; got .* \[3, 48\]"):
+        floats(pattern(4, 3, 48))  # rows of another width than the weight's
+    keys = pattern(5, 4 * 16, 2, 16)
+    q, blocks = pattern(6, 2, 4, 16), torch.tensor([[0, 1], [2, 3]])
+    attention = (torch.empty(2, 4, 16), torch.empty(2 * 4 * 30))
+    lib.decode_attention(q, keys, keys, blocks, 16, 30, None, 0.25, *attention)
+    with pytest.raises(KernelArgumentError, match=r"decode_attention: blocks must be .* int64 tensor \[2, 2\]; got .* int32"):
+        lib.decode_attention(q, keys, keys, blocks.int(), 16, 30, None, 0.25, *attention)
+    with pytest.raises(KernelArgumentError, match="decode_attention: 2 blocks of 16 hold fewer than ctx = 40"):
+        lib.decode_attention(q, keys, keys, blocks, 16, 40, None, 0.25, torch.empty(2, 4, 16), torch.empty(2 * 4 * 40))
+    with pytest.raises(KernelArgumentError, match=r"decode_attention: v_cache must be .* float32 tensor \[64, 2, 16\]; got .* bf"):
+        lib.decode_attention(q, keys, keys.bfloat16(), blocks, 16, 30, None, 0.25, *attention)
+    with pytest.raises(KernelArgumentError, match=r"decode_attention: scores must be .* tensor of at least 240 elements"):
+        lib.decode_attention(q, keys, keys, blocks, 16, 30, None, 0.25, attention[0], attention[1][:100])
+
+
+def test_a_build_that_disagrees_with_the_binding_is_refused(monkeypatch):
+    """The binding checks each loaded object: its struct layouts (names, offsets, sizes, as the C declares
+    them) and its kernel version must be this code's, else it is refused with both sides named."""
+    lib = cpu_gemm.library()
+    fields = Layer._fields_
+    swapped = type("Layer", (ctypes.Structure,), {"_fields_": [fields[2], fields[1], fields[0], *fields[3:]]})
+    monkeypatch.setitem(cpu_gemm_abi.STRUCTS, "ts_layer", swapped)
+    with pytest.raises(KernelLoadError, match=r"ts_layer: cpu_gemm.c declares \[\('input_norm', 0, 8\), \('qkv_"):
+        Kernels(lib.path, lib.isa)
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_gemm_abi, "KERNEL_VERSION", cpu_gemm.KERNEL_VERSION + 1)
+    with pytest.raises(KernelLoadError, match=f"holds kernel version {cpu_gemm.KERNEL_VERSION}, this tierserve binds "
+                       f"version {cpu_gemm.KERNEL_VERSION + 1}: rebuild the kernels"):  # fmt: skip
+        Kernels(lib.path, lib.isa)
+
+
+@pytest.mark.slow
+def test_the_avx2_build_passes_these_tests_too(tmp_path):
+    """On an AVX-512 machine (CI's) this file runs again in a process that loads the AVX2 build, so both
+    builds are tested wherever the AVX-512 one is."""
+    if cpu_gemm.isa() != "avx512":
+        pytest.skip("this process runs the AVX2 build already")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-p", "no:xdist", "-p", "no:cacheprovider", "--noconftest",
+         "-o", "addopts=", "-q", "-x", "-k", "not avx2_build_passes and not kernel_versions_bits",
+         f"--basetemp={tmp_path}"],
+        cwd=REPO_ROOT, env={**os.environ, cpu_gemm.ISA_VARIABLE: "avx2"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1]

@@ -1,8 +1,10 @@
-"""A normal (non-editable) install carries every sub-package, the presets and the console script."""
+"""A normal (non-editable) install carries every sub-package, the presets, the console script and the CPU
+kernels' builds (compiled by the wheel's build, loaded from it with nothing compiled at run time)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import zipfile
@@ -30,9 +32,11 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
         "tierserve/server/dashboard/index.html",  # /dashboard serves these from the installed package
         "tierserve/server/dashboard/dashboard.js",
         "tierserve/server/dashboard/dashboard.css",
-        "tierserve/plugins/backends/cpu_gemm.c",  # compiled at first use from the installed package
     ):
         assert required in names, required
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    kernels = {"tierserve/plugins/backends/_cpu_gemm_avx2.so", "tierserve/plugins/backends/_cpu_gemm_avx512.so"}
+    assert kernels <= names if x86 else not kernels & names  # one object per instruction set, built by the wheel
     packages = {  # every package folder of the checkout, as the wheel must name it
         "tierserve/" + str(init.parent.relative_to(REPO_ROOT))
         for folder in ("core", "cache", "plugins", "server", "configs", "fleet")
@@ -52,10 +56,17 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
          "import tierserve.core, tierserve.plugins.eviction.lru as m; print(m.__file__);"
          "from tierserve.core.config import load_settings;"
          "print(load_settings('production').settings.kv_cache.eviction_policy);"
-         "from tierserve.server.dashboard_routes import asset; assert b'dashboard.js' in asset('index.html')"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
-    )
+         "from tierserve.server.dashboard_routes import asset; assert b'dashboard.js' in asset('index.html');"
+         "from tierserve.plugins.backends import cpu_gemm; lib = cpu_gemm.library(); print(lib and lib.path)"],
+        capture_output=True, text=True, env={**env, "CC": "false", "TIERSERVE_CACHE_DIR": str(tmp_path / "cache")},
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    module_file, policy = result.stdout.split()
+    module_file, policy, kernels_file = result.stdout.split()
     assert module_file.startswith(str(site))
     assert policy == "adaptive"
+    if x86 and kernels_file == "None":  # a CPU without AVX2 and FMA: torch's kernels, said so
+        assert "cpu_gemm_unavailable" in result.stderr and "AVX2" in result.stderr
+    else:
+        assert kernels_file.startswith(str(site)) == x86
+    assert not (tmp_path / "cache").exists()  # nothing compiled into the cache at first use

@@ -1,7 +1,8 @@
 /* Small-batch matrix products for x86 CPUs with AVX2 and FMA: out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
  *
- * Built at first use by cpu_gemm.py (gcc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off: every product and
- * sum rounded as written, so the elementwise code matches torch's to the bit) and called through ctypes.
+ * Built with the package by setup.py, one shared object per instruction set (cpu_gemm_builds.py: gcc -O3 -mavx2
+ * -mfma -fopenmp -ffp-contract=off, every product and sum rounded as written, so the elementwise code matches
+ * torch's to the bit), and called through ctypes by cpu_gemm_abi.py, which checks every tensor it passes.
  * Decode multiplies a few activation rows by every weight, so its speed is the rate at which
  * weights stream from memory. Each kernel reads its weight in a packed layout, one contiguous
  * stream per tile of output rows, and converts it to float32 in registers:
@@ -21,7 +22,7 @@
  * Decode attention, RMSNorm and SiLU-mul serve decode rows too, and ts_decode_layers (at the end) runs
  * a decode step's whole layer stack with them in one parallel region.
  *
- * On CPUs with AVX-512 VNNI and BF16 (cpu_gemm.py adds -mavx512f -mavx512bw -mavx512vl -mavx512vnni
+ * On CPUs with AVX-512 VNNI and BF16 (the avx512 build adds -mavx512f -mavx512bw -mavx512vl -mavx512vnni
  * -mavx512bf16 there; TS_AVX512 below), two things change:
  *   q8    a block's int8 products are summed by vpdpbusd instead of maddubs + madd, two output rows' blocks
  *         per 512-bit instruction: the same exact int32 lane sums, scaled and added in the same order, so
@@ -38,6 +39,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,8 +53,157 @@
 #define TS_AVX512 0
 #endif
 
-/* What this build computes with: 1 = the AVX-512 VNNI/BF16 paths above, 0 = AVX2 and FMA only. */
-int ts_features(void) { return TS_AVX512; }
+#ifndef TS_KERNEL_VERSION
+#error "define TS_KERNEL_VERSION: setup.py passes cpu_gemm_builds.KERNEL_VERSION (pip install -e .)"
+#endif
+#define PANEL 32       /* output columns of a float32 or (AVX-512) bfloat16 panel */
+#define TILE 4         /* output rows of a bfloat16 (AVX2) or q8 tile */
+#define MAX_GROUP 16   /* query heads per KV head the attention kernels take */
+
+/* The interface cpu_gemm_abi.py binds. A kernel with many arguments takes one struct, each struct declared
+ * once below as a list of (type, name) fields; ts_layout() describes it (names, offsets and sizes, in order)
+ * and ts_constants() lists the numbers both sides use, so the binding checks its copies when it loads. */
+
+/* out [rows, out_features] = x [rows, in_features] @ W^T (+ bias): ts_f32_gemm, ts_bf16_gemm, ts_q8_gemm */
+#define TS_MATMUL(X, S)                                                                                   \
+    X(S, const void*, x)       /* float32 rows (ts_bf16_gemm with io bit 0: bfloat16 bits) */           \
+    X(S, int64_t, rows)                                                                                   \
+    X(S, int64_t, in_features)                                                                            \
+    X(S, const void*, weight)  /* packed: float32 panels, bfloat16 bits or int8 tiles (above) */         \
+    X(S, const float*, scale)  /* q8: one per row [N], or per 32 columns [N/4][K/32][4] */               \
+    X(S, const float*, bias)   /* [out_features] or NULL */                                              \
+    X(S, int64_t, out_features)                                                                           \
+    X(S, void*, out)           /* float32 rows (ts_bf16_gemm with io bit 1: bfloat16 bits) */            \
+    X(S, int32_t, grouped)     /* q8: a scale per 32 columns */                                          \
+    X(S, int32_t, io)          /* ts_bf16_gemm, AVX-512 build: bit 0 bfloat16 x, bit 1 bfloat16 out */   \
+    X(S, uint16_t*, bf16_rows) /* ts_bf16_gemm, AVX-512 build, float32 x: [rows * in_features] scratch */ \
+    X(S, int8_t*, q8_rows)     /* ts_q8_gemm: x rounded to Q8_0 [rows, in_features] (scratch) */         \
+    X(S, float*, q8_scales)    /* ts_q8_gemm: their block scales [rows, in_features / 32] (scratch) */   \
+    X(S, int32_t, threads)
+
+/* Attention read in place from the paged arena: ts_decode_attention (q_len 1) and ts_prefill_attention */
+#define TS_ATTENTION(X, S)                                                                                \
+    X(S, const float*, q)          /* [batch * q_len, heads, head_dim] float32, sequence by sequence */  \
+    X(S, int64_t, batch)                                                                                  \
+    X(S, int64_t, q_len)                                                                                  \
+    X(S, int64_t, heads)                                                                                  \
+    X(S, int64_t, kv_heads)                                                                               \
+    X(S, int64_t, head_dim)                                                                               \
+    X(S, const void*, k)           /* the arena's keys [slots, kv_heads, head_dim] */                    \
+    X(S, const void*, v)           /* and values, float32 or bfloat16 bits */                            \
+    X(S, int32_t, flags)           /* bit 0: bfloat16 keys and values, bit 1: the queries are bfloat16 values */ \
+    X(S, int32_t, causal)          /* prefill without keep: the queries are the last q_len of ctx positions */ \
+    X(S, const int64_t*, blocks)   /* [batch, blocks_per_row] each sequence's arena blocks */            \
+    X(S, int64_t, blocks_per_row)                                                                         \
+    X(S, int64_t, block_size)                                                                             \
+    X(S, int64_t, ctx)                                                                                    \
+    X(S, const uint8_t*, keep)     /* [batch * q_len, ctx]: 1 = attend; NULL: every position (prefill: causal) */ \
+    X(S, float, scale)                                                                                    \
+    X(S, float*, out)              /* [batch * q_len, heads, head_dim] float32 */                        \
+    X(S, float*, scores)           /* decode: [batch * heads * ctx] scratch */                           \
+    X(S, float*, lse)              /* [batch * q_len, heads] each row's log-sum-exp, or NULL */          \
+    X(S, int32_t, threads)
+
+/* One layer of ts_decode_layers: its weights as the single-call kernels take them (NULL where it has none;
+ * norm weights float32), its arena, the positions its rows attend, and how each projection computes (K_*) */
+#define TS_LAYER(X, S)                                                                                    \
+    X(S, const float*, input_norm)                                                                        \
+    X(S, const void*, qkv_weight)                                                                         \
+    X(S, const float*, qkv_scale)                                                                         \
+    X(S, const float*, qkv_bias)                                                                          \
+    X(S, const float*, q_norm)                                                                            \
+    X(S, const float*, k_norm)                                                                            \
+    X(S, const void*, o_weight)                                                                           \
+    X(S, const float*, o_scale)                                                                           \
+    X(S, const float*, o_bias)                                                                            \
+    X(S, const float*, post_norm)                                                                         \
+    X(S, const void*, gate_up_weight)                                                                     \
+    X(S, const float*, gate_up_scale)                                                                     \
+    X(S, const void*, down_weight)                                                                        \
+    X(S, const float*, down_scale)                                                                        \
+    X(S, void*, k_cache)                                                                                  \
+    X(S, void*, v_cache)                                                                                  \
+    X(S, const uint8_t*, keep)     /* [rows, ctx] (this layer's sliding window) or NULL */               \
+    X(S, int32_t, qkv_kind)                                                                               \
+    X(S, int32_t, o_kind)                                                                                 \
+    X(S, int32_t, gate_up_kind)                                                                           \
+    X(S, int32_t, down_kind)
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32 };
+
+/* A decode step through every layer (ts_decode_layers) */
+#define TS_DECODE_STEP(X, S)                                                                              \
+    X(S, int64_t, rows)                                                                                   \
+    X(S, int64_t, layers)                                                                                 \
+    X(S, int64_t, hidden_size)                                                                            \
+    X(S, int64_t, heads)                                                                                  \
+    X(S, int64_t, kv_heads)                                                                               \
+    X(S, int64_t, head_dim)                                                                               \
+    X(S, int64_t, intermediate_size)                                                                      \
+    X(S, float, eps)                                                                                      \
+    X(S, float, scale)                                                                                    \
+    X(S, int32_t, act_bf16)        /* the activations are bfloat16 values (a bfloat16 model's) */        \
+    X(S, int32_t, kv_bf16)         /* the arena holds bfloat16 bits */                                   \
+    X(S, float*, hidden)           /* [rows, hidden_size], updated in place */                           \
+    X(S, const float*, cos)        /* [rows, head_dim] RoPE factors */                                   \
+    X(S, const float*, sin)        /* [rows, head_dim], signed */                                        \
+    X(S, const int64_t*, slots)    /* [rows] the arena rows each new key and value go to */              \
+    X(S, const int64_t*, blocks)   /* [rows, blocks_per_row] */                                          \
+    X(S, int64_t, blocks_per_row)                                                                         \
+    X(S, int64_t, block_size)                                                                             \
+    X(S, int64_t, ctx)                                                                                    \
+    X(S, const int64_t*, shared_blocks) /* a prefix every row shares, read once (AVX-512 build), or NULL */ \
+    X(S, int64_t, shared_tokens)                                                                          \
+    X(S, const struct ts_layer*, layer) /* [layers] */                                                    \
+    X(S, float*, work)             /* scratch: rows * DecodeShape.work_floats(ctx) floats (cpu_gemm_abi.py) */ \
+    X(S, int8_t*, q8_rows)         /* scratch: [rows * max(hidden, heads * head_dim, intermediate)] */   \
+    X(S, float*, q8_scales)        /* scratch: that / 32 */                                              \
+    X(S, int32_t, threads)
+
+#define TS_MEMBER(S, T, N) T N;
+#define TS_FIELD(S, T, N) {#N, (int64_t)offsetof(struct S, N), (int64_t)sizeof(T)},
+typedef struct ts_matmul { TS_MATMUL(TS_MEMBER, ts_matmul) } ts_matmul;
+typedef struct ts_attention { TS_ATTENTION(TS_MEMBER, ts_attention) } ts_attention;
+typedef struct ts_layer { TS_LAYER(TS_MEMBER, ts_layer) } ts_layer;
+typedef struct ts_decode_step { TS_DECODE_STEP(TS_MEMBER, ts_decode_step) } ts_decode_step;
+
+typedef struct {
+    const char* name;
+    int64_t offset, size;
+} ts_field;
+static const ts_field ts_matmul_fields[] = {TS_MATMUL(TS_FIELD, ts_matmul)};
+static const ts_field ts_attention_fields[] = {TS_ATTENTION(TS_FIELD, ts_attention)};
+static const ts_field ts_layer_fields[] = {TS_LAYER(TS_FIELD, ts_layer)};
+static const ts_field ts_decode_step_fields[] = {TS_DECODE_STEP(TS_FIELD, ts_decode_step)};
+
+/* The fields of the struct called name, in order (*count of them), and its size; NULL for an unknown name. */
+const ts_field* ts_layout(const char* name, int64_t* count, int64_t* size) {
+#define TS_DESCRIBE(S)                                                  \
+    if (!strcmp(name, #S)) {                                            \
+        *count = (int64_t)(sizeof(S##_fields) / sizeof(ts_field));      \
+        *size = (int64_t)sizeof(S);                                     \
+        return S##_fields;                                              \
+    }
+    TS_DESCRIBE(ts_matmul) TS_DESCRIBE(ts_attention) TS_DESCRIBE(ts_layer) TS_DESCRIBE(ts_decode_step)
+#undef TS_DESCRIBE
+    return NULL;
+}
+
+typedef struct {
+    const char* name;
+    int64_t value;
+} ts_number;
+
+/* The numbers the binding relies on (*count of them): this build's version and instruction set, the
+ * weight layouts' block sizes, the attention kernels' limit and the projection kinds of ts_layer. */
+const ts_number* ts_constants(int64_t* count) {
+    static const ts_number numbers[] = {
+        {"version", TS_KERNEL_VERSION}, {"avx512", TS_AVX512}, {"qk", QK}, {"tile", TILE}, {"panel", PANEL},
+        {"max_group", MAX_GROUP}, {"q8_row", K_Q8_ROW}, {"q8_grouped", K_Q8_GROUPED}, {"bf16", K_BF16},
+        {"f32", K_F32},
+    };
+    *count = (int64_t)(sizeof(numbers) / sizeof(numbers[0]));
+    return numbers;
+}
 #ifndef BF16_PREFETCH
 #define BF16_PREFETCH 16 /* AVX-512 panel rows (pairs of k) ahead (128 bytes each: 2 KiB) */
 #endif
@@ -129,7 +280,6 @@ static inline __m256 widen_bf16(const uint16_t* p) {
  * PANEL_ROWS activation rows at once (outer products summed in registers, the weights loaded once per row
  * group). Every output element is one fused multiply-add chain over k = 0..K-1 in order, then the bias added:
  * the same bits whatever M, the row grouping, the thread count or the build (AVX2 or AVX-512). */
-#define PANEL 32
 #if TS_AVX512
 #define PANEL_ROWS 12 /* 12 rows x 2 vectors of 16 = 24 accumulators of the 32 registers */
 /* torch's float -> bfloat16 rounding (to nearest even; a NaN becomes 0x7FC0) of 16 lanes, as 16-bit values */
@@ -331,20 +481,20 @@ static void ts_bf16_gemm_rows(const float* x, uint16_t* xb, int64_t M, int64_t K
 #endif
 }
 
-void ts_f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* out,
-                 int threads) {
-    _Pragma("omp parallel num_threads(threads)")
-    ts_f32_gemm_rows(x, M, K, w, bias, N, out);
+void ts_f32_gemm(const ts_matmul* a) {
+    _Pragma("omp parallel num_threads(a->threads)")
+    ts_f32_gemm_rows((const float*)a->x, a->rows, a->in_features, (const float*)a->weight, a->bias, a->out_features,
+                     (float*)a->out);
 }
 
 /* io (AVX-512 build only): bit 0 = x holds bfloat16 bits [M, K] (else float32 rows, rounded into scratch,
  * M * K 16-bit values), bit 1 = out gets bfloat16 bits (else float32). The AVX2 build takes float32 in and out. */
-void ts_bf16_gemm(const void* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, void* out,
-                  int io, uint16_t* scratch, int threads) {
-    const int x_bf16 = TS_AVX512 && (io & 1);
-    uint16_t* xb = x_bf16 ? (uint16_t*)x : scratch;
-    _Pragma("omp parallel num_threads(threads)")
-    ts_bf16_gemm_rows(x_bf16 ? 0 : (const float*)x, xb, M, K, w, bias, N, out, TS_AVX512 && (io >> 1 & 1));
+void ts_bf16_gemm(const ts_matmul* a) {
+    const int x_bf16 = TS_AVX512 && (a->io & 1);
+    uint16_t* xb = x_bf16 ? (uint16_t*)a->x : a->bf16_rows;
+    _Pragma("omp parallel num_threads(a->threads)")
+    ts_bf16_gemm_rows(x_bf16 ? 0 : (const float*)a->x, xb, a->rows, a->in_features, (const uint16_t*)a->weight,
+                      a->bias, a->out_features, a->out, TS_AVX512 && (a->io >> 1 & 1));
 }
 
 /* llama.cpp's quantize_row_q8_0 rule: d = max|x| / 127, q = round(x / d), half away from zero. */
@@ -554,11 +704,14 @@ static void q8_rows(const int8_t* qx, const float* dx, int64_t M, int64_t K, con
 }
 
 /* out [M, N] = x [M, K] @ W^T (+ bias), x rounded to Q8_0 blocks into the scratch qx [M, K], dx [M, K/32]. */
-void ts_q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* ws, int grouped,
-                const float* bias, int64_t N, float* out, int8_t* qx, float* dx, int threads) {
+void ts_q8_gemm(const ts_matmul* a) {
+    const float* x = (const float*)a->x;
+    const int64_t M = a->rows, K = a->in_features;
+    int8_t* qx = a->q8_rows;
+    float* dx = a->q8_scales;
     for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
-    _Pragma("omp parallel num_threads(threads)")
-    q8_rows(qx, dx, M, K, w, ws, grouped, bias, N, out);
+    _Pragma("omp parallel num_threads(a->threads)")
+    q8_rows(qx, dx, M, K, (const int8_t*)a->weight, a->scale, a->grouped, a->bias, a->out_features, (float*)a->out);
 }
 
 /* The lane sums of eight vectors, as one vector (element j: the sum of a[j]'s lanes). */
@@ -652,7 +805,7 @@ static void attention_task(int64_t task, const float* q, int64_t H, int64_t KVH,
     float* scores = scratch + task * group * ctx;
     const uint8_t* keep = mask ? mask + b * ctx : 0;
     const float* qg = q + (b * H + h * group) * D;  /* the group's heads are consecutive */
-    float top[16];  /* group <= 16: MAX_HEADS_PER_KV_HEAD in cpu_gemm.py */
+    float top[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
     /* Positions go eight at a time where blocks hold whole groups of eight: each one's dot product is summed in
      * the same order whatever the context (a group reaching past it reads slots of its own block, whose
@@ -794,7 +947,7 @@ static void attention_task512(int64_t task, const float* q, int64_t H, int64_t K
     const uint8_t* keep = mask ? mask + b * ctx : 0;
     const float* qg = q + (b * H + h * group) * D;
     const int dot_bf16 = kv_bf16 && q_bf16 && group * D <= 16 * 256; /* the queries fit qb */
-    uint16_t qb[16 * 256]; /* group <= 16, D <= 256: the queries as bfloat16 (exact: they are bfloat16 values) */
+    uint16_t qb[MAX_GROUP * 256]; /* D <= 256: the queries as bfloat16 (exact: they are bfloat16 values) */
     if (dot_bf16)
         for (int64_t i = 0; i < group * D; i++) qb[i] = (uint16_t)(*(const uint32_t*)&qg[i] >> 16);
     float top[16];
@@ -888,12 +1041,11 @@ static inline void attend(int64_t task, const float* q, int64_t H, int64_t KVH, 
 }
 
 /* lse [B, H], where not NULL: each row's log-sum-exp of its scaled scores, to merge partial results */
-void ts_decode_attention(const float* q, int64_t B, int64_t H, int64_t KVH, int64_t D, const void* k,
-                         const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                         const uint8_t* mask, float scale, float* out, float* scratch, float* lse, int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t task = 0; task < B * KVH; task++)
-        attend(task, q, H, KVH, D, k, v, kv_flags, blocks, nb, bs, ctx, mask, scale, out, scratch, lse);
+void ts_decode_attention(const ts_attention* a) {
+    _Pragma("omp parallel for schedule(static) num_threads(a->threads)")
+    for (int64_t task = 0; task < a->batch * a->kv_heads; task++)
+        attend(task, a->q, a->heads, a->kv_heads, a->head_dim, a->k, a->v, a->flags, a->blocks, a->blocks_per_row,
+               a->block_size, a->ctx, a->keep, a->scale, a->out, a->scores, a->lse);
 }
 
 #if TS_AVX512
@@ -1288,9 +1440,15 @@ static void pa_rows(const float* q, int64_t b, int64_t h, int64_t r0, int64_t n,
                      lse, buf->qt, buf->st, buf->ot, buf->kbuf, buf->vbuf);
 }
 
-void ts_prefill_attention(const float* q, int64_t B, int64_t Q, int64_t H, int64_t KVH, int64_t D, const void* k,
-                          const void* v, int kv_flags, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                          const uint8_t* mask, int causal, float scale, float* out, float* lse, int threads) {
+void ts_prefill_attention(const ts_attention* a) {
+    const float* q = a->q;
+    const int64_t B = a->batch, Q = a->q_len, H = a->heads, KVH = a->kv_heads, D = a->head_dim;
+    const void *k = a->k, *v = a->v;
+    const int kv_flags = a->flags, causal = a->causal, threads = a->threads;
+    const int64_t *blocks = a->blocks, nb = a->blocks_per_row, bs = a->block_size, ctx = a->ctx;
+    const uint8_t* mask = a->keep;
+    const float scale = a->scale;
+    float *out = a->out, *lse = a->lse;
     const int64_t G = H / KVH, rows = Q * G;
     const int kv_bf16 = kv_flags & 1, q_bf16 = (kv_flags >> 1) & 1;
     int64_t tiles, per;
@@ -1488,13 +1646,7 @@ void ts_silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_t* o
  * computes them, so the result is the same to the bit. With act_bf16 the activations are bfloat16 values
  * held in float32, rounded wherever the Python path's bfloat16 tensors round them.
  *
- * hidden [M, H] is updated in place; ptrs holds L_PTRS pointers per layer (NULL where the layer has no
- * such tensor; norm weights as float32), kinds L_KINDS integers per layer (K_* per projection); cos and
- * sin_signed [M, D] are each row's RoPE factors, slots [M] the arena rows its key and value go to. */
-enum { L_INPUT_NORM, L_QKV_W, L_QKV_S, L_QKV_B, L_Q_NORM, L_K_NORM, L_O_W, L_O_S, L_O_B, L_POST_NORM,
-       L_GU_W, L_GU_S, L_DOWN_W, L_DOWN_S, L_K_CACHE, L_V_CACHE, L_MASK, L_PTRS };
-enum { P_QKV, P_O, P_GU, P_DOWN, L_KINDS };
-enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32 };
+ * The arguments are ts_decode_step's (the interface, above), each layer a ts_layer. */
 
 /* One head's RoPE as llama.py computes it: x * cos + roll(x, D/2) * sin_signed, each product rounded. */
 static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, int bf16, float* out) {
@@ -1528,11 +1680,17 @@ static void add_rows(float* hidden, const float* delta, int64_t n, int bf16) {
 
 /* Per-row work (norms, RoPE, the arena store, residual adds, roundings) is split by rows among the threads:
  * each row is computed by the same code whichever thread takes it, so the bits do not depend on the split. */
-void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t KVH, int64_t D, int64_t I,
-                      float eps, float scale, int act_bf16, float* hidden, const float* cos, const float* sin,
-                      const int64_t* slots, int kv_bf16, const int64_t* blocks, int64_t nb, int64_t bs, int64_t ctx,
-                      const int64_t* shared_blocks, int64_t shared_tokens, const void* const* ptrs,
-                      const int64_t* kinds, float* work, int8_t* qx, float* dx, int threads) {
+void ts_decode_layers(const ts_decode_step* step) {
+    const int64_t M = step->rows, layers = step->layers, H = step->hidden_size, NH = step->heads;
+    const int64_t KVH = step->kv_heads, D = step->head_dim, I = step->intermediate_size;
+    const float eps = step->eps, scale = step->scale;
+    const int act_bf16 = step->act_bf16, kv_bf16 = step->kv_bf16, threads = step->threads;
+    float* hidden = step->hidden;
+    const float *cos = step->cos, *sin = step->sin;
+    const int64_t *slots = step->slots, *blocks = step->blocks;
+    const int64_t nb = step->blocks_per_row, bs = step->block_size, ctx = step->ctx;
+    float *work = step->work, *dx = step->q8_scales;
+    int8_t* qx = step->q8_rows;
     const int64_t qkv_n = (NH + 2 * KVH) * D, qsize = NH * D, kvsize = KVH * D;
     const int64_t wide = H > I ? H : I, widest = wide > qsize ? wide : qsize;
     void (*norm)(const float*, int64_t, int64_t, const float*, float, float*) = act_bf16 ? ts_rms_norm_bf16 : ts_rms_norm;
@@ -1556,19 +1714,18 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
     {
 #if TS_AVX512
     pa_buffers buf = {0};
-    if (shared_tokens) buf = pa_alloc(D, kv_bf16);
+    if (step->shared_tokens) buf = pa_alloc(D, kv_bf16);
 #endif
     for (int64_t l = 0; l < layers; l++) {
-        const void* const* p = ptrs + l * L_PTRS;
-        const int64_t* kind = kinds + l * L_KINDS;
+        const ts_layer* p = step->layer + l;
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             if (l > 0) add_rows(hidden + m * H, delta + m * H, H, act_bf16);
-            norm(hidden + m * H, 1, H, (const float*)p[L_INPUT_NORM], eps, x + m * H);
-            prepare_row((int)kind[P_QKV], x, m, H, qx, dx);
+            norm(hidden + m * H, 1, H, p->input_norm, eps, x + m * H);
+            prepare_row(p->qkv_kind, x, m, H, qx, dx);
         }
-        project((int)kind[P_QKV], x, qx, dx, xb, M, H, p[L_QKV_W], (const float*)p[L_QKV_S],
-                (const float*)p[L_QKV_B], qkv_n, qkv);
+        project(p->qkv_kind, x, qx, dx, xb, M, H, p->qkv_weight, p->qkv_scale,
+                p->qkv_bias, qkv_n, qkv);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             float* row = qkv + m * qkv_n;
@@ -1578,7 +1735,7 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
             float normed[D], roped[D];
             for (int64_t h = 0; h < NH + KVH; h++) {
                 const float* head = row + h * D;
-                const float* weight = (const float*)p[h < NH ? L_Q_NORM : L_K_NORM];
+                const float* weight = h < NH ? p->q_norm : p->k_norm;
                 if (weight) {
                     norm(head, 1, D, weight, eps, normed);
                     head = normed;
@@ -1591,17 +1748,17 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
                 const int64_t at = (slots[m] * KVH + (h - NH)) * D;
                 const float* value = row + qsize + kvsize + (h - NH) * D;
                 if (kv_bf16) {
-                    uint16_t *kc = (uint16_t*)p[L_K_CACHE] + at, *vc = (uint16_t*)p[L_V_CACHE] + at;
+                    uint16_t *kc = (uint16_t*)p->k_cache + at, *vc = (uint16_t*)p->v_cache + at;
                     for (int64_t i = 0; i < D; i++)
                         kc[i] = bf16_bits(round_bf16(roped[i])), vc[i] = bf16_bits(round_bf16(value[i]));
                 } else {
-                    memcpy((float*)p[L_K_CACHE] + at, roped, D * sizeof(float));
-                    memcpy((float*)p[L_V_CACHE] + at, value, D * sizeof(float));
+                    memcpy((float*)p->k_cache + at, roped, D * sizeof(float));
+                    memcpy((float*)p->v_cache + at, value, D * sizeof(float));
                 }
             }
         }
 #if TS_AVX512
-        if (shared_tokens) {
+        if (step->shared_tokens) {
             /* a prefix every row shares, read once: all rows' queries against it as the tokens of one sequence
              * (the prefill kernel), each row's own blocks by the decode kernel (ctx and the mask are the own
              * part's), merged by log-sum-exp; the same kernels, tiles and merge as the layer loop's */
@@ -1610,11 +1767,11 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
                 if (task < KVH * common_tiles) {
                     const int64_t h = task / common_tiles, r0 = task % common_tiles * common_per;
                     const int64_t n = M * G - r0 < common_per ? M * G - r0 : common_per;
-                    pa_rows(qh, 0, h, r0, n, M, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16, act_bf16,
-                            shared_blocks, bs, shared_tokens, NULL, 0, scale, common, common_lse, &buf);
+                    pa_rows(qh, 0, h, r0, n, M, NH, KVH, D, p->k_cache, p->v_cache, kv_bf16, act_bf16,
+                            step->shared_blocks, bs, step->shared_tokens, NULL, 0, scale, common, common_lse, &buf);
                 } else {
-                    attend(task - KVH * common_tiles, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE],
-                           kv_bf16 | act_bf16 << 1, blocks, nb, bs, ctx, (const uint8_t*)p[L_MASK], scale, attn,
+                    attend(task - KVH * common_tiles, qh, NH, KVH, D, p->k_cache, p->v_cache,
+                           kv_bf16 | act_bf16 << 1, blocks, nb, bs, ctx, p->keep, scale, attn,
                            scores, own_lse);
                 }
             }
@@ -1626,25 +1783,25 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
         {
             _Pragma("omp for schedule(static)")
             for (int64_t task = 0; task < M * KVH; task++)
-                attend(task, qh, NH, KVH, D, p[L_K_CACHE], p[L_V_CACHE], kv_bf16 | act_bf16 << 1, blocks, nb, bs,
-                       ctx, (const uint8_t*)p[L_MASK], scale, attn, scores, 0);
+                attend(task, qh, NH, KVH, D, p->k_cache, p->v_cache, kv_bf16 | act_bf16 << 1, blocks, nb, bs,
+                       ctx, p->keep, scale, attn, scores, 0);
         }
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             if (act_bf16)
                 for (int64_t i = m * qsize; i < (m + 1) * qsize; i++) attn[i] = round_bf16(attn[i]);
-            prepare_row((int)kind[P_O], attn, m, qsize, qx, dx);
+            prepare_row(p->o_kind, attn, m, qsize, qx, dx);
         }
-        project((int)kind[P_O], attn, qx, dx, xb, M, qsize, p[L_O_W], (const float*)p[L_O_S], (const float*)p[L_O_B],
+        project(p->o_kind, attn, qx, dx, xb, M, qsize, p->o_weight, p->o_scale, p->o_bias,
                 H, delta);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             add_rows(hidden + m * H, delta + m * H, H, act_bf16);
-            norm(hidden + m * H, 1, H, (const float*)p[L_POST_NORM], eps, x + m * H);
-            prepare_row((int)kind[P_GU], x, m, H, qx, dx);
+            norm(hidden + m * H, 1, H, p->post_norm, eps, x + m * H);
+            prepare_row(p->gate_up_kind, x, m, H, qx, dx);
         }
-        project((int)kind[P_GU], x, qx, dx, xb, M, H, p[L_GU_W], (const float*)p[L_GU_S], 0, 2 * I, gu);
-        const int q8_down = is_q8(kind[P_DOWN]);
+        project(p->gate_up_kind, x, qx, dx, xb, M, H, p->gate_up_weight, p->gate_up_scale, 0, 2 * I, gu);
+        const int q8_down = is_q8(p->down_kind);
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul of 32 columns, then their Q8_0 block rounded */
             const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;
@@ -1655,10 +1812,10 @@ void ts_decode_layers(int64_t M, int64_t layers, int64_t H, int64_t NH, int64_t 
             silu_mul_span(g, u, QK, act_bf16, x + m * I + at);
             if (q8_down) ts_q8_quantize(x + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
         }
-        project((int)kind[P_DOWN], x, qx, dx, xb, M, I, p[L_DOWN_W], (const float*)p[L_DOWN_S], 0, H, delta);
+        project(p->down_kind, x, qx, dx, xb, M, I, p->down_weight, p->down_scale, 0, H, delta);
     }
 #if TS_AVX512
-    if (shared_tokens) pa_free(&buf);
+    if (step->shared_tokens) pa_free(&buf);
 #endif
     }
     add_rows(hidden, delta, M * H, act_bf16);

@@ -9,48 +9,44 @@ for them and convert it in registers; llama.cpp's CPU backend works the same
 way. See ``cpu_gemm.c`` for the layouts and the arithmetic; ``fused_decode.py``
 runs a whole decode step's layers through its ``ts_decode_layers``.
 
-The library is compiled at first use with the system C compiler (``$CC``,
-else ``cc``/``gcc``; ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``, plus
-``-mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16`` on a CPU that
-has all five: see ``ISAS``) into ``<tierserve cache>/kernels/``, keyed by a
-hash of the source and flags, and loaded with ctypes; its OpenMP calls share
-the thread pool torch's bundled ``libgomp`` already runs. Without an x86 CPU
-with AVX2 and FMA, or without a compiler, ``library()`` is None and callers
-keep torch's kernels (``unavailable_reason()`` says why).
+The kernels are compiled when the package is built (``setup.py``; ``pip
+install -e .`` in a checkout), one shared object per instruction set
+(``cpu_gemm_builds.py``: AVX2 + FMA, and AVX-512 F/BW/VL/VNNI/BF16), and
+loaded here with ctypes through ``cpu_gemm_abi.py``, which checks the object's
+version and struct layouts at load and every tensor at each call; nothing is
+compiled at run time. Their OpenMP calls share the thread pool torch's bundled
+``libgomp`` already runs. Without an x86 CPU with AVX2 and FMA, or where the
+install could not build them (no C compiler then), ``library()`` is None and
+callers keep torch's kernels (logged; ``unavailable_reason()`` says why).
 
 ``TIERSERVE_CPU_GEMM_ISA`` (``auto``, ``avx2``, ``avx512``) picks the build:
-``auto`` is ``avx512`` where ``/proc/cpuinfo`` lists every flag it needs.
-The AVX-512 build's q8 results are the AVX2 build's to the bit (vpdpbusd sums
-the same int32 lanes); its bfloat16 products run vdpbf16ps (``bf16_dot()``),
-in their own summation order. The fingerprint names the build either way.
+``auto`` is ``avx512`` where ``/proc/cpuinfo`` lists every flag it needs and
+that build was made, else ``avx2``. The AVX-512 build's q8 results are the
+AVX2 build's to the bit (vpdpbusd sums the same int32 lanes); its bfloat16
+products run vdpbf16ps (``bf16_dot()``), in their own summation order. The
+cache fingerprint names the build and ``KERNEL_VERSION`` (never the source).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from tierserve.plugins.backends.cpu_gemm_abi import (
+    BF16, F32, MAX_GROUP, PANEL, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
+)
+from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, object_name
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-ISAS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")}
-AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+KERNEL_DIR = Path(__file__).parent  # where setup.py puts the builds (in place for an editable install)
 ISA_VARIABLE = "TIERSERVE_CPU_GEMM_ISA"
-QK = 32  # q8 block: llama.cpp's Q8_0
-TILE = 4  # output rows packed together
-PANEL = 32  # output columns of a float32 panel
+MAX_HEADS_PER_KV_HEAD = MAX_GROUP
 
 _unavailable: list[str] = []
 
@@ -61,24 +57,26 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first call; None where they cannot run (logged once)."""
+def library() -> Kernels | None:
+    """This CPU's build of the kernels, loaded on first call; None where they cannot run (logged once)."""
     try:
-        return _declare(_load())
-    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError, ValueError) as exc:
+        kernels = _load()
+    except (OSError, RuntimeError, ValueError) as exc:
         _unavailable.append(str(exc))
         log.warning("cpu_gemm_unavailable reason=%s; torch's kernels run instead", exc)
         return None
+    log.info("cpu_gemm_loaded isa=%s version=%d path=%s", kernels.isa, KERNEL_VERSION, kernels.path)
+    return kernels
 
 
 def fingerprint_tag(device: torch.device, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> str:
-    """What the cache fingerprint adds where these kernels compute (their source's hash): KV computed
-    with them is never served to a process computing without them, or with another version. bfloat16 KV
-    under float32 weights on the AVX-512 build: prompt attention rounds its queries (``prefill_attention``'s
+    """What the cache fingerprint adds where these kernels compute (their build and ``KERNEL_VERSION``): KV
+    computed with them is never served to a process computing without them, or with other results. bfloat16
+    KV under float32 weights on the AVX-512 build: prompt attention rounds its queries (``prefill_attention``'s
     ``round_queries``), so later layers' KV differs from a float32-query build's, and that is named too."""
     if device.type != "cpu" or library() is None:
         return ""
-    tag = f"/cpu-gemm-{isa()}-{_key()[:8]}"
+    tag = f"/cpu-gemm-{isa()}-v{KERNEL_VERSION}"
     if isa() == "avx512" and kv_dtype == torch.bfloat16 and dtype == torch.float32:
         tag += "/bf16-prompt-attention"
     return tag
@@ -86,21 +84,23 @@ def fingerprint_tag(device: torch.device, dtype: torch.dtype | None = None, kv_d
 
 @functools.cache
 def isa() -> str:
-    """The instruction set the kernels are built for: ``$TIERSERVE_CPU_GEMM_ISA``, or (``auto``) ``avx512``
-    where the CPU has AVX-512 F/BW/VL/VNNI/BF16, else ``avx2``."""
+    """The build that runs: ``$TIERSERVE_CPU_GEMM_ISA``, or (``auto``) ``avx512`` where the CPU has AVX-512
+    F/BW/VL/VNNI/BF16 and that build was made, else ``avx2``."""
     asked = _asked_isa()
     if asked not in ("auto", *ISAS):
         raise ValueError(f"{ISA_VARIABLE}: got {asked!r}, allowed: auto, {', '.join(ISAS)}")
-    has_avx512 = _cpu_flags().issuperset(AVX512_CPU_FLAGS)
-    if asked == "avx512" and not has_avx512:  # the build would die of SIGILL at its first call
-        missing = sorted(set(AVX512_CPU_FLAGS) - _cpu_flags())
+    missing = sorted(set(CPU_FLAGS["avx512"]) - _cpu_flags())
+    if asked == "avx512" and missing:  # the build would die of SIGILL at its first call
         raise ValueError(f"{ISA_VARIABLE}=avx512: this CPU lacks {', '.join(missing)}; allowed here: auto, avx2")
     if asked != "auto":
         return asked
-    return "avx512" if has_avx512 and not _avx512_build_failed else "avx2"
-
-
-_avx512_build_failed: list[str] = []  # auto: the compiler could not build avx512 (too old): avx2 instead
+    if missing:
+        return "avx2"
+    if not (KERNEL_DIR / object_name("avx512")).exists():
+        log.warning("cpu_gemm_avx512_not_built dir=%s; the avx2 build runs (the compiler at install time lacked "
+                    "-mavx512bf16: gcc 10 or later builds it)", KERNEL_DIR)  # fmt: skip
+        return "avx2"
+    return "avx512"
 
 
 def _asked_isa() -> str:
@@ -114,15 +114,10 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def build_flags() -> tuple[str, ...]:
-    """The compiler flags of this machine's build."""
-    return FLAGS + ISAS[isa()]
-
-
 def bf16_dot() -> bool:
     """Whether bfloat16 weights multiply with vdpbf16ps (the AVX-512 build): activations rounded to bfloat16."""
     lib = library()
-    return lib is not None and bool(lib.ts_features())
+    return lib is not None and lib.avx512
 
 
 def float_panels() -> bool:
@@ -131,99 +126,26 @@ def float_panels() -> bool:
     return bf16_dot()
 
 
-def _key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode()).hexdigest()[:16]
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ts_f32_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32]
-    lib.ts_f32_gemm.restype = None
-    lib.ts_bf16_gemm.argtypes = [p, i64, i64, p, p, i64, p, i32, p, i32]
-    lib.ts_bf16_gemm.restype = None
-    lib.ts_q8_gemm.argtypes = [p, i64, i64, p, p, i32, p, i64, p, p, p, i32]
-    lib.ts_q8_gemm.restype = None
-    lib.ts_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, ctypes.c_float, p, p, p, i32]
-    lib.ts_decode_attention.restype = None
-    for name in ("ts_rms_norm", "ts_rms_norm_bf16"):
-        getattr(lib, name).argtypes = [p, i64, i64, p, ctypes.c_float, p]
-        getattr(lib, name).restype = None
-    lib.ts_unit_rows.argtypes = [p, i64, i64, p, p, i32]
-    lib.ts_unit_rows.restype = None
-    lib.ts_silu_mul.argtypes = [p, i64, i64, p, i32]
-    lib.ts_silu_mul.restype = None
-    lib.ts_silu_mul_bf16.argtypes = [p, i64, i64, p, i32]
-    lib.ts_silu_mul_bf16.restype = None
-    lib.ts_decode_layers.argtypes = [i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i32, p, p, p,
-                                     p, i32, p, i64, i64, i64, p, i64, p, p, p, p, p, i32]  # fmt: skip
-    lib.ts_decode_layers.restype = None
-    lib.ts_merge_attention.argtypes = [p, p, p, p, i64, i64, p, i32]
-    lib.ts_merge_attention.restype = None
-    if hasattr(lib, "ts_prefill_attention"):  # the AVX-512 build's
-        lib.ts_prefill_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, p, i64, i64, i64, p, i32,
-                                             ctypes.c_float, p, p, i32]  # fmt: skip
-        lib.ts_prefill_attention.restype = None
-    lib.ts_features.argtypes = []
-    lib.ts_features.restype = i32
-    return lib
-
-
-def c_compiler() -> list[str]:
-    """The command that compiles the kernels: ``$CC``, else ``cc`` or ``gcc`` on the path."""
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
-    if not compiler[0]:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    return compiler
-
-
-def _load() -> ctypes.CDLL:
+def _load() -> Kernels:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"the kernels need an x86-64 CPU, this is {platform.machine()}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the kernels need AVX2 and FMA; torch reports {torch.backends.cpu.get_cpu_capability()}")
-    compiler = c_compiler()
-    from tierserve.core.builtin_models import cache_root
-
-    target = cache_root() / "kernels" / f"cpu_gemm-{isa()}-{_key()}.so"
-    if not target.exists():
-        try:
-            _build(compiler, target)
-        except RuntimeError as exc:
-            if isa() != "avx512" or _asked_isa() != "auto":
-                raise
-            log.warning("cpu_gemm_avx512_build_failed reason=%s; building for avx2", exc)
-            _avx512_build_failed.append(str(exc))
-            isa.cache_clear()
-            return _load()
-    try:
-        return ctypes.CDLL(str(target))
-    except OSError as exc:  # a damaged file: built again once, in its place
-        log.warning("cpu_gemm_rebuilt path=%s reason=%s", target, exc)
-        _build(compiler, target)
-        return ctypes.CDLL(str(target))
-
-
-def _build(compiler: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run(
-            [*compiler, *build_flags(), str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+    chosen = isa()
+    path = KERNEL_DIR / object_name(chosen)
+    if not path.exists():
+        raise RuntimeError(
+            f"the {chosen} kernels were not built ({path} is missing): tierserve was installed without a C compiler "
+            "that builds them; install gcc and reinstall tierserve (in a checkout: pip install -e .)"
         )
-        if result.returncode != 0:
-            raise RuntimeError(f"{shlex.join(compiler)} failed: {result.stderr.strip()[-400:]}")
-        with open(built, "rb") as handle:  # on disk before it has the final name: never a cut-off library
-            os.fsync(handle.fileno())
-        os.replace(built, target)  # atomic: concurrent builders each publish a whole file
-    for old in target.parent.glob(f"cpu_gemm-{isa()}-*.so"):  # earlier versions' builds for this ISA
-        if old != target:
-            old.unlink(missing_ok=True)
-    log.info("cpu_gemm_built path=%s", target)
-
-
-def address(tensor: torch.Tensor | None) -> int:
-    """A tensor's data address for the kernels; 0 (NULL) for None."""
-    return 0 if tensor is None else tensor.data_ptr()
+    source = KERNEL_DIR / SOURCE  # beside the builds in a checkout only: a wheel ships no C source
+    if source.exists() and source.stat().st_mtime > path.stat().st_mtime:
+        log.warning("cpu_gemm_stale path=%s; %s changed after it was built: rebuild with pip install -e .",
+                    path, SOURCE)  # fmt: skip
+    try:
+        return Kernels(path, chosen)
+    except KernelLoadError as exc:
+        raise RuntimeError(str(exc)) from exc
 
 
 def _pad_rows(weight: torch.Tensor, multiple: int = TILE) -> torch.Tensor:
@@ -236,26 +158,33 @@ class PackedFloat:
     ``[N/4][K/8][4][8]`` layout. float32: panels of ``PANEL`` output columns, ``[N/32][K][32]`` (the last
     zero-padded), each output element one multiply-add chain over K in order (``cpu_gemm.c``)."""
 
-    __slots__ = ("weight", "bias", "out_features", "in_features", "function", "panels_bf16")
+    __slots__ = ("weight", "bias", "out_features", "in_features", "panels_bf16", "checked")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        lib = library()
-        assert lib is not None and supports_float(weight)
+        if library() is None:
+            raise ValueError(f"PackedFloat: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
+        if not supports_float(weight):
+            raise ValueError(f"PackedFloat cannot hold a {weight.device.type} {weight.dtype} {list(weight.shape)} "
+                             "weight (CPU float32 or bfloat16, width a multiple of 8)")  # fmt: skip
         self.out_features, self.in_features = weight.shape
         self.panels_bf16 = weight.dtype == torch.bfloat16 and bf16_dot()
         if self.panels_bf16:  # AVX-512: panels by pairs of k, [N/32][K/2][32][2]
             padded = _pad_rows(weight.contiguous(), PANEL)
             panels = padded.view(-1, PANEL, self.in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-            self.weight, self.function = panels.view(torch.int16), lib.ts_bf16_gemm
+            self.weight = panels.view(torch.int16)
         elif weight.dtype == torch.bfloat16:
             padded = _pad_rows(weight.contiguous())
             tiles = padded.view(-1, TILE, self.in_features // 8, 8).permute(0, 2, 1, 3).contiguous()
-            self.weight, self.function = tiles.view(torch.int16), lib.ts_bf16_gemm
+            self.weight = tiles.view(torch.int16)
         else:
             padded = _pad_rows(weight.contiguous(), PANEL)
             self.weight = padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous()
-            self.function = lib.ts_f32_gemm
         self.bias = None if bias is None else bias.float().contiguous()
+        self.checked = library().matmul_weight(self.projection(), self.out_features, self.in_features)
+
+    def projection(self) -> Projection:
+        """This weight as the kernels take it (float32 panels, or bfloat16 bits in this build's layout)."""
+        return Projection(F32 if self.weight.dtype == torch.float32 else BF16, self.weight, None, self.bias)
 
     def unpacked(self) -> torch.Tensor:
         """The weight as a float32 ``[N, K]`` matrix (a new tensor; bfloat16 widens exactly)."""
@@ -272,23 +201,17 @@ class PackedFloat:
         if self.weight.dtype == torch.float32:
             rows = rows.float().contiguous()
             out = rows.new_empty(m, self.out_features)
-            self.function(
-                rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), address(self.bias), self.out_features,
-                out.data_ptr(), torch.get_num_threads(),
-            )  # fmt: skip
+            library().matmul(self.checked, rows, out)
             return out
-        io, scratch = 0, None
+        scratch = None
         if rows.dtype == torch.bfloat16 and self.panels_bf16:
-            rows, io = rows.contiguous(), 3  # bit 0: bfloat16 rows in, bit 1: bfloat16 rows out
+            rows = rows.contiguous()  # bfloat16 rows in, bfloat16 rows out
         else:
             rows = rows.float().contiguous()
             if self.panels_bf16:  # the rows rounded to bfloat16 once, for both threads
                 scratch = torch.empty(m * self.in_features, dtype=torch.int16)
         out = rows.new_empty(m, self.out_features)
-        self.function(
-            rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), address(self.bias), self.out_features,
-            out.data_ptr(), io, address(scratch), torch.get_num_threads(),
-        )  # fmt: skip
+        library().matmul(self.checked, rows, out, bf16_rows=scratch)
         return out
 
 
@@ -296,10 +219,14 @@ class PackedQ8:
     """An int8 weight in the ``[N/4][K/32][4][32]`` layout with one scale per row or per 32 columns
     (Q8_0); calls round the activations to Q8_0 blocks and return float32 rows."""
 
-    __slots__ = ("weight", "scale", "grouped", "bias", "out_features", "in_features")
+    __slots__ = ("weight", "scale", "grouped", "bias", "out_features", "in_features", "checked")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        assert library() is not None and supports_q8(q)
+        if library() is None:
+            raise ValueError(f"PackedQ8: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
+        if not supports_q8(q):
+            raise ValueError(f"PackedQ8 cannot hold a {q.device.type} {q.dtype} {list(q.shape)} weight (CPU, width a "
+                             f"multiple of {QK})")  # fmt: skip
         self.out_features, self.in_features = q.shape
         blocks = self.in_features // QK
         # -128 has no positive twin for the sign trick (cpu_gemm.c); llama.cpp's quantizer never writes it
@@ -309,6 +236,11 @@ class PackedQ8:
         scale = _pad_rows(scale.float())
         self.scale = (scale.view(-1, TILE, blocks).permute(0, 2, 1) if self.grouped else scale).contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
+        self.checked = library().matmul_weight(self.projection(), self.out_features, self.in_features)
+
+    def projection(self) -> Projection:
+        """This weight as the kernels take it."""
+        return Projection(Q8_GROUPED if self.grouped else Q8_ROW, self.weight, self.scale, self.bias)
 
     def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [n, K], scale)`` of output rows ``index`` (an embedding lookup in a tied head)."""
@@ -323,11 +255,7 @@ class PackedQ8:
         out = rows.new_empty(m, self.out_features)
         quantized = torch.empty(m, self.in_features, dtype=torch.int8)
         block_scales = rows.new_empty(m, self.in_features // QK)
-        library().ts_q8_gemm(
-            rows.data_ptr(), m, self.in_features, self.weight.data_ptr(), self.scale.data_ptr(), int(self.grouped),
-            address(self.bias), self.out_features, out.data_ptr(), quantized.data_ptr(), block_scales.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
+        library().matmul(self.checked, rows, out, q8_rows=quantized, q8_scales=block_scales)
         return out
 
 
@@ -339,9 +267,6 @@ def supports_float(weight: torch.Tensor) -> bool:
 def supports_q8(q: torch.Tensor) -> bool:
     """Whether ``PackedQ8`` can hold ``q`` (CPU, input width a multiple of 32)."""
     return q.device.type == "cpu" and q.shape[1] % QK == 0
-
-
-MAX_HEADS_PER_KV_HEAD = 16
 
 
 def decode_attention(
@@ -381,13 +306,8 @@ def decode_attention(
     table = blocks.to(torch.int64).contiguous()
     keep = None if mask is None else mask.reshape(batch, ctx).contiguous().view(torch.uint8)
     lse = torch.empty(batch, heads) if with_lse else None
-    # bit 1: the queries are bfloat16 values, which the AVX-512 kernel multiplies with vdpbf16ps exactly
-    flags = int(k_cache.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1
-    lib.ts_decode_attention(
-        queries.data_ptr(), batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        flags, table.data_ptr(), table.shape[1], block_size, ctx, address(keep),
-        scale, out.data_ptr(), scratch.data_ptr(), address(lse), torch.get_num_threads(),
-    )  # fmt: skip
+    lib.decode_attention(queries, k_cache, v_cache, table, block_size, ctx, keep, scale, out, scratch, lse,
+                         bf16_queries=q.dtype == torch.bfloat16)  # fmt: skip
     return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
 
 
@@ -431,7 +351,7 @@ def prefill_attention(
     ):
         return None
     lib = library()
-    if lib is None or not hasattr(lib, "ts_prefill_attention"):
+    if lib is None or not lib.has_prefill_attention:
         return None
     bf16_queries = q.dtype == torch.bfloat16 or (round_queries and k_cache.dtype == torch.bfloat16)
     queries = (q.to(torch.bfloat16) if bf16_queries else q).float().contiguous()
@@ -439,11 +359,8 @@ def prefill_attention(
     table = blocks.to(torch.int64).contiguous()
     keep = None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
     lse = torch.empty(rows, heads) if with_lse else None
-    lib.ts_prefill_attention(
-        queries.data_ptr(), batch, rows // batch, heads, kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16) | int(bf16_queries) << 1, table.data_ptr(), table.shape[1],
-        block_size, ctx, address(keep), int(causal), scale, out.data_ptr(), address(lse), torch.get_num_threads(),
-    )  # fmt: skip
+    lib.prefill_attention(queries, k_cache, v_cache, table, block_size, ctx, keep, scale, out, lse, causal=causal,
+                          bf16_queries=bf16_queries)  # fmt: skip
     return (out.to(q.dtype), lse) if with_lse else out.to(q.dtype)
 
 
@@ -460,10 +377,7 @@ def merge_attention(
     first, second = a.float().contiguous(), b.float().contiguous()
     first_lse, second_lse = lse_a.float().contiguous(), lse_b.float().contiguous()
     out = torch.empty(first.shape)
-    lib.ts_merge_attention(
-        first.data_ptr(), first_lse.data_ptr(), second.data_ptr(), second_lse.data_ptr(),
-        first_lse.numel(), a.shape[-1], out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    lib.merge_attention(first, first_lse, second, second_lse, out)
     return out.to(a.dtype)
 
 
@@ -494,11 +408,11 @@ def rms_norm(
     if x.dtype == torch.bfloat16:  # bfloat16 values are exact in float32
         rows_f32, weight_f32 = x.float().contiguous(), weight.float()  # held until the call returns
         out = torch.empty(x.shape)
-        lib.ts_rms_norm_bf16(rows_f32.data_ptr(), rows, x.shape[-1], weight_f32.data_ptr(), eps, out.data_ptr())
+        lib.rms_norm(rows_f32, weight_f32, eps, out, bf16=True)
         return out.to(torch.bfloat16)
     x = x.contiguous()
     out = torch.empty_like(x)
-    lib.ts_rms_norm(x.data_ptr(), rows, x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
+    lib.rms_norm(x, weight, eps, out)
     return out
 
 
@@ -514,7 +428,7 @@ def unit_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows = rows.contiguous()
     out = rows.new_empty(rows.shape[0] + 1, rows.shape[1])
     norms = rows.new_empty(rows.shape[0], 1)
-    lib.ts_unit_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr(), norms.data_ptr(), torch.get_num_threads())
+    lib.unit_rows(rows, out, norms)
     return out, norms
 
 
@@ -527,12 +441,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     lib = library()
     if lib is None:
         return None
-    if dtype == torch.bfloat16:  # bfloat16 bits in and out, widened and narrowed inside the kernel
-        gate_up = gate_up.contiguous()
-        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        lib.ts_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
-        return out
-    gate_up = gate_up.float().contiguous()
+    gate_up = gate_up.contiguous()  # bfloat16: its bits in and out, widened and narrowed inside the kernel
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    lib.ts_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
+    lib.silu_mul(gate_up, out)
     return out

@@ -31,18 +31,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
-from tierserve.plugins.backends.cpu_gemm import address
+from tierserve.plugins.backends.cpu_gemm_abi import BF16, F32, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape
 from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear
 from tierserve.plugins.backends.paged_attention import PagedBatch
 
 if TYPE_CHECKING:
     from tierserve.plugins.backends.llama import LayerWeights, PagedLlama
-
-# the per-layer pointer layout of ts_decode_layers (cpu_gemm.c: L_*), and its projection kinds (K_*)
-POINTERS = ("input_norm", "qkv_w", "qkv_s", "qkv_b", "q_norm", "k_norm", "o_w", "o_s", "o_b", "post_norm",
-            "gate_up_w", "gate_up_s", "down_w", "down_s", "k_cache", "v_cache", "mask")  # fmt: skip
-MASK, K_CACHE, V_CACHE = POINTERS.index("mask"), POINTERS.index("k_cache"), POINTERS.index("v_cache")
-Q8_ROW, Q8_GROUPED, BF16, F32 = 0, 1, 2, 3
 
 
 def _kind(linear: Linear | Int8Linear, dtype: torch.dtype) -> int | None:
@@ -61,43 +55,26 @@ def _projections(layer: LayerWeights) -> tuple:
 
 
 class FusedDecode:
-    """The layer stack of one ``PagedLlama`` as ``ts_decode_layers`` reads it: a pointer table per layer."""
+    """The layer stack of one ``PagedLlama`` as ``ts_decode_layers`` reads it (``cpu_gemm_abi.DecodeStack``)."""
 
     def __init__(self, model: PagedLlama, kinds: list[list[int]]) -> None:
         self.model = model
-        self.function = cpu_gemm.library().ts_decode_layers
         self.windows = [layer.sliding_window for layer in model.layers]
-        self.norms: list[torch.Tensor] = []  # float32 copies the table points at (kept alive here)
-        rows = []
+        config = model.config
+        self.shape = DecodeShape(config.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim,
+                                 config.intermediate_size)  # fmt: skip
+        layers = []
         for layer in model.layers:
             packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.own for linear in _projections(layer)]
-            scales = [getattr(weights, "scale", None) for weights in packed]
             input_norm, q_norm, k_norm, post_norm = (
                 None if norm is None else norm.float().contiguous()
                 for norm in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)
             )
-            self.norms += [norm for norm in (input_norm, q_norm, k_norm, post_norm) if norm is not None]
-            rows.append([
-                address(input_norm), address(packed[0].weight), address(scales[0]), address(packed[0].bias), address(q_norm),
-                address(k_norm), address(packed[1].weight), address(scales[1]), address(packed[1].bias), address(post_norm),
-                address(packed[2].weight), address(scales[2]), address(packed[3].weight), address(scales[3]), 0, 0, 0,
-            ])  # fmt: skip
-        self.pointers = torch.tensor(rows, dtype=torch.int64)
-        self.kinds = torch.tensor(kinds, dtype=torch.int64)
-        self.arena_keys: list[torch.Tensor] | None = None  # the arena's key list the table points into
-        # the call's scratch, kept between steps and grown when a step needs more: per row, the float work
-        # area's fixed part (plus heads * ctx attention scores) and the widest int8 row
-        config, heads = model.config, model.num_heads
-        q_size, qkv_size = heads * model.head_dim, (heads + 2 * model.num_kv_heads) * model.head_dim
-        wide = max(config.hidden_size, config.intermediate_size)
-        self.widest = max(config.hidden_size, q_size, config.intermediate_size)
-        bf16_rows = (self.widest + 15) // 16 * 8  # a bfloat16 projection's rounded input row, in floats
-        self.work_per_row = (
-            wide + qkv_size + 2 * q_size + config.hidden_size + 2 * config.intermediate_size + bf16_rows
-            + q_size + 2 * heads  # a shared prefix's part of the attention and both parts' log-sum-exps
-        )  # fmt: skip
+            layers.append(DecoderLayer(input_norm, post_norm, q_norm, k_norm, *(p.projection() for p in packed)))
+        self.stack = cpu_gemm.library().decode_stack(self.shape, layers, act_bf16=model.dtype == torch.bfloat16)
+        self.arena_keys: list[torch.Tensor] | None = None  # the arena's key list the stack points into
         # a shared prefix runs the prefill attention kernel (the AVX-512 build's)
-        self.prefill_attention = getattr(cpu_gemm.library(), "ts_prefill_attention", None)
+        self.prefill_attention = cpu_gemm.library().has_prefill_attention
         # int8 rows past SMALL_BATCH run fbgemm in the layer loop; float rows use tierserve's RMSNorm up to NORM_ROWS
         int8 = any(kind in (Q8_ROW, Q8_GROUPED) for row in kinds for kind in row)
         self.max_rows = SMALL_BATCH if int8 else cpu_gemm.NORM_ROWS
@@ -139,16 +116,15 @@ class FusedDecode:
         if group.q_len != 1 or group.rows != slice(0, rows):
             return None
         shared = group.shared
-        if shared is not None and self.prefill_attention is None:
+        if shared is not None and not self.prefill_attention:
             return None
         if model.layers[0].q_norm is not None and rows * model.num_heads > cpu_gemm.NORM_ROWS:
             return None  # the Python path normalises that many head rows with torch's op
         arena = model.arena
         if not arena.k:
             return None  # no arena (cleared): the layer loop says so
-        if arena.k is not self.arena_keys:  # allocated (again) since the table was filled: new lists, new buffers
-            self.pointers[:, K_CACHE] = torch.tensor([k.data_ptr() for k in arena.k])
-            self.pointers[:, V_CACHE] = torch.tensor([v.data_ptr() for v in arena.v])
+        if arena.k is not self.arena_keys:  # allocated (again) since the stack was set: new lists, new buffers
+            self.stack.set_arena(arena.k, arena.v)
             self.arena_keys = arena.k
         bs = arena.block_size
         if shared is None:
@@ -163,20 +139,14 @@ class FusedDecode:
             window: None if mask is None else mask.reshape(rows, ctx).contiguous().view(torch.uint8)
             for window, mask in row_masks.items()
         }
-        self.pointers[:, MASK] = torch.tensor([address(masks[window]) for window in self.windows])
-        heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
-        hidden_size, inter = model.config.hidden_size, model.config.intermediate_size
         work, quantized, block_scales = self._scratch(rows, ctx)
         hidden = model.embed(batch.input_ids).float().contiguous()  # a new tensor: updated in place
         cos = model.cos[batch.positions].float().contiguous()
         sin = model.sin_signed[batch.positions].float().contiguous()
-        blocks = blocks.to(torch.int64).contiguous()
-        self.function(
-            rows, len(model.layers), hidden_size, heads, kv_heads, head_dim, inter, model.eps, model.scaling,
-            int(model.dtype == torch.bfloat16), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            batch.slot_mapping.data_ptr(), int(arena.dtype == torch.bfloat16), blocks.data_ptr(), blocks.shape[1],
-            bs, ctx, address(shared_blocks), shared_tokens, self.pointers.data_ptr(), self.kinds.data_ptr(), work.data_ptr(),
-            quantized.data_ptr(), block_scales.data_ptr(), torch.get_num_threads(),
+        self.stack.run(
+            hidden, cos, sin, batch.slot_mapping, blocks.to(torch.int64).contiguous(), bs, ctx,
+            [masks[window] for window in self.windows], model.eps, model.scaling, work, quantized, block_scales,
+            shared_blocks, shared_tokens,
         )  # fmt: skip
         return hidden.to(model.dtype)
 
@@ -184,13 +154,13 @@ class FusedDecode:
         """The float work area, int8 rows and block scales ``ts_decode_layers`` needs for ``rows`` rows over
         ``ctx`` positions: the kept ones where they are large enough, else larger ones (rows rounded up to
         16, at least ``SMALL_BATCH``, the context to 1024 positions; never smaller than the kept ones)."""
-        heads = self.model.num_heads
-        if self.scratch is None or self.scratch[0].numel() < rows * (self.work_per_row + heads * ctx) or (
-            self.scratch[1].numel() < rows * self.widest
+        shape = self.shape
+        if self.scratch is None or self.scratch[0].numel() < rows * shape.work_floats(ctx) or (
+            self.scratch[1].numel() < rows * shape.widest
         ):
             capacity, most = -(-ctx // 1024) * 1024, max(SMALL_BATCH, -(-rows // 16) * 16)
             kept = (0, 0) if self.scratch is None else (self.scratch[0].numel(), self.scratch[1].numel())
-            floats, widest = max(kept[0], most * (self.work_per_row + heads * capacity)), max(kept[1], most * self.widest)
+            floats, widest = max(kept[0], most * shape.work_floats(capacity)), max(kept[1], most * shape.widest)
             self.scratch = (
                 torch.empty(floats),
                 torch.empty(widest, dtype=torch.int8),

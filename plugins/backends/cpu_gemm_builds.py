@@ -1,0 +1,35 @@
+"""The builds of ``cpu_gemm.c``: one shared object per instruction set, compiled when the package is built.
+
+``setup.py`` compiles each build listed here into the package (``pip install``,
+``pip install -e .``, ``pip wheel``); ``cpu_gemm.py`` loads the one this CPU
+runs. This file is read by ``setup.py`` before tierserve is installed, so it
+imports nothing but the standard library.
+
+    cpu_gemm.c --(setup.py, gcc: COMMON_FLAGS + ISAS[isa])--> _cpu_gemm_avx2.so
+                                                              _cpu_gemm_avx512.so
+                             cpu_gemm.py: /proc/cpuinfo flags --> one of them, by ctypes
+"""
+
+from __future__ import annotations
+
+# Bump when any kernel's results change, in either build: the cache fingerprint names it, so KV computed by
+# earlier kernels is never served as this version's. tests/test_cpu_gemm.py keeps each version's output bits.
+KERNEL_VERSION = 1
+
+SOURCE = "cpu_gemm.c"
+# -ffp-contract=off: every product and sum rounded as written, so the elementwise code matches torch's to the bit
+COMMON_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+LINK_FLAGS = ("-fopenmp",)
+ISAS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")}
+# what /proc/cpuinfo must list for each build to run (torch's own AVX2 check comes first)
+CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")}
+
+
+def compile_flags(isa: str) -> list[str]:
+    """The compiler flags of ``isa``'s build (the version compiled in: the loader checks it)."""
+    return [*COMMON_FLAGS, *ISAS[isa], f"-DTS_KERNEL_VERSION={KERNEL_VERSION}"]
+
+
+def object_name(isa: str) -> str:
+    """The file name of ``isa``'s shared object, beside ``cpu_gemm.py``."""
+    return f"_cpu_gemm_{isa}.so"
