@@ -93,7 +93,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         print(json.dumps(explained, indent=2))
         return 0
     for section, values in explained.items():
-        if isinstance(values, list):  # an array of tables: [[kv_cache.tiers]]
+        if section == "shorthands":  # [kv_cache] keys written into the tier list
+            if values:
+                print("# [kv_cache] shorthands, and where they landed")
+            for item in values:
+                print(f"{item['key']} = {_format_value(item['value'])} ({item['source']}) -> {item['landed']}")
+            if values:
+                print()
+        elif isinstance(values, list):  # an array of tables: [[kv_cache.tiers]]
             if not values:
                 print(f"# [[{section}]]: none\n")
             for table in values:

@@ -4,10 +4,11 @@ Sources, later wins: the Settings defaults -> a preset (``configs/NAME.toml``)
 -> ``--config FILE`` -> environment ``TIERSERVE_SECTION__KEY`` -> CLI flags.
 Every error names the key, the bad value and the source it came from.
 
-    layers.read_layers ─► plugins load (allowlist) ─► merge.merge_layers (aliases, unknown keys)
-        ─► Settings(**values) ─► resolve: component names, [[kv_cache.tiers]], [plugins.NAME] tables
+    layers.read_layers (pydantic-settings' TOML and env sources) ─► plugins load (allowlist)
+        ─► merge.merge_layers (aliases, unknown keys) ─► resolve.fold_shorthands ([kv_cache] shorthands
+        into [[kv_cache.tiers]]) ─► Settings(**values) ─► resolve: component names, tiers, [plugins.NAME]
 
-The schema lives in ``sections`` (re-exported here), tier entries in ``tier_settings``.
+The schema lives in ``sections`` (re-exported here), tier entries and shorthands in ``tier_settings``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tierserve.core.plugins import ALLOWLIST_ENV, TIER_KIND, PluginManager, load
 from tierserve.core.resolve import (
     check_components,
     check_model_keys,
-    check_tier_keys,
+    fold_shorthands,
     resolve_plugin_tables,
     resolve_tiers,
 )
@@ -46,7 +47,7 @@ from tierserve.core.sections import (
     SpeculativeSettings,
 )
 from tierserve.core.tables import DEFAULT_SOURCE, describe_errors
-from tierserve.core.tier_settings import TierSettings
+from tierserve.core.tier_settings import Landing, TierSettings
 
 __all__ = [
     "AuthSettings",
@@ -77,13 +78,15 @@ class LoadedSettings:
     """Validated settings, the source of every value, and the plugins they were checked against.
 
     ``sources`` is keyed by ``(section, key)``; a plugin table's section is
-    ``plugins.NAME``, a tier entry's ``kv_cache.tiers[i]``.
+    ``plugins.NAME``, a tier entry's ``kv_cache.tiers[i]``. ``shorthands`` says
+    where each ``[kv_cache]`` shorthand given went in the tier list.
     """
 
     settings: Settings
     sources: dict[tuple[str, str], str]
     plugins: PluginManager
     layers: list[str] = field(default_factory=list)
+    shorthands: list[Landing] = field(default_factory=list)
 
     def source_of(self, section: str, key: str) -> str:
         if section == "models":  # [[models]] comes whole from one layer
@@ -95,7 +98,8 @@ class LoadedSettings:
 
         Sections are ``{key: item}``; ``kv_cache.tiers`` is a list of such
         tables, one per tier; each component that declares settings has its
-        ``plugins.NAME`` section (defaults included).
+        ``plugins.NAME`` section (defaults included). ``shorthands`` lists each
+        ``[kv_cache]`` shorthand given: ``{"key", "value", "source", "landed"}``.
         """
         out: dict[str, Any] = {}
         for section, values in self.settings.model_dump(mode="json").items():
@@ -112,6 +116,10 @@ class LoadedSettings:
                 out["kv_cache.tiers"] = [
                     self._items(f"kv_cache.tiers[{index}]", tier.as_table())
                     for index, tier in enumerate(self.settings.kv_cache.tiers)
+                ]
+                out["shorthands"] = [
+                    {"key": f"kv_cache.{s.key}", "value": s.value, "source": s.source, "landed": s.landed}
+                    for s in self.shorthands
                 ]
             if section == "plugins":
                 for name, component in sorted(self.plugins.settings_components().items()):
@@ -186,10 +194,10 @@ def load_settings(
         layers, {name: c.settings for name, c in plugins.settings_components().items()},
         plugins.aliases(), plugins.registry(TIER_KIND).names(),
     )  # fmt: skip
-    check_tier_keys(merged)
+    shorthands = fold_shorthands(merged)
     check_model_keys(merged)
     settings = _validate(merged)
     check_components(settings, plugins, merged.sources)
     resolve_tiers(settings, plugins, merged)
     resolve_plugin_tables(settings, plugins, merged.sources)
-    return LoadedSettings(settings, merged.sources, plugins, [layer.label for layer in layers])
+    return LoadedSettings(settings, merged.sources, plugins, [layer.label for layer in layers], shorthands)

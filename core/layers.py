@@ -2,7 +2,9 @@
 
 A layer is raw nested tables (nothing validated yet) plus the label that
 errors and ``config show`` print as its source. Sources, later wins:
-preset -> ``--config FILE`` -> environment -> command line.
+preset -> ``--config FILE`` -> environment -> command line. Files and the
+environment are read by pydantic-settings' own sources, one layer each, so
+that every value keeps the label of the file or variable it came from.
 """
 
 from __future__ import annotations
@@ -10,17 +12,20 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pydantic_settings import EnvSettingsSource, SettingsError, TomlConfigSettingsSource
+
 from tierserve.core.errors import ConfigError
+from tierserve.core.sections import Settings
 from tierserve.core.tables import suggest
 
-ENV_PREFIX = "TIERSERVE_"
-ENV_DELIMITER = "__"
+ENV_PREFIX = Settings.model_config["env_prefix"]
+ENV_DELIMITER = Settings.model_config["env_nested_delimiter"]
 GROUPS = ("preset", "config file", "environment", "command line")
 
 
@@ -65,11 +70,11 @@ def preset_path(name: str) -> Path:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's tables as pydantic-settings' ``TomlConfigSettingsSource`` reads them (every key kept)."""
+    if not path.is_file():  # the source reads a missing file as empty
+        raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        return TomlConfigSettingsSource(Settings, toml_file=path).toml_data
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     except UnicodeDecodeError as exc:  # tomllib decodes the bytes before it parses them
@@ -85,26 +90,87 @@ def nest(path: list[str], value: Any) -> dict[str, Any]:
     return {path[0]: value}
 
 
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source over the given variables (tests pass their own), taking
+    ``TIERSERVE_SECTION__KEY`` only: ``TIERSERVE_PLUGINS`` and other names without ``__`` are not settings."""
+
+    def __init__(self, variables: Mapping[str, str]) -> None:
+        self._variables = variables
+        super().__init__(Settings)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {name.lower(): value for name, value in self._variables.items()}
+
+
+def _leaves(
+    values: Mapping[str, Any], names: Mapping[str, str], path: tuple[str, ...] = ()
+) -> Iterator[tuple[str, list[str], Any]]:
+    """``(variable, path, value)``: the nested values the source built, each with the variable that gave it."""
+    for key, value in values.items():
+        name = names.get((ENV_PREFIX + ENV_DELIMITER.join((*path, key))).lower())
+        if name is None and isinstance(value, Mapping):
+            yield from _leaves(value, names, (*path, key))
+        else:
+            yield name or (ENV_PREFIX + ENV_DELIMITER.join((*path, key))).upper(), [*path, key], value
+
+
+def _undeclared_json(name: str, path: list[str], value: Any) -> Any:
+    # the source decodes JSON for the fields the model declares; [plugins.NAME] tables are declared by
+    # plugins, which load only once the allowlist is known
+    if path[0] == "plugins" and isinstance(value, str) and value.strip().startswith(("[", "{")):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(f"environment variable {name}: invalid JSON value {value!r}") from None
+    return value
+
+
 def env_layers(environ: Mapping[str, str]) -> list[Layer]:
     """``TIERSERVE_SECTION__KEY=value`` (and ``TIERSERVE_PLUGINS__NAME__KEY``), one layer per variable.
 
-    Values that look like JSON lists or objects are parsed as JSON; everything
+    Lists and tables are written as JSON (``TIERSERVE_AUTH__API_KEYS='["k1"]'``); everything
     else stays a string for the settings model to coerce (``"8"`` -> 8).
     """
-    layers = []
-    for name in sorted(environ):
-        if not name.upper().startswith(ENV_PREFIX) or ENV_DELIMITER not in name:
+    names = {
+        name.lower(): name
+        for name in environ
+        if name.upper().startswith(ENV_PREFIX) and ENV_DELIMITER in name[len(ENV_PREFIX) :]
+    }
+    for lower, name in sorted(names.items()):
+        section = lower[len(ENV_PREFIX) :].split(ENV_DELIMITER)[0]
+        if section not in Settings.model_fields:  # the source skips what the model does not declare
+            sections = list(Settings.model_fields)
+            raise ConfigError(
+                f"unknown section [{section}] in environment variable {name}; available sections: "
+                f"{', '.join(sections)}{suggest(section, sections)}"
+            )
+    source = _Environment({name: environ[name] for name in names.values()})
+    try:
+        values = source()
+    except SettingsError as exc:
+        raise ConfigError(_bad_json(source, names, environ) or f"environment: {exc}") from None
+    return [
+        Layer(f"environment variable {name}", nest(path, _undeclared_json(name, path, value)), "environment")
+        for name, path, value in sorted(_leaves(values, names), key=lambda leaf: leaf[0])
+    ]
+
+
+def _bad_json(source: EnvSettingsSource, names: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
+    """Which variable of a declared list or table is not JSON (pydantic-settings names only the section)."""
+    for lower, name in sorted(names.items()):
+        section, *keys = lower[len(ENV_PREFIX) :].split(ENV_DELIMITER)
+        field = Settings.model_fields[section]
+        for key in keys:
+            field = getattr(field.annotation, "model_fields", {}).get(key)
+            if field is None:
+                break
+        if field is None or not source.field_is_complex(field):
             continue
-        raw = environ[name]
-        value: Any = raw
-        if raw.strip().startswith(("[", "{")):
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError:
-                raise ConfigError(f"environment variable {name}: invalid JSON value {raw!r}") from None
-        path = name[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
-        layers.append(Layer(f"environment variable {name}", nest(path, value), "environment"))
-    return layers
+        try:
+            json.loads(environ[name])
+        except json.JSONDecodeError:
+            return f"environment variable {name}: invalid JSON value {environ[name]!r}; write a list or table as JSON"
+    return None
 
 
 def parse_override(assignment: str) -> tuple[str, str, Any]:

@@ -18,6 +18,7 @@ from tierserve.core.errors import ConfigError
 from tierserve.core.layers import Layer
 from tierserve.core.sections import Settings
 from tierserve.core.tables import model_keys, suggest, unknown_key
+from tierserve.core.tier_settings import FLAT_TIER_KEYS, SHORTHANDS
 
 # old core key names that keep working: "section.key" -> (section, key) where the setting lives now
 CORE_ALIASES: dict[str, tuple[str, str]] = {"server.served_model_name": ("model", "served_model_name")}
@@ -96,7 +97,7 @@ def merge_layers(
             keys = model_keys(sections[section].annotation)
             for key, value in table.items():
                 written = f"{section}.{key}"
-                if key in keys:
+                if key in keys or (section == "kv_cache" and key in FLAT_TIER_KEYS):
                     merged.put(section, key, value, layer, written)
                 elif written in CORE_ALIASES:
                     merged.put(*CORE_ALIASES[written], value, layer, written)
@@ -107,7 +108,8 @@ def merge_layers(
                     merged.put(f"plugins.{name}", target, value, layer, written)
                 else:
                     old = [alias.split(".", 1)[1] for alias in aliases if alias.startswith(f"{section}.")]
-                    raise unknown_key(written, layer.label, f"[{section}]", keys + sorted(old))
+                    shorthands = list(SHORTHANDS) if section == "kv_cache" else []
+                    raise unknown_key(written, layer.label, f"[{section}]", keys + shorthands + sorted(old))
     return merged
 
 

@@ -6,7 +6,7 @@ Every error names the full key, the value, its source and the reason, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -18,17 +18,13 @@ from tierserve.core.plugins import PluginManager
 from tierserve.core.registry import Component
 from tierserve.core.sections import Settings
 from tierserve.core.tables import DEFAULT_SOURCE, validate_table
-from tierserve.core.tier_settings import LEGACY_TIER_KEYS, LEGACY_TIERS, TIER_KEYS, TierSettings
+from tierserve.core.tier_settings import FLAT_TIER_KEYS, TIER_KEYS, Landing, apply_shorthands
 
 # (section, key) -> registry kind whose names the value must be
 COMPONENT_KEYS: dict[tuple[str, str], str] = {
     ("model", "backend"): "backends",
     ("scheduler", "name"): "schedulers",
     ("kv_cache", "eviction_policy"): "eviction_policies",
-    ("kv_cache", "l2_eviction_policy"): "eviction_policies",
-    ("kv_cache", "l3_eviction_policy"): "eviction_policies",
-    ("kv_cache", "l2_tier"): "cache_tiers",
-    ("kv_cache", "l3_tier"): "cache_tiers",
     ("speculative", "method"): "speculators",
 }
 INHERITED_TIER_KEYS = ("eviction_policy", "ttl_seconds")  # from [kv_cache] unless the entry sets them
@@ -75,72 +71,62 @@ def check_model_keys(merged: Merged) -> None:
         merged.sources[(section, key)] += "; not used: [[models]] replaces [model]"
 
 
-def check_tier_keys(merged: Merged) -> None:
-    """``kv_cache.tiers`` replaces the legacy tier keys of earlier layers (a preset's); set in the same
-    layer or a later one, they contradict it."""
+def fold_shorthands(merged: Merged) -> list[Landing]:
+    """Write the ``[kv_cache]`` shorthands into ``kv_cache.tiers`` (``tier_settings.apply_shorthands``) and
+    record the source of every entry's keys as ``("kv_cache.tiers[i]", key)``.
+
+    A shorthand set before the layer that set the list (a preset's, under a file's list) is
+    replaced by it, as any earlier value is; set in that layer or a later one, it sets the list's tier.
+    """
+    kv = merged.values.setdefault("kv_cache", {})
     tiers_key = ("kv_cache", "tiers")
-    if tiers_key not in merged.sources:
-        return
-    for legacy in sorted(LEGACY_TIER_KEYS):
-        key = ("kv_cache", legacy)
-        if key not in merged.sources:
-            continue
-        if merged.ranks[key] >= merged.ranks[tiers_key]:
-            raise ConfigError(
-                f"kv_cache.tiers (from {merged.sources[tiers_key]}) and kv_cache.{legacy} "
-                f"(from {merged.sources[key]}) both describe the cache tiers; use kv_cache.tiers: give each "
-                f"tier all its keys in its [[kv_cache.tiers]] entry and remove kv_cache.{legacy}"
-            )
-        merged.sources[key] += "; not used: kv_cache.tiers replaces it"
+    replaced = []
+    for key in sorted(FLAT_TIER_KEYS & kv.keys()):
+        if tiers_key in merged.sources and merged.ranks[("kv_cache", key)] < merged.ranks[tiers_key]:
+            how = f"not used: kv_cache.tiers (from {merged.sources[tiers_key]}) replaces it"
+            replaced.append(Landing(key, kv.pop(key), merged.sources[("kv_cache", key)], how))
+            merged.sources[("kv_cache", key)] += "; not used: kv_cache.tiers replaces it"
+    folded = apply_shorthands(kv, lambda key: merged.sources.get(("kv_cache", key), DEFAULT_SOURCE))
+    merged.values["kv_cache"] = folded.table
+    for index, keys in enumerate(folded.sources):
+        for key, source in keys.items():
+            merged.sources[(f"kv_cache.tiers[{index}]", key)] = source
+    return replaced + folded.landings
 
 
-def _tier_sources(
-    tier: TierSettings, raw: Mapping[str, Any] | None, sources: Mapping[tuple[str, str], str]
-) -> Callable[[str], str]:
-    """Where each key of a tier entry came from: the list's source, ``[kv_cache]``, or a legacy key."""
-
-    def kv_source(key: str, how: str) -> str:
-        return f"{sources.get(('kv_cache', key), DEFAULT_SOURCE)}, {how} kv_cache.{key}"
-
-    def source_of(key: str) -> str:
-        if raw is not None:  # an entry of an explicit [[kv_cache.tiers]]
-            if key in raw and not (key == "eviction_policy" and raw[key] is None):
-                return sources[("kv_cache", "tiers")]
-            return kv_source(key, "via") if key in INHERITED_TIER_KEYS else DEFAULT_SOURCE
-        legacy = LEGACY_TIERS[tier.name].get(key)
-        if key == "eviction_policy" and (legacy is None or ("kv_cache", legacy) not in sources):
-            return kv_source("eviction_policy", "via")
-        if legacy is not None:
-            return kv_source(legacy, "as")
-        return kv_source(key, "via") if key in INHERITED_TIER_KEYS else DEFAULT_SOURCE
-
-    return source_of
+def _tier_source(merged: Merged, path: str, raw: Mapping[str, Any], key: str) -> str:
+    """Where one key of a tier entry came from: the list (or a shorthand), else ``[kv_cache]``, else the default."""
+    if key in raw and not (key == "eviction_policy" and raw[key] is None):
+        return merged.sources.get((path, key), DEFAULT_SOURCE)
+    if key in INHERITED_TIER_KEYS:
+        return f"{merged.sources.get(('kv_cache', key), DEFAULT_SOURCE)}, via kv_cache.{key}"
+    return DEFAULT_SOURCE
 
 
 def resolve_tiers(settings: Settings, plugins: PluginManager, merged: Merged) -> None:
     """Check each tier's plugin and policy names and validate its own keys by the model its
     plugin registered; record the source of every key as ``("kv_cache.tiers[i]", key)``."""
     kv = settings.kv_cache
-    explicit = ("kv_cache", "tiers") in merged.sources
-    raw_entries = merged.values["kv_cache"]["tiers"] if explicit else None
+    raw_entries = merged.values["kv_cache"]["tiers"]
     resolved = []
     for index, tier in enumerate(kv.tiers):
         path = f"kv_cache.tiers[{index}]"
-        source_of = _tier_sources(tier, raw_entries[index] if raw_entries else None, merged.sources)
+        raw = raw_entries[index]
+
+        def source_of(key: str, path: str = path, raw: Mapping[str, Any] = raw) -> str:
+            return _tier_source(merged, path, raw, key)
+
         component = _component(plugins, "cache_tiers", tier.plugin, f"{path}.plugin", source_of("plugin"))
         policy = _component(
             plugins, "eviction_policies", tier.eviction_policy, f"{path}.eviction_policy", source_of("eviction_policy")
         )
         server_evicts = bool(component.metadata.get("server_evicts"))
         if server_evicts:
-            _refuse_own_eviction(raw_entries[index] if raw_entries else None, path, component.name)
-        model = component.settings or NoSettings
-        own = tier.options.model_dump()
-        if not explicit:  # legacy keys are offered; the plugin takes the ones it declares
-            own = {key: value for key, value in own.items() if key in model.model_fields}
+            _refuse_own_eviction(raw, path, component.name)
         options = validate_table(
-            model, own, path, source_of, owner=f"a {component.name!r} tier", extra_keys=TIER_KEYS
-        )
+            component.settings or NoSettings, tier.options.model_dump(), path, source_of,
+            owner=f"a {component.name!r} tier", extra_keys=TIER_KEYS,
+        )  # fmt: skip
         entry = tier.model_copy(update={"plugin": component.name, "eviction_policy": policy.name, "options": options})
         resolved.append(entry)
         for key in entry.as_table():
@@ -150,9 +136,9 @@ def resolve_tiers(settings: Settings, plugins: PluginManager, merged: Merged) ->
     kv.tiers = resolved
 
 
-def _refuse_own_eviction(raw: Mapping[str, Any] | None, path: str, plugin: str) -> None:
+def _refuse_own_eviction(raw: Mapping[str, Any], path: str, plugin: str) -> None:
     """A tier whose server evicts by itself (a remote tier) takes no ``eviction_policy`` in its entry."""
-    if raw is not None and raw.get("eviction_policy") is not None:
+    if raw.get("eviction_policy") is not None:
         raise ConfigError(
             f"{path}.eviction_policy: a {plugin!r} tier's server evicts by its own policy (for Redis, "
             f"maxmemory-policy = allkeys-lru); remove eviction_policy from this entry"

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tierserve.core.tables import validate_table
-from tierserve.core.tier_settings import TierSettings, legacy_tiers, unique_names
+from tierserve.core.tier_settings import FLAT_TIER_KEYS, TierSettings, apply_shorthands, unique_names
 
 M = TypeVar("M", bound=BaseModel)
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -264,8 +264,10 @@ class SchedulerSettings(Section):
 class KVCacheSettings(Section):
     """[kv_cache]: the L1 block pool and the ordered tiers below it (``[[kv_cache.tiers]]``).
 
-    ``tiers`` unset: the legacy keys (``l2_*``, ``max_memory_bytes``, ``disk_path``,
-    ``l3_*``, ...) build it, as ``tier_settings.legacy_tiers`` says.
+    ``tiers`` unset: one memory tier, ``l2``. The flat shorthands (``l2_capacity``,
+    ``max_memory_bytes``, ``disk_path``, ``persistence``, ``max_disk_bytes``) are
+    written into the list, as ``tier_settings.apply_shorthands`` says; they are not
+    fields of their own.
     """
 
     block_size: int = Field(16, gt=0)
@@ -278,7 +280,9 @@ class KVCacheSettings(Section):
     l1_max_bytes: int | None = Field(None, gt=0, description="size L1 by bytes instead (overrides l1_capacity)")
     eviction_policy: str = Field("adaptive", description="L1's policy, and every tier's unless the tier sets one")
     ttl_seconds: float | None = Field(3600, ge=0, description="0 or unset: entries never expire; tiers may override")
-    tiers: list[TierSettings] = Field(default_factory=list, description="the tiers below L1, in order")
+    tiers: list[TierSettings] = Field(
+        default_factory=list, description="the tiers below L1, in order (unset: one memory tier, l2)"
+    )
     enable_prefix_caching: bool = True
     reuse_partial_blocks: bool = Field(
         True,
@@ -305,21 +309,14 @@ class KVCacheSettings(Section):
     cache_keys_max_pinned_bytes: int | None = Field(
         None, gt=0, description="bytes of KV that cache keys pin at most; unset: a quarter of L1"
     )
-    # legacy tier keys, used only when `tiers` is not set
-    l2_capacity: int = Field(50000, ge=0, description="legacy: blocks held in L2 host memory; 0 disables L2")
-    max_memory_bytes: int = Field(1_000_000_000, ge=0, description="legacy: byte bound of L2; 0 disables L2")
-    l2_tier: str = Field("memory", description="legacy: the L2 tier plugin")
-    l3_tier: str = Field("disk", description="legacy: the L3 tier plugin")
-    l2_eviction_policy: str | None = Field(None, description="legacy: L2's policy")
-    l3_eviction_policy: str | None = Field(None, description="legacy: L3's policy")
-    disk_path: str | None = Field(None, description="legacy: L3 directory; unset disables L3")
-    max_disk_bytes: int = Field(10 * 1024**3, ge=0, description="legacy: byte bound of L3; 0: none")
-    persistence: bool = Field(False, description="legacy: L3 keeps entries across restarts and is written through")
-    compression_level: int = Field(3, ge=1, le=22, description="legacy: L3 zstd level")
-    l3_write_queue: int = Field(256, gt=0, description="legacy: pending L3 writes before new ones are dropped")
-    l3_writer_nice: int = Field(
-        10, ge=0, le=19, description="legacy: added to the L3 writer thread's niceness (persistence yields the CPU)"
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_shorthands(cls, data: Any) -> Any:
+        # load_settings folds them first, recording sources; this covers settings built directly
+        if isinstance(data, Mapping) and ("tiers" not in data or FLAT_TIER_KEYS & data.keys()):
+            return apply_shorthands(data, lambda key: "the Settings object").table
+        return data
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -341,13 +338,6 @@ class KVCacheSettings(Section):
     @classmethod
     def _unique_tier_names(cls, value: list[TierSettings]) -> list[TierSettings]:
         return unique_names(value)
-
-    @model_validator(mode="after")
-    def _legacy_tiers(self) -> KVCacheSettings:
-        if "tiers" not in self.model_fields_set:
-            # rebuilt on every assignment until tiers is set; __dict__ so it stays "not set"
-            self.__dict__["tiers"] = legacy_tiers(self)
-        return self
 
 
 class SpeculativeSettings(Section):
@@ -506,7 +496,10 @@ class FleetSettings(Section):
 class Settings(BaseSettings):
     """All of tierserve's settings, one section per concern."""
 
-    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+    # the environment's spelling, read by pydantic-settings' EnvSettingsSource in layers.py
+    model_config = SettingsConfigDict(
+        extra="forbid", validate_assignment=True, env_prefix="TIERSERVE_", env_nested_delimiter="__"
+    )
 
     server: ServerSettings = Field(default_factory=ServerSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
@@ -543,8 +536,9 @@ class Settings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, *args, **kwargs):
-        # load_settings() layers presets, files, env and flags itself so it can
-        # say where each value came from; the model only validates.
+        # Built directly (tests, the engine's own process), settings hold what they are given and
+        # never the process's TIERSERVE_* variables; load_settings reads each source as one layer,
+        # through pydantic-settings' TOML and environment sources, so it can say where each value came from.
         return (init_settings,)
 
     def plugin_options(self, name: str, model: type[M]) -> M:

@@ -1,5 +1,5 @@
 """Probes of ``[kv_cache]``: the L1 pool, prefix caching, warming, and the tiers below L1, whether
-``[[kv_cache.tiers]]`` entries describe them or the legacy ``[kv_cache]`` keys do.
+``[[kv_cache.tiers]]`` entries describe them or the ``[kv_cache]`` shorthands do.
 
 Tier keys are probed on the tier their settings build (the tier plugin's own
 object, built as the engine builds it), with blocks put and read directly.
@@ -7,6 +7,7 @@ object, built as the engine builds it), with blocks put and read directly.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -20,13 +21,9 @@ from tierserve.core.errors import ConfigError, RequestError
 
 LONG = "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read books."
 ENTRY_BYTES = entry(0).nbytes
-LEGACY_DISK = {  # a disk tier's own keys -> the legacy [kv_cache] keys that set them on "l3"
-    "eviction_policy": "kv_cache.l3_eviction_policy",
+LEGACY_DISK = {  # a disk tier's own keys -> the [kv_cache] shorthands that set them on the disk tier
     "max_bytes": "kv_cache.max_disk_bytes",
     "persistent": "kv_cache.persistence",
-    "compression_level": "kv_cache.compression_level",
-    "write_queue": "kv_cache.l3_write_queue",
-    "writer_nice": "kv_cache.l3_writer_nice",
 }
 
 
@@ -34,8 +31,8 @@ def memory(**own) -> dict:
     return {"kv_cache.tiers": [{"name": "l2", "plugin": "memory", **own}]}
 
 
-def disk(path: Path, legacy: bool, **own) -> dict:
-    """Settings of one disk tier: a ``[[kv_cache.tiers]]`` entry, or the legacy keys (``l3``, below L2)."""
+def disk(path: Path, legacy: bool = False, **own) -> dict:
+    """Settings of one disk tier: a ``[[kv_cache.tiers]]`` entry, or the shorthands (``l3``, below L2)."""
     if legacy:
         return {"kv_cache.disk_path": str(path), **{LEGACY_DISK[key]: value for key, value in own.items()}}
     return {"kv_cache.tiers": [{"name": "l3", "plugin": "disk", "path": str(path), **own}]}
@@ -209,7 +206,7 @@ def kv_cache_cache_keys_max_pinned_bytes(lab: Lab) -> None:
         assert names(engine) == ["short"]
 
 
-# ---- legacy [kv_cache] keys of the L2 memory tier --------------------------------------------------
+# ---- [kv_cache] shorthands of the memory tier, and refused flat keys -----------------------------
 
 
 def kv_cache_l2_capacity(lab: Lab) -> None:
@@ -226,22 +223,19 @@ def kv_cache_max_memory_bytes(lab: Lab) -> None:
         assert len(tier) == 2 and tier.bytes_used == 2 * ENTRY_BYTES
 
 
-def kv_cache_l2_tier(lab: Lab) -> None:
-    with pytest.raises(ConfigError, match=r"kv_cache.tiers\[0\].path .*Field required"):
-        lab.settings({"kv_cache.l2_tier": "disk"})  # a disk L2 needs a directory, which no legacy L2 key gives
+def refused(key: str, tier: str, entry_key: str, value: object):
+    """A flat key that picked one tier's plugin, policy or tuning: refused, with the entry to write
+    (the entry key's own probe, ``kv_cache.tiers[...]``, shows its effect)."""
 
+    def probe(lab: Lab) -> None:
+        with pytest.raises(ConfigError) as refusal:
+            lab.settings({"kv_cache.disk_path": str(lab.tmp), f"kv_cache.{key}": value})
+        message = str(refusal.value)
+        assert f"kv_cache.{key} = {value!r} (from command line) is no longer a [kv_cache] key" in message
+        assert f"{entry_key} is a key of the {tier} tier's [[kv_cache.tiers]] entry" in message
+        assert f'    name = "{tier}"' in message and f"    {entry_key} = {json.dumps(value)}" in message
 
-def kv_cache_l2_eviction_policy(lab: Lab) -> None:
-    with lab.tier({"kv_cache.l2_capacity": 2}) as tier:
-        assert keeps_the_reused_entry(tier)
-    with lab.tier({"kv_cache.l2_capacity": 2, "kv_cache.l2_eviction_policy": "lru"}) as tier:
-        assert not keeps_the_reused_entry(tier)
-
-
-def kv_cache_l3_tier(lab: Lab) -> None:
-    with lab.engine({"kv_cache.disk_path": str(lab.tmp), "kv_cache.l3_tier": "memory"}) as engine:
-        assert engine.stats().cache.tiers["l3"].medium == "memory"
-    assert not files_in(lab.tmp)
+    return probe
 
 
 def kv_cache_disk_path(lab: Lab) -> None:
@@ -252,7 +246,7 @@ def kv_cache_disk_path(lab: Lab) -> None:
     disk_tier_path(lab, legacy=True)
 
 
-# ---- a disk tier's keys, as [[kv_cache.tiers]] keys or legacy [kv_cache] keys ----------------------
+# ---- a disk tier's keys, as [[kv_cache.tiers]] keys or [kv_cache] shorthands ---------------------
 
 
 def disk_tier_path(lab: Lab, legacy: bool = False) -> None:
@@ -276,35 +270,35 @@ def disk_tier_persistent(lab: Lab, legacy: bool = False) -> None:
             assert tier.contains(entry(0).key) is persistent
 
 
-def disk_tier_compression_level(lab: Lab, legacy: bool = False) -> None:
-    with lab.tier(disk(lab.tmp / "19", legacy, compression_level=19)) as tier:
+def disk_tier_compression_level(lab: Lab) -> None:
+    with lab.tier(disk(lab.tmp / "19", compression_level=19)) as tier:
         put_all(tier, 1)
         assert tier.bytes_used == stored_size(19) < stored_size(3)
 
 
-def disk_tier_write_queue(lab: Lab, legacy: bool = False) -> None:
-    with lab.tier(disk(lab.tmp, legacy, write_queue=1, compression_level=22)) as tier:
+def disk_tier_write_queue(lab: Lab) -> None:
+    with lab.tier(disk(lab.tmp, write_queue=1, compression_level=22)) as tier:
         for index in range(20):  # faster than the writer compresses
             tier.put(entry(index))
         assert tier.stats.dropped_writes > 0
 
 
-def disk_tier_writer_nice(lab: Lab, legacy: bool = False) -> None:
+def disk_tier_writer_nice(lab: Lab) -> None:
     if not hasattr(os, "getpriority"):
         pytest.skip("thread priorities are a Linux feature")
     base = os.getpriority(os.PRIO_PROCESS, 0)
     before = {t.ident for t in new_threads(set(), "tierserve-l3-writer")}
-    with lab.tier(disk(lab.tmp, legacy, writer_nice=15)) as tier:
+    with lab.tier(disk(lab.tmp, writer_nice=15)) as tier:
         [writer] = new_threads(before, "tierserve-l3-writer")
         put_all(tier, 1)  # the writer has lowered its priority by the time it wrote
         assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, base + 15)
 
 
-def disk_tier_eviction_policy(lab: Lab, legacy: bool = False) -> None:
+def disk_tier_eviction_policy(lab: Lab) -> None:
     bound = 2 * stored_size() + stored_size() // 2
-    with lab.tier(disk(lab.tmp / "adaptive", legacy, max_bytes=bound)) as tier:
+    with lab.tier(disk(lab.tmp / "adaptive", max_bytes=bound)) as tier:
         assert keeps_the_reused_entry(tier)
-    with lab.tier(disk(lab.tmp / "lru", legacy, max_bytes=bound, eviction_policy="lru")) as tier:
+    with lab.tier(disk(lab.tmp / "lru", max_bytes=bound, eviction_policy="lru")) as tier:
         assert not keeps_the_reused_entry(tier)
 
 
@@ -388,16 +382,16 @@ PROBES = {
     "kv_cache.cache_keys_max_pinned_bytes": kv_cache_cache_keys_max_pinned_bytes,
     "kv_cache.l2_capacity": kv_cache_l2_capacity,
     "kv_cache.max_memory_bytes": kv_cache_max_memory_bytes,
-    "kv_cache.l2_tier": kv_cache_l2_tier,
-    "kv_cache.l3_tier": kv_cache_l3_tier,
-    "kv_cache.l2_eviction_policy": kv_cache_l2_eviction_policy,
-    "kv_cache.l3_eviction_policy": legacy(disk_tier_eviction_policy),
+    "kv_cache.l2_tier": refused("l2_tier", "l2", "plugin", "disk"),
+    "kv_cache.l3_tier": refused("l3_tier", "l3", "plugin", "memory"),
+    "kv_cache.l2_eviction_policy": refused("l2_eviction_policy", "l2", "eviction_policy", "lru"),
+    "kv_cache.l3_eviction_policy": refused("l3_eviction_policy", "l3", "eviction_policy", "lru"),
     "kv_cache.disk_path": kv_cache_disk_path,
     "kv_cache.max_disk_bytes": legacy(disk_tier_max_bytes),
     "kv_cache.persistence": legacy(disk_tier_persistent),
-    "kv_cache.compression_level": legacy(disk_tier_compression_level),
-    "kv_cache.l3_write_queue": legacy(disk_tier_write_queue),
-    "kv_cache.l3_writer_nice": legacy(disk_tier_writer_nice),
+    "kv_cache.compression_level": refused("compression_level", "l3", "compression_level", 19),
+    "kv_cache.l3_write_queue": refused("l3_write_queue", "l3", "write_queue", 1),
+    "kv_cache.l3_writer_nice": refused("l3_writer_nice", "l3", "writer_nice", 15),
     "kv_cache.tiers[].name": tiers_name,
     "kv_cache.tiers[].plugin": tiers_plugin,
     "kv_cache.tiers[].eviction_policy": tiers_eviction_policy,

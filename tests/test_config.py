@@ -36,7 +36,9 @@ def test_original_design_keys_load_unchanged(toml_file):
     path = toml_file(ORIGINAL_DESIGN_TOML)
     loaded = load_settings(preset=None, config_file=path, environ={})
     s = loaded.settings
-    assert (s.kv_cache.l1_capacity, s.kv_cache.l2_capacity, s.kv_cache.max_memory_bytes) == (5000, 50000, 10**9)
+    [l2] = s.kv_cache.tiers  # l2_capacity and max_memory_bytes set the memory tier
+    assert (s.kv_cache.l1_capacity, l2.options.capacity, l2.options.max_bytes) == (5000, 50000, 10**9)
+    assert loaded.source_of("kv_cache.tiers[0]", "capacity") == f"config file {path}, as kv_cache.l2_capacity"
     assert s.kv_cache.eviction_policy == "adaptive"
     assert s.kv_cache.ttl_seconds == 3600
     assert (s.speculative.beam_width, s.speculative.temperature, s.speculative.top_k, s.speculative.top_p) == (
@@ -57,8 +59,10 @@ def test_presets_ship_and_differ():
     dev = load_settings("development", environ={}).settings
     prod = load_settings("production", environ={}).settings
     assert prod.kv_cache.l1_capacity > dev.kv_cache.l1_capacity
-    assert prod.kv_cache.l2_capacity > dev.kv_cache.l2_capacity
-    assert prod.kv_cache.persistence is True and dev.kv_cache.persistence is False
+    [prod_l2, prod_l3], [dev_l2] = prod.kv_cache.tiers, dev.kv_cache.tiers
+    assert prod_l2.options.capacity > dev_l2.options.capacity
+    assert (prod_l3.plugin, prod_l3.options.persistent, prod_l3.write_through) == ("disk", True, True)
+    assert dev_l2.plugin == "memory"  # no disk tier: nothing persists
     assert prod.logging.format == "json" and dev.logging.format == "console"
     assert dev.model.path == "builtin:tiny"
     assert prod.monitoring.enabled
@@ -125,11 +129,15 @@ def test_sources_layer_in_order_preset_file_env_cli(toml_file):
         "production", config_file=path, environ=environ, overrides={("kv_cache", "block_size"): 64}
     )
     s = loaded.settings.kv_cache
-    assert (s.l1_capacity, s.l2_capacity, s.block_size) == (111, 333, 64)
-    assert s.max_memory_bytes == 1_000_000_000  # from the preset
-    assert loaded.source_of("kv_cache", "max_memory_bytes").startswith("preset production")
+    l2 = s.tiers[0].options
+    assert (s.l1_capacity, l2.capacity, s.block_size) == (111, 333, 64)
+    assert l2.max_bytes == 1_000_000_000  # from the preset
+    assert loaded.source_of("kv_cache.tiers[0]", "max_bytes").startswith("preset production")
     assert loaded.source_of("kv_cache", "l1_capacity") == f"config file {path}"
     assert loaded.source_of("kv_cache", "l2_capacity") == "environment variable TIERSERVE_KV_CACHE__L2_CAPACITY"
+    assert loaded.source_of("kv_cache.tiers[0]", "capacity") == (
+        "environment variable TIERSERVE_KV_CACHE__L2_CAPACITY, as kv_cache.l2_capacity"
+    )
     assert loaded.source_of("kv_cache", "block_size") == "command line"
 
 

@@ -84,7 +84,7 @@ def test_stats_give_each_tier_its_bounds_and_l1_its_bytes(server):
     assert l1["entries"] > 0 and l1["bytes"] == (L1_BLOCKS - l1["blocks_empty"]) * block_bytes
     assert l1["blocks_in_use"] == L1_BLOCKS - l1["blocks_free"] == 0  # nothing runs
     assert kv["memory_bytes"] == l1["bytes"] + l2["bytes"]
-    assert (l2["capacity_entries"], l2["capacity_bytes"]) == (2048, 268435456)  # the preset's l2_capacity, max_memory_bytes
+    assert (l2["capacity_entries"], l2["capacity_bytes"]) == (2048, 268435456)  # the preset's l2 tier: capacity, max_bytes
     metrics = httpx.get(f"{server}/metrics").text
     assert 'tierserve_cache_capacity_entries{tier="l2"} 2048.0' in metrics
     assert f'tierserve_cache_capacity_bytes{{tier="l1"}} {float(l1["capacity_bytes"])}' in metrics

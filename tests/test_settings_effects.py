@@ -27,6 +27,7 @@ from tests.engine_helpers import build_checkpoint
 from tierserve.core.config import ModelSettings, Settings, TierSettings
 from tierserve.core.sections import ModelEntry
 from tierserve.core.plugins import TIER_KIND, load_plugins
+from tierserve.core.tier_settings import FLAT_TIER_KEYS
 
 PROBES: dict[str, Probe] = {
     **ENGINE_PROBES, **CACHE_PROBES, **REDIS_PROBES, **SERVER_PROBES, **HTTP_PROBES, **FLEET_PROBES,
@@ -41,6 +42,8 @@ def model_leaves() -> set[str]:
     # a [[models]] entry's [model] keys are [model]'s (probed there); its own keys are probed here
     leaves |= {f"models[].{key}" for key in ModelEntry.model_fields if key not in ModelSettings.model_fields}
     leaves |= {f"kv_cache.tiers[].{key}" for key in TierSettings.model_fields if key != "options"}
+    # flat [kv_cache] tier keys: shorthands written into the tier list, or refused with the entry to write
+    leaves |= {f"kv_cache.{key}" for key in FLAT_TIER_KEYS}
     builtins = load_plugins(allowlist=[])
     for name, component in builtins.settings_components().items():
         leaves |= {f"plugins.{name}.{key}" for key in component.settings.model_fields}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tierserve.core.config import Settings, load_settings
+from tierserve.core.config import Settings, load_settings, parse_override
 from tierserve.core.engine import EngineClient
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
@@ -114,8 +114,20 @@ def test_tier_names_are_unique_and_l1_all_are_reserved(toml_file):
     assert "kv_cache.tiers" in message and str(path) in message and "'a' is used twice" in message
 
 
-def test_the_legacy_keys_build_the_same_list(toml_file):
-    prod = load_settings("production", environ={})
+def test_the_shorthands_build_the_same_list(toml_file):
+    # the production preset as it was written before [[kv_cache.tiers]]: flat [kv_cache] keys
+    flat = toml_file(
+        """
+        [kv_cache]
+        l2_capacity = 50000
+        max_memory_bytes = 1000000000
+        eviction_policy = "Adaptive"
+        persistence = true
+        disk_path = "~/.cache/tierserve/kv"
+        max_disk_bytes = 21474836480
+        """,
+        "flat.toml",
+    )
     explicit = toml_file(
         """
         [kv_cache]
@@ -134,8 +146,10 @@ def test_the_legacy_keys_build_the_same_list(toml_file):
         write_through = true
         """
     )
-    assert tables(prod) == tables(load_settings(None, config_file=explicit, environ={}))
-    assert prod.source_of("kv_cache.tiers[1]", "persistent").endswith(", as kv_cache.persistence")
+    from_flat = load_settings(None, config_file=flat, environ={})
+    assert tables(from_flat) == tables(load_settings(None, config_file=explicit, environ={}))
+    assert tables(from_flat) == tables(load_settings("production", environ={}))
+    assert from_flat.source_of("kv_cache.tiers[1]", "persistent").endswith(", as kv_cache.persistence")
     assert [t["name"] for t in tables(load_settings("development", environ={}))] == ["l2"]
     original = load_settings(None, config_file=toml_file(ORIGINAL_DESIGN_TOML, "design.toml"), environ={})
     assert tables(original) == [
@@ -146,34 +160,47 @@ def test_the_legacy_keys_build_the_same_list(toml_file):
     assert [t["name"] for t in tables(no_l2)] == ["l3"]
 
 
-def test_legacy_keys_report_their_source_in_errors_and_show(toml_file):
-    loaded = load_settings(
-        "production", environ={"TIERSERVE_KV_CACHE__L3_WRITER_NICE": "5"}, overrides={("kv_cache", "l3_tier"): "memory"}
+def test_flat_keys_that_are_not_shorthands_are_refused_with_the_entry_to_write(tmp_path):
+    environ = {"TIERSERVE_KV_CACHE__L3_WRITER_NICE": "5"}
+    with pytest.raises(ConfigError) as info:
+        load_settings("production", environ=environ)
+    message = str(info.value)
+    assert message.startswith(
+        "kv_cache.l3_writer_nice = '5' (from environment variable TIERSERVE_KV_CACHE__L3_WRITER_NICE) "
+        "is no longer a [kv_cache] key: writer_nice is a key of the l3 tier's [[kv_cache.tiers]] entry; write"
     )
-    [l2, l3] = loaded.explain()["kv_cache.tiers"]
-    # l3_tier = memory: the memory plugin takes the legacy keys it declares (max_bytes), not the disk's
-    assert set(l3) == {"name", "plugin", "eviction_policy", "ttl_seconds", "write_through", "capacity", "max_bytes"}
-    assert l3["max_bytes"]["source"].endswith(", as kv_cache.max_disk_bytes")
-    assert l3["plugin"] == {"value": "memory", "source": "command line, as kv_cache.l3_tier"}
-    shown = load_settings("production", environ={"TIERSERVE_KV_CACHE__L3_WRITER_NICE": "5"}).explain()
-    assert shown["kv_cache.tiers"][1]["writer_nice"] == {
-        "value": 5,
-        "source": "environment variable TIERSERVE_KV_CACHE__L3_WRITER_NICE, as kv_cache.l3_writer_nice",
-    }
+    assert '    [[kv_cache.tiers]]\n    name = "l3"\n    plugin = "disk"\n    path = "~/.cache/tierserve/kv"' in message
+    assert "    writer_nice = 5\n" in message
+    # what the message says to write loads, with the value where the flat key used to put it
+    [inline] = [line for line in message.splitlines() if "the whole list: kv_cache.tiers = " in line]
+    written = inline.split("kv_cache.tiers = ", 1)[1][:-1]
+    loaded = load_settings("production", environ={}, overrides={("kv_cache", "tiers"): parse_override(f"a.b={written}")[2]})
+    assert loaded.settings.kv_cache.tiers[1].options_as(DiskTierSettings).writer_nice == 5
+    with pytest.raises(ConfigError, match=r"kv_cache.l3_tier = 'memory' \(from command line\) is no longer"):
+        load_settings("production", environ={}, overrides={("kv_cache", "l3_tier"): "memory"})
 
 
-def test_explicit_list_and_legacy_keys_together_is_an_error_naming_both(toml_file, tmp_path):
+def test_a_tier_list_and_shorthands_combine(toml_file, tmp_path):
     path = toml_file(f'[kv_cache]\ndisk_path = "{tmp_path}"\n[[kv_cache.tiers]]\nname = "ram"\nplugin = "memory"\n')
-    message = error_of(path)
-    assert f"kv_cache.tiers (from config file {path}) and kv_cache.disk_path (from config file {path})" in message
-    assert "use kv_cache.tiers" in message
+    loaded = load_settings(None, config_file=path, environ={})
+    assert [(t["name"], t["plugin"]) for t in tables(loaded)] == [("ram", "memory"), ("l3", "disk")]
+    assert loaded.source_of("kv_cache.tiers[1]", "path") == f"config file {path}, as kv_cache.disk_path"
     tiers_file = toml_file('[[kv_cache.tiers]]\nname = "ram"\nplugin = "memory"\n', "tiers.toml")
-    message = error_of(tiers_file, environ={"TIERSERVE_KV_CACHE__L2_CAPACITY": "7"})
-    assert "kv_cache.l2_capacity (from environment variable TIERSERVE_KV_CACHE__L2_CAPACITY)" in message
-    # a preset's legacy keys are replaced by a later list, and config show says they are not used
-    loaded = load_settings("production", config_file=tiers_file, environ={})
-    assert [t["name"] for t in tables(loaded)] == ["ram"]
+    loaded = load_settings(None, config_file=tiers_file, environ={"TIERSERVE_KV_CACHE__L2_CAPACITY": "7"})
+    assert tables(loaded)[0]["capacity"] == 7
+    assert [str(landing) for landing in loaded.shorthands] == [
+        "kv_cache.l2_capacity = 7 (environment variable TIERSERVE_KV_CACHE__L2_CAPACITY) -> kv_cache.tiers[0].capacity"
+    ]
+    # a list set after a preset's flat keys replaces them, and config show says they are not used
+    flat_preset = toml_file(f'[kv_cache]\ndisk_path = "{tmp_path}"\nl2_capacity = 9\n', "flat.toml")
+    loaded = load_settings(str(flat_preset), config_file=tiers_file, environ={})
+    assert [t["name"] for t in tables(loaded)] == ["ram"] and tables(loaded)[0]["capacity"] == 50000
     assert loaded.source_of("kv_cache", "disk_path").endswith("; not used: kv_cache.tiers replaces it")
+    shown = run("config", "show", "--preset", str(flat_preset), "--config", str(tiers_file), "--set", "kv_cache.max_memory_bytes=0")
+    assert shown.returncode == 0, shown.stderr
+    assert f"kv_cache.disk_path = \"{tmp_path}\" (preset {flat_preset} ({flat_preset})) -> not used: kv_cache.tiers " in shown.stdout
+    assert "kv_cache.max_memory_bytes = 0 (command line) -> removes the list's memory tier" in shown.stdout
+    assert "# [[kv_cache.tiers]]: none" in shown.stdout
 
 
 def test_tiers_from_environment_and_command_line(tmp_path):
@@ -193,8 +220,12 @@ def test_settings_built_directly_resolve_tiers_on_access():
     [tier] = settings.kv_cache.tiers
     assert (tier.name, tier.eviction_policy, tier.ttl_seconds) == ("ram", "adaptive", 5)
     assert tier.options_as(MemoryTierSettings) == MemoryTierSettings(capacity=3)
-    [legacy] = Settings(kv_cache={"l2_capacity": 0, "disk_path": "/d", "l3_writer_nice": 4}).kv_cache.tiers
-    assert legacy.options_as(DiskTierSettings).writer_nice == 4
+    [disk] = Settings(kv_cache={"l2_capacity": 0, "disk_path": "/d", "persistence": True}).kv_cache.tiers
+    assert (disk.name, disk.write_through) == ("l3", True)
+    assert disk.options_as(DiskTierSettings) == DiskTierSettings(path="/d", persistent=True)
+    tiers = [{"name": "l3", "plugin": "disk", "path": "/d", "writer_nice": 4}]
+    [disk] = Settings(kv_cache={"tiers": tiers}).kv_cache.tiers
+    assert disk.options_as(DiskTierSettings).writer_nice == 4
     [bad] = Settings(kv_cache={"tiers": [{"name": "ram", "plugin": "memory", "capacity": -2}]}).kv_cache.tiers
     with pytest.raises(ConfigError, match=r"kv_cache.tiers\[ram\].capacity = -2"):
         bad.options_as(MemoryTierSettings)

@@ -21,13 +21,8 @@ ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 def tier_values(tmp_path) -> dict[str, object]:
     """A persistent L3 (written through) behind a write queue far shorter than a warm's blocks."""
-    return {
-        "kv_cache__block_size": BLOCK,
-        "kv_cache__l2_capacity": 0,
-        "kv_cache__disk_path": str(tmp_path / "l3"),
-        "kv_cache__persistence": True,
-        "kv_cache__l3_write_queue": 2,
-    }
+    l3 = {"name": "l3", "plugin": "disk", "path": str(tmp_path / "l3"), "persistent": True, "write_through": True}
+    return {"kv_cache__block_size": BLOCK, "kv_cache__tiers": [l3 | {"write_queue": 2}]}
 
 
 def test_every_warmed_prompt_is_on_disk_after_a_restart_and_the_response_counts_the_writes(tmp_path):
