@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -91,8 +91,7 @@ def nest(path: list[str], value: Any) -> dict[str, Any]:
 
 
 class _Environment(EnvSettingsSource):
-    """pydantic-settings' environment source over the given variables (tests pass their own), taking
-    ``TIERSERVE_SECTION__KEY`` only: ``TIERSERVE_PLUGINS`` and other names without ``__`` are not settings."""
+    """pydantic-settings' environment source over the given variables, not the process's (tests pass their own)."""
 
     def __init__(self, variables: Mapping[str, str]) -> None:
         self._variables = variables
@@ -102,75 +101,37 @@ class _Environment(EnvSettingsSource):
         return {name.lower(): value for name, value in self._variables.items()}
 
 
-def _leaves(
-    values: Mapping[str, Any], names: Mapping[str, str], path: tuple[str, ...] = ()
-) -> Iterator[tuple[str, list[str], Any]]:
-    """``(variable, path, value)``: the nested values the source built, each with the variable that gave it."""
-    for key, value in values.items():
-        name = names.get((ENV_PREFIX + ENV_DELIMITER.join((*path, key))).lower())
-        if name is None and isinstance(value, Mapping):
-            yield from _leaves(value, names, (*path, key))
-        else:
-            yield name or (ENV_PREFIX + ENV_DELIMITER.join((*path, key))).upper(), [*path, key], value
-
-
-def _undeclared_json(name: str, path: list[str], value: Any) -> Any:
-    # the source decodes JSON for the fields the model declares; [plugins.NAME] tables are declared by
-    # plugins, which load only once the allowlist is known
-    if path[0] == "plugins" and isinstance(value, str) and value.strip().startswith(("[", "{")):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            raise ConfigError(f"environment variable {name}: invalid JSON value {value!r}") from None
-    return value
-
-
 def env_layers(environ: Mapping[str, str]) -> list[Layer]:
     """``TIERSERVE_SECTION__KEY=value`` (and ``TIERSERVE_PLUGINS__NAME__KEY``), one layer per variable.
 
     Lists and tables are written as JSON (``TIERSERVE_AUTH__API_KEYS='["k1"]'``); everything
-    else stays a string for the settings model to coerce (``"8"`` -> 8).
+    else stays a string for the settings model to coerce (``"8"`` -> 8). Names without ``__``
+    (``TIERSERVE_PLUGINS``, the allowlist) are not settings.
     """
-    names = {
-        name.lower(): name
-        for name in environ
-        if name.upper().startswith(ENV_PREFIX) and ENV_DELIMITER in name[len(ENV_PREFIX) :]
-    }
-    for lower, name in sorted(names.items()):
-        section = lower[len(ENV_PREFIX) :].split(ENV_DELIMITER)[0]
-        if section not in Settings.model_fields:  # the source skips what the model does not declare
+    layers = []
+    for name in sorted(environ):
+        path = name[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
+        if not name.upper().startswith(ENV_PREFIX) or len(path) < 2:
+            continue
+        if path[0] not in Settings.model_fields:  # the source would skip it silently
             sections = list(Settings.model_fields)
             raise ConfigError(
-                f"unknown section [{section}] in environment variable {name}; available sections: "
-                f"{', '.join(sections)}{suggest(section, sections)}"
+                f"unknown section [{path[0]}] in environment variable {name}; available sections: "
+                f"{', '.join(sections)}{suggest(path[0], sections)}"
             )
-    source = _Environment({name: environ[name] for name in names.values()})
-    try:
-        values = source()
-    except SettingsError as exc:
-        raise ConfigError(_bad_json(source, names, environ) or f"environment: {exc}") from None
-    return [
-        Layer(f"environment variable {name}", nest(path, _undeclared_json(name, path, value)), "environment")
-        for name, path, value in sorted(_leaves(values, names), key=lambda leaf: leaf[0])
-    ]
-
-
-def _bad_json(source: EnvSettingsSource, names: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
-    """Which variable of a declared list or table is not JSON (pydantic-settings names only the section)."""
-    for lower, name in sorted(names.items()):
-        section, *keys = lower[len(ENV_PREFIX) :].split(ENV_DELIMITER)
-        field = Settings.model_fields[section]
-        for key in keys:
-            field = getattr(field.annotation, "model_fields", {}).get(key)
-            if field is None:
-                break
-        if field is None or not source.field_is_complex(field):
-            continue
+        raw = environ[name]
         try:
-            json.loads(environ[name])
-        except json.JSONDecodeError:
-            return f"environment variable {name}: invalid JSON value {environ[name]!r}; write a list or table as JSON"
-    return None
+            if path[0] == "plugins" and path[1] != "enabled":
+                # the source decodes JSON by the declared field's type; [plugins.NAME] tables are declared
+                # by plugins, which load only once the allowlist is known
+                values = nest(path, json.loads(raw) if raw.strip().startswith(("[", "{")) else raw)
+            else:
+                values = _Environment({name: raw})()
+        except (SettingsError, json.JSONDecodeError):
+            message = f"environment variable {name}: invalid JSON value {raw!r}; write a list or table as JSON"
+            raise ConfigError(message) from None
+        layers.append(Layer(f"environment variable {name}", values, "environment"))
+    return layers
 
 
 def parse_override(assignment: str) -> tuple[str, str, Any]:

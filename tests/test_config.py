@@ -146,6 +146,13 @@ def test_environment_errors_name_the_variable():
         load_settings(None, environ={"TIERSERVE_SERVER__PORT": "99999"})
     with pytest.raises(ConfigError, match="unknown key server.prot in environment variable TIERSERVE_SERVER__PROT"):
         load_settings(None, environ={"TIERSERVE_SERVER__PROT": "1"})
+    with pytest.raises(ConfigError, match=r"unknown section \[kv_cach\] in environment variable TIERSERVE_KV_CACH__X.*'kv_cache'"):
+        load_settings(None, environ={"TIERSERVE_KV_CACH__X": "1"})
+    message = "environment variable TIERSERVE_AUTH__API_KEYS: invalid JSON value 'k1'; write a list or table as JSON"
+    with pytest.raises(ConfigError, match=message):
+        load_settings(None, environ={"TIERSERVE_AUTH__API_KEYS": "k1"})
+    loaded = load_settings(None, environ={"TIERSERVE_AUTH__API_KEYS": '["k1"]', "TIERSERVE_PLUGINS": "ngram"})
+    assert loaded.settings.auth.api_keys == ["k1"]  # TIERSERVE_PLUGINS is the allowlist, not the [plugins] table
     loaded = load_settings(None, environ={"TIERSERVE_AUTH__API_KEYS": '["k1", "k2"]'})
     assert loaded.settings.auth.api_keys == ["k1", "k2"]
 
