@@ -10,6 +10,8 @@ import pytest
 
 from tests.effective_settings import CASES, effective, load_case
 
+pytestmark = pytest.mark.unit
+
 FIXTURE = Path(__file__).parent / "data" / "preset_effective_settings.json"
 
 
