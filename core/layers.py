@@ -71,8 +71,11 @@ def preset_path(name: str) -> Path:
 
 def read_toml(path: Path) -> dict[str, Any]:
     """A TOML file's tables as pydantic-settings' ``TomlConfigSettingsSource`` reads them (every key kept)."""
-    if not path.is_file():  # the source reads a missing file as empty
+    # the source reads a missing file, or a folder, as an empty one
+    if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{path}: cannot read config file: not a file")
     try:
         return TomlConfigSettingsSource(Settings, toml_file=path).toml_data
     except tomllib.TOMLDecodeError as exc:
