@@ -37,6 +37,7 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     kernels = {"tierserve/plugins/backends/_cpu_gemm_avx2.so", "tierserve/plugins/backends/_cpu_gemm_avx512.so"}
     assert kernels <= names if x86 else not kernels & names  # one object per instruction set, built by the wheel
+    assert "tierserve/plugins/backends/cpu_gemm.c" not in names  # nothing to compile at run time
     packages = {  # every package folder of the checkout, as the wheel must name it
         "tierserve/" + str(init.parent.relative_to(REPO_ROOT))
         for folder in ("core", "cache", "plugins", "server", "configs", "fleet")

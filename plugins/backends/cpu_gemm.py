@@ -138,8 +138,9 @@ def _load() -> Kernels:
             f"the {chosen} kernels were not built ({path} is missing): tierserve was installed without a C compiler "
             "that builds them; install gcc and reinstall tierserve (in a checkout: pip install -e .)"
         )
-    source = KERNEL_DIR / SOURCE  # beside the builds in a checkout only: a wheel ships no C source
-    if source.exists() and source.stat().st_mtime > path.stat().st_mtime:
+    source = KERNEL_DIR / SOURCE
+    checkout = (KERNEL_DIR.parents[1] / "setup.py").exists()  # an editable install: the objects sit beside the source
+    if checkout and source.exists() and source.stat().st_mtime > path.stat().st_mtime:
         log.warning("cpu_gemm_stale path=%s; %s changed after it was built: rebuild with pip install -e .",
                     path, SOURCE)  # fmt: skip
     try:
