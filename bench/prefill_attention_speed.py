@@ -48,7 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    if not hasattr(cpu_gemm.library() or object(), "ts_prefill_attention"):
+    lib = cpu_gemm.library()
+    if lib is None or not lib.has_prefill_attention:
         raise SystemExit("the prefill attention kernel runs on cpu_gemm's AVX-512 build only")
     generator = torch.Generator().manual_seed(0)
     num_blocks = 4096 // BLOCK * 2
