@@ -18,8 +18,8 @@ import runpy
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-BACKENDS = "plugins/backends"
-builds = runpy.run_path(os.path.join(BACKENDS, "cpu_gemm_builds.py"))
+BACKENDS = "plugins/backends"  # relative: setuptools takes the extensions' sources from the project root
+builds = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), BACKENDS, "cpu_gemm_builds.py"))
 
 
 class BuildKernels(build_ext):
