@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.effects_lab import FINGERPRINT, Lab, entry, greedy, new_threads, run, run_keyed
+from tests.waiting import wait_until
 from tierserve.cache.codec import KVCodec
 from tierserve.cache.tier import CacheTier
 from tierserve.core.errors import ConfigError, RequestError
@@ -118,8 +118,8 @@ def kv_cache_eviction_policy(lab: Lab) -> None:
 def kv_cache_ttl_seconds(lab: Lab) -> None:
     with lab.tier({"kv_cache.ttl_seconds": 0.05}) as tier:  # the legacy L2 inherits it
         put_all(tier, 1)
-        time.sleep(0.1)
-        assert tier.get(entry(0).key) is None and tier.stats.expirations == 1
+        wait_until(lambda: tier.get(entry(0).key) is None, what="the entry to expire")
+        assert tier.stats.expirations == 1
 
 
 def kv_cache_tiers(lab: Lab) -> None:
@@ -192,8 +192,7 @@ def kv_cache_cache_key_ttl_seconds(lab: Lab) -> None:
     with lab.engine({"kv_cache.cache_key_ttl_seconds": 0.2}) as engine:
         run_keyed(engine, LONG, "brief")
         assert names(engine) == ["brief"]
-        time.sleep(0.3)
-        assert names(engine) == []
+        wait_until(lambda: names(engine) == [], what="the cache key to expire")
 
 
 def kv_cache_cache_keys_max_pinned_bytes(lab: Lab) -> None:
@@ -336,8 +335,8 @@ def tiers_eviction_policy(lab: Lab) -> None:
 def tiers_ttl_seconds(lab: Lab) -> None:
     with lab.tier(memory(ttl_seconds=0.05)) as tier:
         put_all(tier, 1)
-        time.sleep(0.1)
-        assert tier.get(entry(0).key) is None and tier.stats.expirations == 1
+        wait_until(lambda: tier.get(entry(0).key) is None, what="the entry to expire")
+        assert tier.stats.expirations == 1
 
 
 def tiers_write_through(lab: Lab) -> None:

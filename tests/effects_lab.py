@@ -8,7 +8,6 @@ folder of its own (``lab.tmp``).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,13 +74,6 @@ def entry(index: int, tokens: int = 16) -> CacheEntry:
     generator = torch.Generator().manual_seed(0)
     kv = torch.randint(0, 16, (2, 2, tokens, 2, 32), generator=generator).float() / 4
     return CacheEntry(index.to_bytes(32, "big"), None, tuple(range(tokens)), kv)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 def new_threads(before: set[int], name: str) -> list[threading.Thread]:

@@ -15,6 +15,7 @@ import pytest
 from tests.effects_cache import stored_size
 from tests.effects_lab import Lab, entry, new_threads
 from tests.redis_server import RedisServer
+from tests.waiting import wait_until
 
 PROBE_USER, PROBE_PASSWORD = "probe-user", "probe-password-1"
 
@@ -142,7 +143,7 @@ def redis_timeout_seconds(lab: Lab) -> None:
             server(lab).client().client_pause(500)
             assert (tier.get(entry(0).key) is not None) is found
             assert (tier.stats.connection_errors > 0) is not found
-            time.sleep(0.5)
+            wait_until(server(lab).client().ping, what="redis-server to answer after its pause")
 
 
 def redis_retry_seconds(lab: Lab) -> None:
@@ -151,7 +152,7 @@ def redis_retry_seconds(lab: Lab) -> None:
             put_and_flush(tier, 1)
             server(lab).client().client_pause(300)
             assert tier.get(entry(0).key) is None  # timed out: the server is skipped for retry_seconds
-            time.sleep(0.35)  # the server answers again
+            wait_until(server(lab).client().ping, what="redis-server to answer after its pause")
             assert (tier.get(entry(0).key) is not None) is found
 
 

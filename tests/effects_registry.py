@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +11,7 @@ from litestar.testing import TestClient
 
 from tests.effects_lab import BASELINE, Lab, greedy, keyed
 from tests.lora_helpers import make_adapter
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
 from tierserve.core.engine import RequestError
 from tierserve.server.app import create_app
@@ -181,11 +181,15 @@ def registry_warm_prompts_on_switch(lab: Lab) -> None:
 # ---- [server] responses_* (the Responses API's store) ----------------------------------------------
 
 
-def stored_responses(lab: Lab, values: dict[str, Any], count: int, wait: float = 0.0) -> list[int]:
-    """Statuses of ``GET /v1/responses/{id}`` for ``count`` responses created in turn, ``wait`` seconds later."""
+def stored_response(client: TestClient) -> str:
+    """The id of a response ``POST /v1/responses`` creates (and stores)."""
+    return client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()["id"]
+
+
+def stored_responses(lab: Lab, values: dict[str, Any], count: int) -> list[int]:
+    """Statuses of ``GET /v1/responses/{id}`` for ``count`` responses created in turn."""
     with lab.http(values) as client:
-        ids = [client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()["id"] for _ in range(count)]
-        time.sleep(wait)
+        ids = [stored_response(client) for _ in range(count)]
         return [client.get(f"/v1/responses/{i}").status_code for i in ids]
 
 
@@ -195,8 +199,10 @@ def server_responses_max_stored(lab: Lab) -> None:
 
 
 def server_responses_ttl_seconds(lab: Lab) -> None:
-    assert stored_responses(lab, {"server.responses_ttl_seconds": 0.2}, 1, wait=0.4) == [404]
-    assert stored_responses(lab, {}, 1, wait=0.4) == [200]
+    with lab.http({"server.responses_ttl_seconds": 0.2}) as brief, lab.http({}) as kept:
+        brief_id, kept_id = stored_response(brief), stored_response(kept)
+        wait_until(lambda: brief.get(f"/v1/responses/{brief_id}").status_code == 404, what="the response to expire")
+        assert kept.get(f"/v1/responses/{kept_id}").status_code == 200  # stored as long ago, without a TTL
 
 
 PROBES = {

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
 import uvicorn
 
+from tests.waiting import wait_until
 from tierserve.server.app import create_app
 
 
@@ -21,16 +21,15 @@ def free_port() -> int:
 
 
 def wait_ready(base: str, timeout: float) -> None:
-    """Poll ``/health/ready`` until it answers 200; TimeoutError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll ``/health/ready`` until it answers 200; the test fails after ``timeout`` seconds."""
+
+    def ready() -> bool:
         try:
-            if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{base}/health/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"server on {base} not ready after {timeout}s")
+            return False
+
+    wait_until(ready, timeout=timeout, interval=0.05, what=f"the server on {base} to be ready")
 
 
 @contextmanager
