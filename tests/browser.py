@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from tests.conftest import require_service
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -28,10 +28,7 @@ def browser_executables() -> tuple[str, str]:
     if browser and driver:
         return browser, driver
     missing = " and ".join(name for name, path in (("chromium", browser), ("chromedriver", driver)) if not path)
-    reason = f"the dashboard's browser tests need {missing}: apt-get install chromium chromium-driver (.ci/run does)"
-    if os.environ.get("CI"):
-        pytest.fail(reason)
-    pytest.skip(reason)
+    require_service(missing, "the dashboard's browser tests drive it: apt-get install chromium chromium-driver (.ci/run does)")
 
 
 @contextmanager

@@ -1,11 +1,18 @@
-"""Shared test helpers: temporary installed plugin distributions, and the root logger put back after a test."""
+"""Shared test helpers: the test tiers and the one rule for a missing service, temporary installed plugin
+distributions, and the root logger put back after a test.
+
+Every test module names its tier (a marker registered in pyproject.toml): ``pytest`` alone runs the fast
+tiers, ``.ci/run`` all of them. A module without one fails collection, so no test slips in unclassified.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import textwrap
+from collections.abc import Generator
 from pathlib import Path
+from typing import NoReturn
 
 import logging
 
@@ -28,6 +35,65 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     import torch
 
     torch.set_num_threads(1)
+
+
+# what a test needs to run (pyproject.toml registers and describes them); each test has one. ``slow``, the
+# other marker registered there, says how long it runs and comes on top of its tier
+TIERS = frozenset({"unit", "integration", "redis", "fleet", "browser", "real_model"})
+
+
+def require_service(name: str, reason: str) -> NoReturn:
+    """Stop the calling test (or test module) because ``name`` (an OS package, a module, a model file) is missing.
+
+    Locally the test is skipped with ``reason``, which should say how to get ``name``; under ``CI`` (any
+    non-empty value) it fails with that reason instead, so a CI run can never pass without running it.
+    """
+    message = f"no {name} here: {reason}"
+    if os.environ.get("CI"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
+def real_model_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF the ``real_model`` tests load, named by ``$TIERSERVE_REAL_MODEL``.
+
+    A missing file is a missing service: skipped here, failed under CI.
+    """
+    named = os.environ.get("TIERSERVE_REAL_MODEL", "")
+    path = Path(named).expanduser()
+    if not named or not path.is_file():
+        where = f"{named} is not a file" if named else "TIERSERVE_REAL_MODEL is not set"
+        require_service("SmolLM2-135M-Instruct GGUF", f"{where}; set it to the file's path")
+    return path
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """A test module without a tier in its ``pytestmark`` fails collection (so every run fails, whatever its
+    ``-m``), saying what to add."""
+    report = yield
+    if isinstance(collector, pytest.Module) and report.passed:
+        if not TIERS & {mark.name for mark in collector.iter_markers()}:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{collector.nodeid} has no tier: add `pytestmark = pytest.mark.<tier>` below its imports, "
+                f"<tier> one of {', '.join(sorted(TIERS))} (pyproject.toml's markers say which)"
+            )
+    return report
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``real_model`` test needs the model file: without it, the missing-service rule applies."""
+    if item.get_closest_marker("real_model"):
+        real_model_file()
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The path of the SmolLM2-135M-Instruct GGUF (see ``real_model_file``)."""
+    return real_model_file()
 
 
 @pytest.fixture

@@ -8,16 +8,17 @@ into the faster tiers.
 
 from __future__ import annotations
 
-import time
-
 import diskcache
 import pytest
 import torch
 from structlog.testing import capture_logs
 
 from tests.store_helpers import BLOCK, PROMPT_BLOCKS, Requests, StoreTier, build_tier, kv_for, prompt
+from tests.waiting import wait_until
 from tierserve.cache.tier import CacheEntry
 from tierserve.plugins.tiers import disk_counts
+
+pytestmark = pytest.mark.unit
 
 
 def entry(i: int, accesses: int = 0) -> CacheEntry:
@@ -114,14 +115,13 @@ def test_disk_tier_saves_counts_in_the_background_every_so_many_updates(tmp_path
         tier.flush()
         for _ in range(3):
             tier.get(entry(0).key)
-        deadline = time.monotonic() + 10
-        saved: dict[bytes, int] = {}
-        while time.monotonic() < deadline and not saved:  # no flush, no close: the writer thread saved it
+
+        def saved() -> dict[bytes, int]:  # no flush, no close: the writer thread saved it
             with diskcache.Cache(str(tmp_path / "l3")) as cache:
                 data = cache.get(disk_counts.ACCESS_COUNTS_KEY)
-            saved = disk_counts.decode_counts(data) if data else {}
-            time.sleep(0.02)
-        assert saved == {entry(0).key: 3}
+            return disk_counts.decode_counts(data) if data else {}
+
+        assert wait_until(saved, what="the counts on disk") == {entry(0).key: 3}
     finally:
         tier.close()
 

@@ -15,6 +15,8 @@ from tierserve.core.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
 
+pytestmark = pytest.mark.unit
+
 NEW_TOKENS = 8
 BEAM_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[6]]  # 2, 11 and 11 tokens: partial last blocks at block_size 4
 

@@ -18,6 +18,8 @@ from bench.stats import percentile
 from bench.workloads import shared_prefix_conversations, text_with_tokens, throughput_requests
 from tests.engine_helpers import build_checkpoint
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -61,6 +63,7 @@ def test_percentile_interpolates_like_numpy():
     assert percentile([4, 1, 3, 2], 0) == 1
 
 
+@pytest.mark.slow  # ~8 s: a real server under the bench's own load generator
 def test_load_generator_measures_a_real_server(checkpoint, tokenizer, tmp_path):
     server = start_tierserve(checkpoint, tmp_path / "logs", tmp_path / "l3")
     try:

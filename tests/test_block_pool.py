@@ -37,6 +37,8 @@ from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.sequence import Sequence
 from tierserve.core.plugins import load_plugins
 
+pytestmark = pytest.mark.unit
+
 POLICY_NAMES = ("lru", "lfu", "clock", "adaptive")
 NUM_TABLES = 4
 

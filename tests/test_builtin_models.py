@@ -28,6 +28,8 @@ from tierserve.core.builtin_models import (
 from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
 from tierserve.core.errors import ConfigError
 
+pytestmark = pytest.mark.integration
+
 TEXTS = [
     "The lighthouse keeper climbed the ninety-nine steps.",
     "  two leading spaces,\ttabs\nand\r\nnewlines  \n",

@@ -14,6 +14,8 @@ import pytest
 from tests.engine_helpers import build_checkpoint
 from tests.server_helpers import server_starter
 
+pytestmark = pytest.mark.integration
+
 PROMPT = "The espresso machine manual says: descale every month and purge the steam wand after use."
 OTHER = "A field guide to birds: the heron stands still in shallow water waiting for small fish."
 

@@ -24,6 +24,8 @@ from tierserve.cache.tier import CacheEntry, CacheTier
 from tierserve.core.tier_settings import TierSettings
 from tierserve.core.plugins import load_plugins
 
+pytestmark = pytest.mark.unit
+
 FINGERPRINT = "tiny:float32:bs16"
 _MANAGER = load_plugins(allowlist=[])
 LRU = _MANAGER.registry("eviction_policies").get("lru").factory

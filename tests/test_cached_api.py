@@ -6,7 +6,6 @@ Each test is a regression test for a defect a user found against
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 
 import httpx
@@ -14,7 +13,10 @@ import pytest
 
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
+
+pytestmark = pytest.mark.integration
 
 # the spec's "Enhanced Cached Inference" request, verbatim
 SPEC_EXAMPLE = {
@@ -114,9 +116,7 @@ def test_a_request_past_timeout_seconds_is_stopped_and_its_blocks_freed(checkpoi
         with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and '"code":"timeout"' in events[-2]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and engine.stats().requests_queued:
-            time.sleep(0.05)
+        wait_until(lambda: not engine.stats().requests_queued, timeout=20, what="the timed-out requests to end")
         stats = engine.stats()
         assert stats.requests_queued == 0 and stats.kv_blocks_free == stats.kv_blocks_total
     engine.close()

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 TIERSERVE = str(Path(sys.executable).parent / "tierserve")
 
 

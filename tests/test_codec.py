@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from tierserve.cache.codec import FORMAT_VERSION, MAGIC, CorruptEntryError, KVCodec
 from tierserve.cache.tier import CacheEntry
 
+pytestmark = pytest.mark.unit
+
 FINGERPRINT = "tiny-llama:float32:bs16"
 CODEC = KVCodec(FINGERPRINT)
 FUZZ = settings(max_examples=300, deadline=None)

@@ -8,6 +8,8 @@ import pytest
 from tierserve.core.config import load_settings, preset_names
 from tierserve.core.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 # The original design's keys, exactly as DESIGN.md shows them.
 ORIGINAL_DESIGN_TOML = """
 [kv_cache]

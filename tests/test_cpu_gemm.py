@@ -28,9 +28,9 @@ from tierserve.plugins.backends.cpu_gemm_abi import (
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, object_name
 from tierserve.plugins.backends.linear import Int8Linear, LinearFactory, quantize_groups, quantize_rows
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(
     cpu_gemm.library() is None and not os.environ.get("CI"), reason=f"cpu_gemm: {cpu_gemm.unavailable_reason()}"
-)
+)]
 
 
 def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

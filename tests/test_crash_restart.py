@@ -5,7 +5,11 @@ The long variant is ``python -m bench.soak_crash --iterations 100``.
 
 from __future__ import annotations
 
+import pytest
+
 from bench.soak_crash import soak
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ITERATIONS = 5  # ~11 s each on 2 cores; the soak runs 100
 

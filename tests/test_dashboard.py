@@ -12,14 +12,19 @@ import httpx
 import pytest
 
 from tests.browser import artifact_dir, headless_chromium, save_page_screenshot
+from tests.conftest import require_service
 from tests.engine_helpers import PROMPTS, build_checkpoint
 from tests.server_helpers import running_server
 from tierserve.core.config import load_settings
 
-pytest.importorskip("selenium")
-from selenium.common.exceptions import TimeoutException  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+pytestmark = pytest.mark.browser
+
+try:
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+except ImportError:
+    require_service("selenium", "pip install -e '.[test]' installs it")
 
 USER_KEY, ADMIN_KEY = "dash-user-key", "dash-admin-key"
 SHARED = PROMPTS[4] + " " + PROMPTS[2]  # long enough for several full blocks

@@ -4,16 +4,18 @@ prefixes (``/v1/cache/prefixes``), the page's files, and ``tierserve top`` itsel
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
 
 from tests.engine_helpers import PROMPTS, build_checkpoint
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.cli import main
 from tierserve.core.config import load_settings
 from tierserve.server.recent import RecentRates, percentile
+
+pytestmark = pytest.mark.integration
 
 L1_BLOCKS = 16
 SHARED = PROMPTS[4] + " " + PROMPTS[2]
@@ -92,10 +94,12 @@ def test_stats_give_each_tier_its_bounds_and_l1_its_bytes(server):
 
 def test_trend_points_carry_every_tier(server):
     complete(server, SHARED)
-    deadline = time.monotonic() + 10
-    while len((body := stats(server))["trend_points"]) < 2:
-        assert time.monotonic() < deadline, "no trend samples"
-        time.sleep(0.1)
+
+    def sampled_twice() -> dict | None:
+        document = stats(server)
+        return document if len(document["trend_points"]) >= 2 else None
+
+    body = wait_until(sampled_twice, interval=0.1, what="two trend samples")
     point = body["trend_points"][-1]
     assert set(point["tiers"]) == {"l1", "l2"}
     assert set(point["tiers"]["l1"]) == {"hits", "misses", "hit_rate", "evictions", "entries"}

@@ -13,6 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tierserve.core.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 EOS = "<|endoftext|>"
 CORPUS = [
     "Hello world. The quick brown fox jumps over the lazy dog.",

@@ -25,6 +25,8 @@ from tests.store_helpers import (
 )
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 BOUND = 200_000
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 

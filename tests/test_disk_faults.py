@@ -26,6 +26,8 @@ from tierserve.cache.tier import CacheEntry
 from tierserve.core.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 PROMPT = "A shared context that spans several KV blocks of four tokens each, then a question. " * 2
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

@@ -18,6 +18,8 @@ from tierserve.core.config import load_settings
 from tierserve.core.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 

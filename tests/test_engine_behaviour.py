@@ -7,10 +7,13 @@ import asyncio
 import pytest
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
 from tierserve.core.engine import EngineClient, RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +148,7 @@ def test_abort_mid_stream_frees_blocks(engine):
 
     seen, complete = asyncio.run(run_both())
     assert seen >= 3 and len(complete) == 8
-    for _ in range(200):
-        if not engine.has_work():
-            break
-        asyncio.run(asyncio.sleep(0.01))
+    wait_until(lambda: not engine.has_work(), what="the engine to let the left request go")
     engine.shutdown()
     assert engine.stats().counters.requests_aborted == 1
     assert_pool_released(engine)

@@ -23,6 +23,8 @@ from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.backends.native import NativeBackend
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

@@ -7,6 +7,8 @@ import pytest
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
+from tests.waiting import wait_until
 from tierserve.core.beam_search import BeamSearchParams
 from tierserve.core.config import load_settings
 from tierserve.core.engine import EngineClient
 from tierserve.core.engine.process import EngineProcessError
 from tierserve.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -84,9 +86,7 @@ def test_a_client_that_leaves_frees_its_blocks(engine):
 
     before = engine.stats().counters.requests_aborted
     assert asyncio.run(leave_early()) >= 3
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and engine.stats().counters.requests_aborted == before:
-        time.sleep(0.05)
+    wait_until(lambda: engine.stats().counters.requests_aborted != before, timeout=30, what="the abort")
     stats = engine.stats()
     assert stats.counters.requests_aborted == before + 1 and stats.kv_blocks_free == stats.kv_blocks_total
 
@@ -118,9 +118,7 @@ def test_the_server_survives_its_core_process_and_says_so(llama):
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
         assert http.post("/v1/completions", json=body).status_code == 200
         os.kill(engine.driver.process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while engine.alive and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not engine.alive, timeout=30, what="the client to see its core is gone")
         failed = http.post("/v1/completions", json=body)
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_unavailable"
         health = http.get("/health")
@@ -144,6 +142,7 @@ def test_plugins_assembled_in_this_process_cannot_follow_the_core_into_its_own(l
         EngineClient.from_settings(loaded.settings, plugins, process=True)
 
 
+@pytest.mark.slow  # ~7 s: a server process of its own, its core started, then SIGKILLed
 def test_a_core_whose_server_process_dies_exits_too(llama, tmp_path):
     """SIGKILL the server process: its core process must not live on (it would keep writing the cache files a
     restarted server opens)."""
@@ -153,30 +152,29 @@ def test_a_core_whose_server_process_dies_exits_too(llama, tmp_path):
 
     script = textwrap.dedent(
         f"""
-        import sys, time
+        import signal, sys
         from tierserve.core.config import load_settings
         from tierserve.core.engine import EngineClient
         loaded = load_settings(None, environ={{}}, overrides={{("model", "path"): {str(llama)!r}}})
         engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=True)
         print("CORE", engine.driver.process.pid, flush=True)
-        time.sleep(600)
+        signal.pause()  # until the test kills this process
         """
     )
     server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     core_pid = next(int(line.split()[1]) for line in server.stdout if line.startswith("CORE "))
     os.kill(server.pid, signal.SIGKILL)
     server.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def core_gone() -> bool:
         try:
             os.kill(core_pid, 0)
         except ProcessLookupError:
-            break
-        try:
-            os.waitpid(core_pid, os.WNOHANG)  # not our child: only reaped by init; ignore
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    else:
-        os.kill(core_pid, signal.SIGKILL)
-        pytest.fail("the core process outlived its server process by 30 s")
+            return True
+        return False
+
+    try:
+        wait_until(core_gone, timeout=30, interval=0.1, what="the core process to exit with its server process")
+    finally:
+        if not core_gone():
+            os.kill(core_pid, signal.SIGKILL)

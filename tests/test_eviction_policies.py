@@ -41,6 +41,8 @@ from bench.eviction_traces import frequency_trace, mixed_trace, recency_trace, r
 from tierserve.cache.eviction import EvictionPolicy
 from tierserve.core.plugins import load_plugins
 
+pytestmark = pytest.mark.unit
+
 POLICY_NAMES = ("lru", "lfu", "clock", "adaptive")
 KEY_SPACE = list(range(10))  # small, so keys come back (ARC ghost hits, re-inserts)
 SIZES = st.integers(min_value=0, max_value=5)

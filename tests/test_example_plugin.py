@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.integration
+
 EXAMPLE = REPO_ROOT / "examples" / "tierserve-example-plugin"
 
 

@@ -11,17 +11,25 @@ import time
 
 import httpx
 import pytest
-import ray
 from litestar.testing import TestClient
-from ray import serve
 
+from tests.conftest import require_service
 from tests.redis_server import RedisServer
 from tests.server_helpers import free_port
+from tests.waiting import wait_until
 from tierserve.core.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.fleet.app import APP_NAME, build_fleet, engine_options
 from tierserve.fleet.settings_sources import SettingsSources
 from tierserve.server.app import create_app
+
+pytestmark = pytest.mark.fleet
+
+try:
+    import ray
+    from ray import serve
+except ImportError:
+    require_service("Ray", "pip install -e '.[test]' installs ray[serve]")
 
 KEY = "fleet-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -118,10 +126,12 @@ def test_a_killed_replica_is_replaced_and_requests_keep_succeeding(fleet):
     for turn in range(4):  # the replica is gone: its conversation and new ones go to the other one
         answer = chat(url, "Which platform?", f"turn {turn}")
         assert answer.status_code == 200 and answer.headers["x-tierserve-replica"] != serving
-    deadline = time.monotonic() + 180
-    while serving in live_replicas() or len(live_replicas()) < 2 or running_replicas() < 2:  # a replacement
-        assert time.monotonic() < deadline, "the killed replica was not replaced"
-        time.sleep(0.5)
+
+    def replaced() -> bool:
+        live = live_replicas()
+        return serving not in live and len(live) >= 2 and running_replicas() >= 2
+
+    wait_until(replaced, timeout=180, interval=0.5, what="a replica in place of the killed one")
     assert chat(url, "Is there a night train?").status_code == 200
 
 
@@ -149,10 +159,8 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(fleet):
     }
     autoscaled = SettingsSources.of("development", None, {**SETTINGS, **scaling})
     serve.run(build_fleet(autoscaled), name=APP_NAME, route_prefix="/")  # the same deployment, now autoscaled
-    deadline = time.monotonic() + 60
-    while running_replicas() > 1:  # the new bounds take effect: min_replicas while nothing runs
-        assert time.monotonic() < deadline, "the idle fleet did not scale down to min_replicas"
-        time.sleep(0.5)
+    # the new bounds take effect: min_replicas while nothing runs
+    wait_until(lambda: running_replicas() <= 1, timeout=60, interval=0.5, what="the idle fleet at min_replicas")
 
     def busy(index: int) -> int:
         body = {"model": "builtin:tiny", "prompt": f"load {index}", "max_tokens": 48, "ignore_eos": True}
@@ -163,10 +171,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(fleet):
         while running_replicas() < 2:  # ongoing requests above the target: a second replica starts
             assert time.monotonic() - started < 120, "the loaded fleet did not scale up"
             assert all(code == 200 for code in pool.map(busy, range(6)))
-    started = time.monotonic()
-    while running_replicas() > 1:  # idle again: back to one
-        assert time.monotonic() - started < 120, "the idle fleet did not scale down"
-        time.sleep(0.5)
+    wait_until(lambda: running_replicas() <= 1, timeout=120, interval=0.5, what="the idle fleet back at one replica")
 
 
 def test_an_oversized_body_is_refused_at_the_ingress(fleet):
@@ -177,6 +182,7 @@ def test_an_oversized_body_is_refused_at_the_ingress(fleet):
     assert answer.status_code == 413 and "max_request_bytes" in answer.json()["error"]["message"]
 
 
+@pytest.mark.redis
 def test_disaggregated_prefill_hands_the_prompt_to_the_decode_replica_through_redis(fleet, tmp_path):
     sources, url = fleet
     shared = RedisServer(tmp_path / "redis").start()

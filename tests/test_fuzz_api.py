@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
+pytestmark = pytest.mark.integration
+
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
 

@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from tierserve.core.config import LoadedSettings, Settings, load_settings
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import load_plugins
 from tierserve.core.tier_settings import TIER_KEYS
+
+pytestmark = pytest.mark.unit
 
 # the [section] tables ([[models]] is a list of tables: test_model_registry.py and the settings probes cover it)
 SECTIONS = {name: list(field.annotation.model_fields) for name, field in Settings.model_fields.items() if name != "models"}

@@ -28,6 +28,8 @@ from tierserve.plugins.backends.gguf_weights import load_gguf_state
 from tierserve.plugins.backends.linear import GroupedInt8
 from tierserve.plugins.backends.llama import PagedLlama
 
+pytestmark = pytest.mark.unit
+
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 MIN_AGREEMENT, MAX_KL = 1.0, 1e-6  # Q8_0 against its dequantized weights: float32 rounding only

@@ -10,6 +10,8 @@ from tests.server_helpers import running_server
 from tierserve.core.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 CHAT = [{"role": "user", "content": "Hi!"}]
 
 

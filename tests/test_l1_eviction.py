@@ -22,6 +22,8 @@ from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.sequence import Sequence
 
+pytestmark = pytest.mark.unit
+
 POLICIES = load_plugins(allowlist=[]).registry("eviction_policies")
 BLOCK = 2
 PARAMS = SamplingParams()

@@ -12,8 +12,11 @@ import pytest
 
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
 
 CLIENTS = 200
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex boxing frogs".split()
@@ -103,19 +106,24 @@ def test_two_hundred_streams_with_disconnects(checkpoint):
             if i in reference:
                 assert text == reference[i], i
 
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (engine.stats().requests_queued or engine.stats().kv_usage):
-            time.sleep(0.05)
+
+        def idle() -> bool:
+            stats = engine.stats()
+            return not (stats.requests_queued or stats.kv_usage)
+
+        wait_until(idle, timeout=30, what="an idle engine")
         stats = engine.stats()
         assert stats.kv_blocks_free == stats.kv_blocks_total and stats.requests_queued == 0
         engine.check_integrity()
 
-        time.sleep(0.5)  # the last access-log/metrics writes happen after the response ends
-        text = httpx.get(f"{base}/metrics").text
-        requests = metric(text, "tierserve_requests_total", endpoint="/v1/completions")
-        success = metric(text, "tierserve_request_outcomes_total", outcome="success")
-        aborts = metric(text, "tierserve_request_outcomes_total", outcome="abort")
-        errors = metric(text, "tierserve_request_outcomes_total", outcome="error")
+
+        def outcomes() -> tuple[float, float, float, float] | None:  # counted after each response ends
+            text = httpx.get(f"{base}/metrics").text
+            counts = [metric(text, "tierserve_request_outcomes_total", outcome=o) for o in ("success", "abort", "error")]
+            requests = metric(text, "tierserve_requests_total", endpoint="/v1/completions")
+            return (requests, *counts) if sum(counts) >= CLIENTS + 5 else None
+
+        requests, success, aborts, errors = wait_until(outcomes, what="every request's outcome in /metrics")
         assert (success, aborts, errors) == (CLIENTS - len(leavers), len(leavers), 5)
         assert requests == success + aborts + errors
         growth = rss_bytes() - baseline

@@ -12,6 +12,8 @@ import structlog
 from tierserve.core.config import load_settings
 from tierserve.core.logs import configure_logging, request_context
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def restore_root_logger(restore_logging):

@@ -8,6 +8,8 @@ from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint
 from tierserve.core.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -18,6 +18,8 @@ from tierserve.core.engine import EngineClient
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 LONG = PROMPTS[4]  # several blocks: a prefix the cache could share if it did not key adapters apart
 MAX_TOKENS = 12
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -12,8 +11,11 @@ import pytest
 from tests.effects_registry import models_toml
 from tests.engine_helpers import build_checkpoint, hf_greedy
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
 from tierserve.core.errors import ConfigError
+
+pytestmark = pytest.mark.integration
 
 PROMPT = "Once upon a time, in a kingdom by the sea, there lived a princess"
 TOKENS = 8
@@ -55,6 +57,11 @@ def ask(base: str, model: str | None, **extra) -> httpx.Response:
     if model is not None:
         body["model"] = model
     return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+
+
+def overall(base: str, model: str) -> dict:
+    """The ``overall`` statistics ``/v1/cache/stats`` reports for ``model``."""
+    return httpx.get(f"{base}/v1/cache/stats", params={"model": model}).json()["overall"]
 
 
 def entry(name, path, **more):
@@ -101,10 +108,11 @@ def test_switching_an_alias_under_concurrent_streams_fails_no_request(tmp_path, 
         threads = [threading.Thread(target=client) for _ in range(6)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
+        wait_until(lambda: len(results) >= len(threads), timeout=60, what="requests answered before the switch")
         switched = httpx.post(f"{base}/v1/models/aliases", json={"alias": "chat", "model": "chat@2"}, timeout=60)
         assert switched.status_code == 200 and switched.json()["previous"] == "chat@1"
-        time.sleep(1.0)
+        before = len(results)  # each client ends the stream it has open, then asks at least twice more
+        wait_until(lambda: len(results) >= before + 3 * len(threads), timeout=60, what="requests after the switch")
         stop.set()
         for thread in threads:
             thread.join(timeout=120)
@@ -125,12 +133,8 @@ def test_unloading_drains_running_requests_then_frees_the_model(tmp_path, checkp
         runner = threading.Thread(target=lambda: finished.append(
             httpx.post(f"{base}/v1/completions", json=long_body, timeout=120)))  # fmt: skip
         runner.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # unload while the request runs (a tiny model decodes it in ~1 s)
-            stats = httpx.get(f"{base}/v1/cache/stats", params={"model": "b"}).json()
-            if stats["overall"]["requests_running"]:
-                break
-            time.sleep(0.005)
+        # unload while the request runs (a tiny model decodes it in ~1 s)
+        wait_until(lambda: overall(base, "b")["requests_running"], timeout=60, interval=0.005, what="the long request")
         refused = httpx.delete(f"{base}/v1/models/b@1", timeout=60)  # the alias 'b' points at it, but only as its name
         assert refused.status_code == 200, refused.text
         assert refused.json()["drained_requests"] == 1
@@ -201,8 +205,8 @@ def test_cache_routes_manage_the_model_the_query_names(tmp_path, checkpoints):
     entries = [entry("a", checkpoints["llama"]), entry("b", checkpoints["qwen2"])]
     with serve(tmp_path, entries) as base:
         assert ask(base, "b", prompt=PROMPT * 3).status_code == 200
-        time.sleep(1.0)  # statistics are published between steps
-        stats = {m: httpx.get(f"{base}/v1/cache/stats", params={"model": m}).json()["overall"] for m in ("a", "b")}
+        wait_until(lambda: overall(base, "b")["prompt_tokens"], what="b's statistics")  # published between steps
+        stats = {m: overall(base, m) for m in ("a", "b")}
         assert stats["a"]["prompt_tokens"] == 0 and stats["b"]["prompt_tokens"] > 0
         assert httpx.get(f"{base}/v1/cache/stats").json()["overall"]["prompt_tokens"] == 0  # the default model: a
         assert httpx.get(f"{base}/v1/cache/stats", params={"model": "zzz"}).status_code == 404

@@ -15,6 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tests.store_helpers import BLOCK, PROMPT_BLOCKS, Requests, StoreTier, build_tier, prompt
 from tierserve.cache.named_prefixes import NamedPrefixes
 
+pytestmark = pytest.mark.unit
+
 BLOCK_BYTES = 1024  # bytes of one test block: 256 float32
 
 

@@ -9,7 +9,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_wheel_contains_packages_presets_and_entry_point(tmp_path):

@@ -12,6 +12,8 @@ from tierserve.core.sequence import Sequence
 from tierserve.plugins.backends import paged_attention
 from tierserve.plugins.backends.paged_attention import build_paged_batch, lone_decode
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 
 

@@ -8,6 +8,7 @@ whole. Its start is reused by copying it into a block of the new sequence's.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.engine_helpers import build_checkpoint, make_engine
@@ -17,6 +18,8 @@ from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.cache.store import TieredStore
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 FIRST = list(range(100, 112))  # three whole blocks of BLOCK = 4
 

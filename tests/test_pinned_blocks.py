@@ -14,6 +14,8 @@ from tests.store_helpers import PROMPT_BLOCKS, Requests, StoreTier, build_tier, 
 from tierserve.cache.block_pool import BlockPool, OutOfBlocksError
 from tierserve.core.plugins import load_plugins
 
+pytestmark = pytest.mark.unit
+
 LRU = load_plugins(allowlist=[]).registry("eviction_policies").get("lru").factory
 
 

@@ -17,6 +17,8 @@ from tierserve.plugins.speculation.draft_model import DraftModelSettings
 from tierserve.plugins.speculation.ngram import NgramSettings
 from tests.engine_helpers import build_checkpoint
 
+pytestmark = pytest.mark.unit
+
 ECHO_PLUGIN = """
 from pydantic import BaseModel, ConfigDict, Field
 from tierserve.core import hookimpl

@@ -8,6 +8,8 @@ from tierserve.core.errors import DuplicateComponentError, UnknownComponentError
 from tierserve.core.plugins import BUILTIN_PLUGINS, load_plugins
 from tierserve.core.registry import Registry
 
+pytestmark = pytest.mark.unit
+
 GOOD_PLUGIN = """
 from tierserve.core import hookimpl
 

@@ -23,6 +23,8 @@ from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.linear import Int8Linear, int8_kernels, quantize_rows
 
+pytestmark = pytest.mark.unit
+
 MIN_AGREEMENT = {"int8-fbgemm": 0.75, "int8-fbgemm+q8": 0.75, "int8-weight_only": 0.85, "int8-dequantize": 0.85, "bfloat16": 0.9}
 MAX_KL = {"int8-fbgemm": 0.025, "int8-fbgemm+q8": 0.025, "int8-weight_only": 0.006, "int8-dequantize": 0.006, "bfloat16": 0.002}
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

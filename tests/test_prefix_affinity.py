@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tierserve.fleet.prefix_affinity import CHUNK_CHARS, PrefixAffinity, choose, route_key
+
+pytestmark = pytest.mark.unit
 
 SYSTEM = "You are a helpful assistant for a railway company; answer about timetables only. " * 2
 ALICE = {"authorization": "Bearer alice-key"}

@@ -16,6 +16,8 @@ from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engi
 from tierserve.cache.hashing import extend_hashes
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SYSTEM = (

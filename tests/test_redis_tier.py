@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -17,12 +16,15 @@ from tests.conftest import REPO_ROOT
 from tests.engine_helpers import build_checkpoint, hf_greedy, make_engine
 from tests.redis_server import RedisServer
 from tests.test_cache_tiers import FINGERPRINT, make_tier
+from tests.waiting import wait_until
 from tierserve.cache.hashing import block_hash, root_hash
 from tierserve.cache.tier import CacheEntry
 from tierserve.core.config import load_settings
 from tierserve.core.logs import configure_logging
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.secrets import settings_secrets
+
+pytestmark = pytest.mark.redis
 
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -134,10 +136,15 @@ def test_an_unreachable_server_means_misses_and_counted_errors_then_recovery(tmp
         assert tier.get(first.key) is None
         assert tier.stats.connection_errors >= 1 and tier.stats.dropped_writes >= 1
         down.start()
-        time.sleep(0.25)  # past retry_seconds: the next command tries the server again
-        tier.put(first)
-        tier.flush()
-        assert redis_tier(down).get(first.key) is not None
+        reader = redis_tier(down)
+
+        def written() -> bool:  # once retry_seconds have passed, the next command tries the server again
+            tier.put(first)
+            tier.flush()
+            return reader.get(first.key) is not None
+
+        wait_until(written, what="a write to reach the restarted server")
+        reader.close()
     finally:
         tier.close()
         down.stop()
@@ -188,13 +195,17 @@ def test_redis_killed_mid_run_costs_misses_never_a_request(checkpoint, tmp_path)
         assert cold.token_ids == during.token_ids == expected and during.cached_tokens == 0
         assert engine.stats().cache.tiers["redis"].connection_errors > 0
         own.start()  # an empty server on the same port
-        time.sleep(0.25)
-        engine.clear_cache("l1")
-        [after] = engine.generate([PROMPT], GREEDY)  # written through again now that the server is back
-        engine.clear_cache("l1")
-        engine.flush_cache()
-        [hit] = engine.generate([PROMPT], GREEDY)
-        assert after.token_ids == hit.token_ids == expected and hit.cached_tokens > 0
+
+        def served_from_redis() -> bool:  # once retry_seconds have passed, the engine uses the server again
+            engine.clear_cache("l1")
+            [after] = engine.generate([PROMPT], GREEDY)  # written through again now that the server is back
+            engine.clear_cache("l1")
+            engine.flush_cache()
+            [hit] = engine.generate([PROMPT], GREEDY)
+            assert after.token_ids == hit.token_ids == expected
+            return hit.cached_tokens > 0
+
+        wait_until(served_from_redis, what="a prefix served from the restarted server")
     finally:
         engine.close()
         own.stop()

@@ -10,8 +10,7 @@ import asyncio
 import json
 import select
 import socket
-import time
-from collections.abc import Callable
+import threading
 from urllib.parse import urlsplit
 
 import httpx
@@ -19,8 +18,11 @@ import pytest
 
 from tests.engine_helpers import assert_pool_released, build_checkpoint, make_engine
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +48,6 @@ def send_raw(base: str, path: str, body: dict) -> socket.socket:
     sock = socket.create_connection((address.hostname, address.port))
     sock.sendall(head.encode() + payload)
     return sock
-
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 # ---- item 6: unbounded generation ---------------------------------------------------------------
@@ -209,10 +204,17 @@ def test_health_live_answers_while_a_long_prompt_is_tokenized(checkpoint):
     # under the default server.max_prompt_bytes (1 MiB), and seconds of tokenizing with this tokenizer
     text = "1234567890 " * 90_000
     server, engine = serve(checkpoint, {})
+    tokenizing, encode = threading.Event(), engine.encode_prompt
+
+    def encode_and_say_so(*args, **kwargs):
+        tokenizing.set()
+        return encode(*args, **kwargs)
+
+    engine.encode_prompt = encode_and_say_so
     with server as base:
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
         sock = send_raw(base, "/v1/chat/completions", body)
-        time.sleep(0.3)  # sendall returned: the server holds (nearly) all of the body and begins tokenizing it
+        wait_until(tokenizing.is_set, timeout=60, what="the server to begin tokenizing the long prompt")
         for _ in range(3):
             assert httpx.get(f"{base}/health/live", timeout=120).status_code == 200
         readable, _, _ = select.select([sock], [], [], 0)

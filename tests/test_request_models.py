@@ -25,6 +25,8 @@ from tierserve.server.schemas import (
     CompletionRequest,
 )
 
+pytestmark = pytest.mark.unit
+
 EDGE_INTS = [0, 1, -1, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64 - 1, 2**64, 10**30, -(10**30)]
 EDGE_FLOATS = [0.0, -0.0, 1e-308, 1e308, -1e308, 100.0, 100.5, -100.5, 10.0, 10.5, 2.0, 1e-45]
 BASES: dict[type[BaseModel], dict[str, Any]] = {

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tests.engine_helpers import build_checkpoint
 from tests.server_helpers import openai_client
 
+pytestmark = pytest.mark.integration
+
 ADD = {"type": "function", "name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
     "additionalProperties": False}}  # fmt: skip

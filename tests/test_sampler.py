@@ -10,6 +10,8 @@ import torch
 from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 sampler = Sampler()
 
 

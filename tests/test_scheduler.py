@@ -39,6 +39,8 @@ from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError, Scheduler
 from tierserve.core.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.unit
+
 _PLUGINS = load_plugins(allowlist=[])
 _SCHEDULERS = _PLUGINS.registry("schedulers")
 _POLICIES = _PLUGINS.registry("eviction_policies")

@@ -22,6 +22,8 @@ from tierserve.core.config import load_settings
 from tierserve.core.logs import configure_logging
 from tierserve.core.secrets import auth_secrets
 
+pytestmark = pytest.mark.integration
+
 USER_KEY = "sk-user-5f0c1b7e9a"
 ADMIN_KEY = "sk-admin-77d2c4e8b1"
 TEAM_KEY = "sk-team-a91e3f0d62"

@@ -11,6 +11,8 @@ from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
 from tierserve.core.config import load_settings
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

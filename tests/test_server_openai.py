@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -12,7 +11,10 @@ import pytest
 
 from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.config import load_settings
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +207,7 @@ def test_disconnecting_stream_frees_blocks(server):
         stats = engine.stats()
         return not stats.requests_queued and stats.kv_blocks_free + stats.kv_blocks_pinned == stats.kv_blocks_total
 
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not settled():
-        time.sleep(0.05)
+    wait_until(settled, timeout=20, what="the left stream's blocks to be freed")
     stats = engine.stats()
     assert stats.requests_queued == 0
     assert stats.kv_blocks_free + stats.kv_blocks_pinned == stats.kv_blocks_total  # pinned: other tests' cache keys

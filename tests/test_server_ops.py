@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from datetime import datetime
 
 import httpx
@@ -23,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 from tests.server_helpers import running_server
+from tests.waiting import wait_until
 from tierserve.core.config import LoggingSettings, load_settings
 from tierserve.core.logs import configure_logging
 from tierserve.core.plugins import load_plugins
@@ -30,6 +30,8 @@ from tierserve.server import metrics_routes
 from tierserve.server.app import create_app
 from tierserve.server.metrics_routes import RequestMetrics, request_middleware
 from tierserve.server.state import ServerState
+
+pytestmark = pytest.mark.integration
 
 BLOCK = 4
 METRIC_NAMES = [
@@ -171,17 +173,16 @@ def test_health_while_loading_and_after_a_failed_load(checkpoint, disk, engine, 
         assert not_ready.json()["error"]["code"] == "not_ready" and "loading" in not_ready.json()["error"]["message"]
         assert client.get("/v1/cache/stats").status_code == 503
         proceed.set()
-        deadline = time.monotonic() + 30
-        while client.get("/health/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: client.get("/health/ready").status_code == 200, timeout=30, what="/health/ready")
 
     missing = settings_for(tmp_path / "no-such-checkpoint", disk)
     with TestClient(create_app(missing)) as client:
-        deadline = time.monotonic() + 30
-        while (health := client.get("/health")).json()["status"] == "loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+
+        def settled() -> httpx.Response | None:
+            answer = client.get("/health")
+            return answer if answer.json()["status"] != "loading" else None
+
+        health = wait_until(settled, timeout=30, what="the load to end")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         assert health.json()["components"]["engine"] == "failed" and health.json()["components"]["load_error"]
         ready = client.get("/health/ready")
@@ -322,10 +323,12 @@ def test_trends_sampled_and_hit_rate_alert(checkpoint, disk, engine):
     settings = settings_for(checkpoint, disk, {("monitoring", "alert_hit_rate_below"): 0.99})
     with running_server(settings, engine=engine) as base:
         engine.generate(["a prompt nobody has sent before, long enough to fill several blocks"])
-        deadline = time.monotonic() + 10
-        while len((body := stats(base))["trend_points"]) < 2:
-            assert time.monotonic() < deadline, "no trend samples"
-            time.sleep(0.1)
+
+        def sampled_twice() -> dict | None:
+            document = stats(base)
+            return document if len(document["trend_points"]) >= 2 else None
+
+        body = wait_until(sampled_twice, interval=0.1, what="two trend samples")
     sample = body["trend_points"][-1]
     assert set(sample) == {
         "timestamp", "hit_rate", "memory_bytes", "cached_tokens", "requests_running", "requests_waiting",
@@ -348,10 +351,7 @@ def test_queue_alert_with_waiting_requests(checkpoint, disk, tmp_path):
             params = SamplingParams(max_tokens=64, ignore_eos=True)
             for prompt in PROMPTS[:5]:
                 small.submit(small.encode_prompt(prompt), params)
-            deadline = time.monotonic() + 10
-            while not (alerts := stats(base)["alerts"]):
-                assert time.monotonic() < deadline, "no queue alert"
-                time.sleep(0.02)
+            alerts = wait_until(lambda: stats(base)["alerts"], what="a queue alert")
     finally:
         small.close()
     [alert] = alerts
@@ -404,13 +404,13 @@ def test_request_id_echoed_and_in_access_log(server, json_logs):
     assert given.headers["x-request-id"] == "trace-abc-123"
     fresh = httpx.get(f"{server}/v1/cache/stats").headers["x-request-id"]
     assert fresh.startswith("req-")
-    deadline = time.monotonic() + 5
-    while True:
+
+    def access_log() -> dict[str, dict] | None:
         records = [json.loads(line) for line in json_logs.getvalue().splitlines() if line.startswith("{")]
-        access = {r["request_id"]: r for r in records if r["event"] == "http_request"}
-        if fresh in access or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+        lines = {r["request_id"]: r for r in records if r["event"] == "http_request"}
+        return lines if fresh in lines else None
+
+    access = wait_until(access_log, timeout=5, what="the access log line of the last request")
     line = access["trace-abc-123"]
     assert line["method"] == "GET" and line["path"] == "/v1/cache/stats" and line["status"] == 200
     assert line["duration_ms"] >= 0 and line["level"] == "info"

@@ -29,6 +29,8 @@ from tierserve.core.sections import ModelEntry
 from tierserve.core.plugins import TIER_KIND, load_plugins
 from tierserve.core.tier_settings import FLAT_TIER_KEYS
 
+pytestmark = pytest.mark.integration
+
 PROBES: dict[str, Probe] = {
     **ENGINE_PROBES, **CACHE_PROBES, **REDIS_PROBES, **SERVER_PROBES, **HTTP_PROBES, **FLEET_PROBES,
     **REGISTRY_PROBES,

@@ -18,6 +18,8 @@ from tierserve.plugins.backends.paged_attention import (
     shared_prefix,
 )
 
+pytestmark = pytest.mark.unit
+
 SYSTEM = (
     "You are a careful assistant. Answer in one short sentence, cite nothing, and never repeat the question. "
     "If a question is ambiguous, pick the most common reading and say which one you picked. "

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
 from tierserve.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def test_trained_window_releases_blocks_and_matches_transformers(tmp_path):

@@ -15,6 +15,8 @@ from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engi
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.speculation.ngram import lookup
 
+pytestmark = pytest.mark.unit
+
 REPETITIVE = ["a b c a b c a b c a b c", "the cat sat. the cat sat. the cat sat.", "1 2 3 1 2 3 1 2 3"]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -15,6 +15,8 @@ from tests.server_helpers import openai_client
 from tierserve.core.grammar import GrammarSpec
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 
 class Person(BaseModel):
     model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as OpenAI's strict mode requires

@@ -14,6 +14,8 @@ from tests.engine_helpers import build_checkpoint
 from tests.server_helpers import server_starter
 from tierserve.server.tenants import key_id
 
+pytestmark = pytest.mark.integration
+
 SECRET = "Confidential: the merger with Initech closes on the fifth of March, tell no one outside the board."
 ADMIN = {"Authorization": "Bearer sk-admin"}
 

@@ -17,6 +17,8 @@ from tests.engine_helpers import build_checkpoint
 from tests.test_cli import run
 from tests.test_config import ORIGINAL_DESIGN_TOML
 
+pytestmark = pytest.mark.unit
+
 
 def error_of(path, preset=None, environ=None) -> str:
     with pytest.raises(ConfigError) as info:

@@ -22,6 +22,8 @@ from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.sequence import Sequence
 
+pytestmark = pytest.mark.unit
+
 _MANAGER = load_plugins(allowlist=[])
 POLICIES = _MANAGER.registry("eviction_policies")
 TIERS = _MANAGER.registry("cache_tiers")

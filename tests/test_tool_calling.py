@@ -13,6 +13,8 @@ from tierserve.core.plugins import load_plugins
 from tierserve.core.tool_calls import choose_tool_parser
 from tierserve.server.tool_streaming import ToolStream
 
+pytestmark = pytest.mark.integration
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
     "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip

@@ -8,6 +8,8 @@ from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint
 from tierserve.core.backend_choice import UnsupportedModel
 from tierserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 REPETITIVE = ["one two three four one two three four one two three four one two", "ab ab ab ab ab ab ab ab"]

@@ -17,6 +17,8 @@ from tierserve.core.speculation import Proposal, Speculator
 from tierserve.core.token_tree import check_tree, tree_depths, tree_visibility, verify_tree, within_depth
 from tierserve.plugins.speculation.ngram_tree import build_tree, continuations
 
+pytestmark = pytest.mark.unit
+
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 CHECKPOINTS = {

@@ -8,11 +8,14 @@ the warmed prompts were cached.
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
 from tierserve.core.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
 
 BLOCK = 4
 PROMPTS = [f"Warm prompt {n}: a context of its own, several blocks long, about item {n * 37}." for n in range(40)]

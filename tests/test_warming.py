@@ -11,6 +11,8 @@ import torch
 
 from tests.store_helpers import BLOCK, PROMPT_BLOCKS, Requests, StoreTier, build_tier, prompt
 
+pytestmark = pytest.mark.unit
+
 SYSTEM = [7000 + i for i in range(2 * BLOCK)]  # a shared system prompt: two blocks
 
 
