@@ -37,17 +37,22 @@ import hashlib
 import math
 import struct
 import threading
+from typing import TYPE_CHECKING
 
-import torch
 import zstandard
 
 from tierserve.cache.tier import CacheEntry
 
+if TYPE_CHECKING:
+    import torch
+
 MAGIC = b"TSKV"
 FORMAT_VERSION = 2
 
-_DTYPE_BY_CODE: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
-_CODE_BY_DTYPE: dict[torch.dtype, int] = {dtype: code for code, dtype in _DTYPE_BY_CODE.items()}
+# By name, not torch.dtype: the disk tier imports this module in the HTTP process, which never loads torch.
+_DTYPE_BY_CODE: dict[int, str] = {1: "float32", 2: "float16", 3: "bfloat16"}
+_CODE_BY_DTYPE: dict[str, int] = {name: code for code, name in _DTYPE_BY_CODE.items()}
+_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 _PREAMBLE = struct.Struct("<4sH")
 _U8 = struct.Struct("<B")
@@ -112,10 +117,12 @@ class KVCodec:
         """The entry's bytes. Raises ``ValueError`` for an entry the format cannot hold
         (a dtype other than float32/float16/bfloat16, a token id outside int32, a key
         or parent longer than 65535 bytes)."""
+        import torch
+
         kv = entry.kv.detach()
-        code = _CODE_BY_DTYPE.get(kv.dtype)
+        code = _CODE_BY_DTYPE.get(str(kv.dtype).removeprefix("torch."))
         if code is None:
-            supported = ", ".join(str(dtype) for dtype in _CODE_BY_DTYPE)
+            supported = ", ".join(f"torch.{name}" for name in _CODE_BY_DTYPE)
             raise ValueError(f"cannot encode KV of dtype {kv.dtype}; supported: {supported}")
         raw = kv.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         parent = entry.parent or b""
@@ -173,8 +180,8 @@ class KVCodec:
         (num_tokens,) = reader.unpack(_U32, "token count")
         token_ids = struct.unpack(f"<{num_tokens}i", reader.take(4 * num_tokens, "token ids"))
         (code,) = reader.unpack(_U8, "dtype")
-        dtype = _DTYPE_BY_CODE.get(code)
-        if dtype is None:
+        dtype_name = _DTYPE_BY_CODE.get(code)
+        if dtype_name is None:
             raise CorruptEntryError(f"unknown dtype code {code}; known: {sorted(_DTYPE_BY_CODE)}")
         (ndim,) = reader.unpack(_U8, "shape")
         shape = struct.unpack(f"<{ndim}q", reader.take(8 * ndim, "shape"))
@@ -184,8 +191,8 @@ class KVCodec:
 
         if any(dim < 0 for dim in shape):
             raise CorruptEntryError(f"negative dimension in shape {shape}")
-        if math.prod(shape) * dtype.itemsize != raw_length:
-            raise CorruptEntryError(f"shape {shape} of {dtype} does not make {raw_length} bytes")
+        if math.prod(shape) * _ITEMSIZE[dtype_name] != raw_length:
+            raise CorruptEntryError(f"shape {shape} of torch.{dtype_name} does not make {raw_length} bytes")
         left = len(reader.data) - reader.pos
         if left < compressed_length:
             raise CorruptEntryError(f"truncated payload: {left} of {compressed_length} bytes")
@@ -196,6 +203,9 @@ class KVCodec:
             raise CorruptEntryError("checksum mismatch")
         raw = self._decompress(payload, raw_length)
 
+        import torch
+
+        dtype = getattr(torch, dtype_name)
         if raw_length:
             kv = torch.frombuffer(raw, dtype=dtype).reshape(shape)
         else:

@@ -20,15 +20,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tierserve.core.errors import ConfigError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.core.speculation import Proposal, Speculator
 from tierserve.core.token_tree import ROOT
+
+# torch loads when the speculator is built, so listing plugins or serving HTTP never pays for it.
+if TYPE_CHECKING:
+    import torch
 
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 # Medusa's small default trees: the top guesses of the first heads first, then their best continuations
@@ -78,6 +81,8 @@ def load_heads(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
             state = load_file(str(file))
         else:
+            import torch
+
             state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # a truncated or foreign file: say which
         raise ConfigError(f"plugins.medusa.path: cannot read Medusa heads from {file}: {error}") from error
@@ -122,6 +127,8 @@ class MedusaHeads:
 
     def top(self, hidden: torch.Tensor, ranks: list[int]) -> list[torch.Tensor]:
         """For hidden states ``[batch, hidden]``: head ``i``'s ``ranks[i]`` best tokens per row ``[batch, ranks[i]]``."""
+        import torch.nn.functional as F
+
         out = []
         for head, k in enumerate(ranks):
             x = hidden.to(self.projections[head].dtype)
@@ -173,6 +180,8 @@ class MedusaSpeculator(Speculator):
         for choice in used:
             for level, rank in enumerate(choice):
                 ranks[level] = max(ranks[level], rank + 1)
+        import torch
+
         with torch.inference_mode():
             guesses = [g.tolist() for g in self.heads.top(torch.stack([r.hidden for r in requests]), ranks)]
         proposals = []
