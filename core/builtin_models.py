@@ -16,6 +16,8 @@ import inspect
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -457,6 +459,11 @@ def ensure_builtin_checkpoint(name: str, cache_dir: str | os.PathLike[str] | Non
         model=name,
         path=str(target),
     )
+    if "torch" not in sys.modules:
+        # The HTTP server process never loads torch (it only tokenizes): a child writes the weights.
+        _write_in_child(name, cache_root(cache_dir))
+        if is_complete_checkpoint(target):
+            return target
     try:
         return write_checkpoint(
             target, spec["architecture"], seed=spec["seed"], **spec["config"]
@@ -468,3 +475,11 @@ def ensure_builtin_checkpoint(name: str, cache_dir: str | os.PathLike[str] | Non
             f"{target} exists but is not a complete checkpoint; delete it so the builtin "
             f"model {name!r} is written again"
         ) from None
+
+
+def _write_in_child(name: str, cache_dir: Path) -> None:
+    """Write builtin ``name`` from a fresh interpreter, so this process does not import torch."""
+    code = "import sys; from tierserve.core.builtin_models import ensure_builtin_checkpoint as e; e(sys.argv[1], sys.argv[2])"
+    done = subprocess.run([sys.executable, "-c", code, name, str(cache_dir)], capture_output=True, text=True)
+    if done.returncode != 0:
+        log.warning("builtin_write_in_child_failed", model=name, error=done.stderr.strip()[-2000:])

@@ -8,7 +8,11 @@ model in memory: it reads the checkpoint's config and safetensors headers only
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,46 +59,72 @@ def _gguf_elements(path: Path) -> tuple[int, int]:
     return sum(t.n_elements for t in tensors), sum(t.n_bytes for t in tensors)
 
 
-def _per_row_int8_bytes(settings: Settings, device) -> int:
-    from tierserve.plugins.backends.linear import int8_copies
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _device_type(name: str) -> str:
+    """``cuda`` or ``cpu`` as ``model.device`` will resolve, without importing torch here.
+
+    The HTTP process never loads torch, so ``auto`` asks the driver (``/proc/driver/nvidia/gpus``)
+    and the installed torch build (its ``version.py``) instead; the engine resolves it for real.
+    """
+    if name != "auto":
+        return name.split(":")[0]
+    if "torch" in sys.modules:
+        return "cuda" if sys.modules["torch"].cuda.is_available() else "cpu"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    gpus = Path("/proc/driver/nvidia/gpus")
+    spec = importlib.util.find_spec("torch")
+    if not (gpus.is_dir() and any(gpus.iterdir())) or spec is None or not spec.submodule_search_locations:
+        return "cpu"
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    cuda_build = version.is_file() and re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]", version.read_text(), re.M)
+    return "cuda" if cuda_build else "cpu"
+
+
+def _itemsize(dtype: str, device: str) -> int:
+    """Bytes per element of ``model.dtype``/``kv_cache.dtype``; ``auto`` is 2 on a GPU, float32 on a CPU."""
+    if dtype == "auto":
+        return 2 if device == "cuda" else 4
+    return _ITEMSIZE[dtype]
+
+
+def _per_row_int8_bytes(settings: Settings, device: str) -> int:
+    """Bytes per int8 weight quantized per row: ``auto`` on a CPU where the cpu_gemm kernels run keeps
+    their packed q8 copy next to the portable kernel's (``linear.int8_copies``)."""
+    from tierserve.plugins.backends.cpu_gemm_builds import built_here
 
     backend = "transformers" if settings.model.backend == "transformers" else "native"
     kernel = settings.plugins.table(backend).get("linear_kernel", "auto")
-    return int8_copies(kernel, device)
-
-
-def _bf16_copies(settings: Settings, device) -> int:
-    from tierserve.plugins.backends.linear import bf16_copies
-
-    backend = "transformers" if settings.model.backend == "transformers" else "native"
-    return bf16_copies(settings.plugins.table(backend).get("linear_kernel", "auto"), device)
+    return 2 if kernel == "auto" and device == "cpu" and built_here() else 1
 
 
 def estimate_memory(settings: Settings) -> MemoryEstimate:
     """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
-    from tierserve.core.devices import resolve_placement
-
-    model, kv = settings.model, settings.kv_cache
-    from tierserve.core.checkpoints import load_config
+    from tierserve.core.checkpoints import load_config, resolve_model_path
     from tierserve.core.gguf import is_gguf
 
-    directory, device, dtype, kv_dtype = resolve_placement(model.path, model.device, model.dtype, kv.dtype, model.gguf_file)
+    model, kv = settings.model, settings.kv_cache
+    directory = resolve_model_path(model.path, model.gguf_file)
+    device = _device_type(model.device)
+    weight_itemsize = _itemsize(model.dtype, device)
+    kv_itemsize = weight_itemsize if kv.dtype == "auto" else _itemsize(kv.dtype, device)
     gguf = is_gguf(Path(directory))
     elements, stored = _gguf_elements(directory) if gguf else _weight_elements(Path(directory))
     config = load_config(directory).to_dict() if gguf else json.loads((Path(directory) / "config.json").read_text())
-    per_weight: float = dtype.itemsize
+    per_weight: float = weight_itemsize
     if model.quantization == "int8":
         # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes);
         # per-row int8 is one byte, twice where ``auto`` keeps the small-batch q8 copy next to fbgemm's
         per_weight = 1.125 if gguf else _per_row_int8_bytes(settings, device)
-    elif str(dtype) == "torch.bfloat16":  # one copy (bf16_copies says how many)
-        per_weight *= _bf16_copies(settings, device)
+    # bfloat16 weights: one copy each (linear.bf16_copies)
     weight_bytes = int(elements * per_weight) if elements else stored
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
     layers = config.get("num_hidden_layers", 0)
-    block_bytes = layers * 2 * kv.block_size * kv_heads * head_dim * kv_dtype.itemsize
+    block_bytes = layers * 2 * kv.block_size * kv_heads * head_dim * kv_itemsize
     blocks = kv.l1_capacity
     if kv.l1_max_bytes is not None and block_bytes:
         blocks = max(1, kv.l1_max_bytes // block_bytes)

@@ -25,7 +25,7 @@ from tierserve.plugins.backends import cpu_gemm, cpu_gemm_abi
 from tierserve.plugins.backends.cpu_gemm_abi import (
     Q8_ROW, DecoderLayer, DecodeShape, KernelArgumentError, KernelLoadError, Kernels, Layer, Projection,
 )
-from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, object_name
+from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, cpu_flags, object_name
 from tierserve.plugins.backends.linear import Int8Linear, LinearFactory, quantize_groups, quantize_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(
@@ -929,7 +929,7 @@ def test_each_build_computes_its_kernel_versions_bits(isa):
     """Every kernel of each build on fixed inputs gives the output bits recorded for this KERNEL_VERSION (the
     cache fingerprint's name for them): a change of results without a version bump fails here. The build
     this process does not run is run in a subprocess that loads it."""
-    if isa == "avx512" and not cpu_gemm._cpu_flags().issuperset(CPU_FLAGS["avx512"]):
+    if isa == "avx512" and not cpu_flags().issuperset(CPU_FLAGS["avx512"]):
         pytest.skip("this CPU cannot run the AVX-512 build")
     if isa == cpu_gemm.isa():
         found = kernel_digests()

@@ -19,7 +19,7 @@ from tierserve.core.engine.messages import ModelInfo
 from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
 from tierserve.core.backend import ModelBackend
 from tierserve.core.backend_choice import AUTO, UnsupportedModel, backend_candidates
-from tierserve.core.engine.requests import RequestError, read_warm_prompts
+from tierserve.core.engine.requests import RequestError
 from tierserve.core.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import PluginManager, load_plugins
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from tierserve.core.speculation import Speculator
     from tierserve.core.tier_settings import TierSettings
     from tierserve.core.config import Settings
-    from tierserve.core.engine.client import EngineClient
 
 log = structlog.get_logger(__name__)
 
@@ -231,33 +230,3 @@ def model_info(core: EngineCore) -> ModelInfo:
         lora_slots=settings.model.max_loras if backend.supports_lora else 0,
         loras=dict(core.loras),
     )
-
-
-def warm_prompts(settings: Settings) -> list[str]:
-    """The prompts ``[kv_cache] warm_prompts`` and ``warm_prompts_file`` ask to warm at start."""
-    kv = settings.kv_cache
-    prompts = list(kv.warm_prompts)
-    if kv.warm_prompts_file:
-        prompts += read_warm_prompts(kv.warm_prompts_file)
-    return prompts
-
-
-def connect(settings: Settings, plugins: PluginManager | None, *, process: bool) -> EngineClient:
-    """A client attached to a new core: in this process (stepped by hand until ``start``), or in a child process."""
-    from tierserve.core.engine.client import EngineClient
-
-    if process:
-        from tierserve.core.engine.process import spawn_core
-
-        client = spawn_core(settings, plugins)
-    else:
-        from tierserve.core.engine.drivers import InProcessDriver
-
-        core = build_core(settings, plugins)
-        client = EngineClient(settings, model_info(core), core.backend.tokenizer)
-        client.driver = InProcessDriver(core, client.receive)
-    prompts = warm_prompts(settings)
-    if prompts:
-        warmed = client.warm(prompts)
-        log.info("warm_prompts_cached", prompts=len(prompts), tokens=warmed.tokens, writes=warmed.writes)
-    return client

@@ -84,7 +84,7 @@ class EngineClient:
     ) -> EngineClient:
         """Build the core (in this process, or in a child process when ``process`` or
         ``settings.server.engine_process`` says so) and a client attached to it; warm the preset prompts."""
-        from tierserve.core.engine.builder import connect
+        from tierserve.core.engine.connect import connect
 
         return connect(settings, plugins, process=settings.server.engine_process if process is None else process)
 

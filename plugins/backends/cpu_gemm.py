@@ -40,7 +40,7 @@ import torch
 from tierserve.plugins.backends.cpu_gemm_abi import (
     BF16, F32, MAX_GROUP, PANEL, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
 )
-from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, object_name
+from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, cpu_flags, object_name
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def isa() -> str:
     asked = _asked_isa()
     if asked not in ("auto", *ISAS):
         raise ValueError(f"{ISA_VARIABLE}: got {asked!r}, allowed: auto, {', '.join(ISAS)}")
-    missing = sorted(set(CPU_FLAGS["avx512"]) - _cpu_flags())
+    missing = sorted(set(CPU_FLAGS["avx512"]) - cpu_flags())
     if asked == "avx512" and missing:  # the build would die of SIGILL at its first call
         raise ValueError(f"{ISA_VARIABLE}=avx512: this CPU lacks {', '.join(missing)}; allowed here: auto, avx2")
     if asked != "auto":
@@ -105,13 +105,6 @@ def isa() -> str:
 
 def _asked_isa() -> str:
     return os.environ.get(ISA_VARIABLE, "auto").strip().lower() or "auto"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
 
 
 def bf16_dot() -> bool:

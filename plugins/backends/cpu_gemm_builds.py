@@ -12,6 +12,9 @@ imports nothing but the standard library.
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 # Bump when any kernel's results change, in either build: the cache fingerprint names it, so KV computed by
 # earlier kernels is never served as this version's. tests/test_cpu_gemm.py keeps each version's output bits.
 KERNEL_VERSION = 1
@@ -33,3 +36,23 @@ def compile_flags(isa: str) -> list[str]:
 def object_name(isa: str) -> str:
     """The file name of ``isa``'s shared object, beside ``cpu_gemm.py``."""
     return f"_cpu_gemm_{isa}.so"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``); empty where that file is missing."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return set(next(line for line in lines if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def built_here() -> bool:
+    """Whether a build this CPU can run sits beside this module: what ``cpu_gemm.library()`` would load,
+    told without loading it (or torch), for the HTTP process's memory estimate."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = cpu_flags()
+    return any(
+        (Path(__file__).parent / object_name(isa)).is_file() and set(CPU_FLAGS[isa]) <= flags for isa in ISAS
+    )
