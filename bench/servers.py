@@ -184,7 +184,7 @@ def start_tierserve(
     """``tierserve serve --preset production`` on ``checkpoint``; L3 lives in ``l3_dir``."""
     port = free_port()
     command = [
-        sys.executable, "-c", "from tierserve.core.cli import main; raise SystemExit(main())",
+        sys.executable, "-c", "from tierserve.cli.main import main; raise SystemExit(main())",
         "serve", "--preset", "production", "--model", str(checkpoint), "--port", str(port),
         "--set", f"kv_cache.disk_path={l3_dir}",
     ]  # fmt: skip

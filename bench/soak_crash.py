@@ -121,7 +121,7 @@ def serve_command(checkpoint: Path, disk_path: Path, port: int) -> list[str]:
         "kv_cache.l1_capacity": "64",
         "kv_cache.l2_capacity": "0",
     }
-    command = [sys.executable, "-m", "tierserve.core.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "tierserve.cli.main", "serve", "--port", str(port)]
     for key, value in settings.items():
         command += ["--set", f"{key}={value}"]
     return command

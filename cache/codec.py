@@ -37,14 +37,10 @@ import hashlib
 import math
 import struct
 import threading
-from typing import TYPE_CHECKING
 
 import zstandard
 
 from tierserve.cache.tier import CacheEntry
-
-if TYPE_CHECKING:
-    import torch
 
 MAGIC = b"TSKV"
 FORMAT_VERSION = 2

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierserve.cache.block_pool import BlockPool
-from tierserve.core.outputs import RequestCacheInfo
+from tierserve.cache.lookup_info import RequestCacheInfo
 
 if TYPE_CHECKING:
     from tierserve.cache.stats import PrefixMatch

@@ -10,7 +10,11 @@ The core never decodes text; the client never touches KV blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from tierserve.cache.lookup_info import RequestCacheInfo
+
+__all__ = ["CompletedRequest", "CoreOutput", "RequestCacheInfo", "RequestOutput", "RequestTimings", "TokenLogprob"]
 
 
 @dataclass(slots=True)
@@ -20,28 +24,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
-
-
-@dataclass(slots=True)
-class RequestCacheInfo:
-    """Where one request's prompt came from: the store's accounting of its latest prefix lookup.
-
-    Attributes:
-        lookup_blocks: full prompt blocks the lookup could have served (a hit
-            never covers the prompt's last token).
-        hits: blocks served, per tier name (``"l1"`` first); tiers without hits may be absent.
-        cached_tokens: prompt tokens whose KV came from the cache.
-        lookup_seconds: time spent finding and loading those blocks.
-    """
-
-    lookup_blocks: int = 0
-    hits: dict[str, int] = field(default_factory=dict)
-    cached_tokens: int = 0
-    lookup_seconds: float = 0.0
-
-    @property
-    def hit_blocks(self) -> int:
-        return sum(self.hits.values())
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ class EngineReplica:
         import uvicorn
         from ray import serve
 
-        from tierserve.core.cli import server_config
+        from tierserve.server.app import server_config
         from tierserve.core.logs import configure_logging
         from tierserve.core.secrets import settings_secrets
 

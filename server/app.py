@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Litestar
 from litestar.middleware.rate_limit import RateLimitConfig
@@ -25,6 +25,9 @@ from tierserve.server.errors import EXCEPTION_HANDLERS
 from tierserve.server.json_body import check_json_body
 from tierserve.server.state import ServerState
 from tierserve.server.tenants import bearer_token
+
+if TYPE_CHECKING:
+    import uvicorn
 
 ROUTE_MODULES: tuple[str, ...] = (
     "tierserve.server.openai_routes",
@@ -114,3 +117,20 @@ def create_app(
     )
     app.state.tierserve = state
     return app
+
+
+def server_config(loaded: LoadedSettings, on_load_failure: Callable[[str], None] | None = None) -> uvicorn.Config:
+    """What ``tierserve serve`` runs: the app on ``[server] host`` and ``port``; at shutdown, requests
+    in flight get ``shutdown_grace_seconds`` to finish before they are cancelled. ``on_load_failure``:
+    see ``create_app``."""
+    import uvicorn
+
+    server = loaded.settings.server
+    return uvicorn.Config(
+        create_app(loaded, on_load_failure=on_load_failure),
+        host=server.host,
+        port=server.port,
+        log_config=None,  # uvicorn's loggers go through tierserve's structlog handler
+        access_log=False,  # tierserve logs each request itself, with its request id and timings
+        timeout_graceful_shutdown=server.shutdown_grace_seconds,  # type: ignore[arg-type]  # a float is what it waits
+    )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from tierserve.core.errors import TierserveError
-from tierserve.core.model_memory import MemoryEstimate, estimate_memory
+from tierserve.server.model_memory import MemoryEstimate, estimate_memory
 from tierserve.core.sections import ModelEntry, ModelSettings, SchedulerSettings, Settings
 from tierserve.server.errors import APIError
 

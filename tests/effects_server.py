@@ -17,7 +17,7 @@ import uvicorn
 from tests.effects_lab import Lab, greedy, run
 from tests.server_helpers import free_port
 from tests.waiting import wait_until
-from tierserve.core.cli import server_config
+from tierserve.server.app import server_config
 from tierserve.core.config import load_settings
 from tierserve.core.engine import RequestOutput
 from tierserve.core.errors import ConfigError

@@ -386,7 +386,7 @@ def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
     pre-load estimate says so."""
     from tests.engine_helpers import build_checkpoint
     from tierserve.core.config import load_settings
-    from tierserve.core.model_memory import estimate_memory
+    from tierserve.server.model_memory import estimate_memory
 
     path = build_checkpoint(tmp_path, "llama", "llama")
     estimates = {}

@@ -11,7 +11,7 @@ import pytest
 from tests.engine_helpers import PROMPTS, build_checkpoint
 from tests.server_helpers import running_server
 from tests.waiting import wait_until
-from tierserve.core.cli import main
+from tierserve.cli.main import main
 from tierserve.core.config import load_settings
 from tierserve.server.recent import RecentRates, percentile
 

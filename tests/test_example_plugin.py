@@ -40,7 +40,7 @@ def run_with_plugin(site, args, env=None):
 
 
 def test_installed_plugin_is_listed(plugin_site):
-    result = run_with_plugin(plugin_site, ["-m", "tierserve.core.cli", "plugins", "--json"])
+    result = run_with_plugin(plugin_site, ["-m", "tierserve.cli.main", "plugins", "--json"])
     assert result.returncode == 0, result.stderr
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     example = plugins["tierserve-example-plugin"]
@@ -51,7 +51,7 @@ def test_installed_plugin_is_listed(plugin_site):
 
 def test_allowlist_can_exclude_it(plugin_site):
     result = run_with_plugin(
-        plugin_site, ["-m", "tierserve.core.cli", "plugins", "--json"], env={"TIERSERVE_PLUGINS": ""}
+        plugin_site, ["-m", "tierserve.cli.main", "plugins", "--json"], env={"TIERSERVE_PLUGINS": ""}
     )
     assert "tierserve-example-plugin" not in result.stdout
 

@@ -176,7 +176,7 @@ def test_q8_0_weights_stay_int8(files):
 def test_memory_estimate_counts_q8_0_as_it_is_held(files, architecture):
     """The registry's pre-load estimate (its memory budget check) is the bytes the int8 matrices take."""
     from tierserve.core.config import load_settings
-    from tierserve.core.model_memory import estimate_memory
+    from tierserve.server.model_memory import estimate_memory
 
     _, gguf = files[architecture]
     config = load_config(gguf["q8_0"])

@@ -36,7 +36,7 @@ def test_plugins_and_the_app_load_without_torch():
 @pytest.mark.parametrize("command", [["plugins", "--json"], ["config", "show", "--preset", "production"]])
 def test_cli_listings_load_without_torch(command):
     code = (
-        "import sys\nfrom tierserve.core.cli import main\n"
+        "import sys\nfrom tierserve.cli.main import main\n"
         f"assert main({command!r}) == 0\n"
         "print('torch' in sys.modules)"
     )

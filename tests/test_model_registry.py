@@ -181,7 +181,7 @@ def printed_json(out: str):
 
 
 def test_models_cli_lists_loads_aliases_and_unloads(tmp_path, checkpoints, expected, capsys):
-    from tierserve.core.cli import main
+    from tierserve.cli.main import main
 
     with serve(tmp_path, [entry("chat", checkpoints["llama"])]) as base:
         assert main(["models", "load", "chat", "--url", base, "--path", str(checkpoints["qwen2"]), "--version", "2",

@@ -49,7 +49,7 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
     }
     assert {p + "/__init__.py" for p in packages} <= names, sorted({p + "/__init__.py" for p in packages} - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "tierserve = tierserve.core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "tierserve = tierserve.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tierserve.core.cli import main
+from tierserve.cli.main import main
 from tierserve.core.config import Settings, load_settings
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import load_plugins

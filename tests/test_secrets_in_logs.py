@@ -87,7 +87,7 @@ def test_config_show_never_prints_a_key(tmp_path):
     config.write_text(f'[auth]\napi_keys = ["{USER_KEY}"]\nadmin_api_keys = ["{ADMIN_KEY}"]\n'
                       f'[auth.tenants]\nteam = ["{TEAM_KEY}"]\n')  # fmt: skip
     for extra in ([], ["--json"]):
-        shown = subprocess.run([sys.executable, "-m", "tierserve.core.cli", "config", "show", "--config", str(config),
+        shown = subprocess.run([sys.executable, "-m", "tierserve.cli.main", "config", "show", "--config", str(config),
                                 *extra], capture_output=True, text=True, timeout=60)  # fmt: skip
         assert shown.returncode == 0, shown.stderr
         assert "[redacted] key-" in shown.stdout

@@ -108,7 +108,7 @@ def json_logs():
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSERVE_")}
     full_env.update(env or {})
-    command = [sys.executable, "-m", "tierserve.core.cli", *args]
+    command = [sys.executable, "-m", "tierserve.cli.main", *args]
     return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=60)
 
 

@@ -215,7 +215,7 @@ def add_top_command(commands: Any, add_server_arguments: Callable[[argparse.Argu
         from rich.console import Console
         from rich.live import Live
 
-        from tierserve.core.cli import server_url
+        from tierserve.cli.main import server_url
 
         if args.interval <= 0:
             raise TierserveError(f"--interval: got {args.interval}; allowed: a number of seconds above 0")

@@ -7,16 +7,13 @@ import contextlib
 import json
 import sys
 import urllib.parse
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from tierserve.core import __version__
 from tierserve.core.config import LoadedSettings, load_settings, parse_override
 from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import load_plugins
-
-if TYPE_CHECKING:
-    import uvicorn
 
 
 def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tierserve.core.logs import configure_logging
     from tierserve.core.secrets import settings_secrets
+    from tierserve.server.app import server_config
 
     configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
     failures: list[str] = []
@@ -170,25 +168,6 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         else:
             serve.shutdown()
     return 0
-
-
-def server_config(loaded: LoadedSettings, on_load_failure: Callable[[str], None] | None = None) -> uvicorn.Config:
-    """What ``tierserve serve`` runs: the app on ``[server] host`` and ``port``; at shutdown, requests
-    in flight get ``shutdown_grace_seconds`` to finish before they are cancelled. ``on_load_failure``:
-    see ``create_app``."""
-    import uvicorn
-
-    from tierserve.server.app import create_app
-
-    server = loaded.settings.server
-    return uvicorn.Config(
-        create_app(loaded, on_load_failure=on_load_failure),
-        host=server.host,
-        port=server.port,
-        log_config=None,  # uvicorn's loggers go through tierserve's structlog handler
-        access_log=False,  # tierserve logs each request itself, with its request id and timings
-        timeout_graceful_shutdown=server.shutdown_grace_seconds,  # type: ignore[arg-type]  # a float is what it waits
-    )
 
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
@@ -370,10 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.set_defaults(handler=cmd_fleet)
 
     _add_cache_commands(commands)
-    from tierserve.core.cli_models import add_model_commands
+    from tierserve.cli.models import add_model_commands
 
     add_model_commands(commands, _add_server_arguments, _call_server)
-    from tierserve.core.cli_top import add_top_command
+    from tierserve.cli.top import add_top_command
 
     add_top_command(commands, _add_server_arguments, _call_server)
     return parser

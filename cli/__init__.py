@@ -1,0 +1,1 @@
+"""The tierserve command: serve, fleet, config, plugins, models, top (installed as tierserve.cli)."""

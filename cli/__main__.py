@@ -1,0 +1,3 @@
+from tierserve.cli.main import main
+
+raise SystemExit(main())
