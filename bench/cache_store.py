@@ -34,8 +34,8 @@ def live_blocks(ctx: BenchContext, block_size: int, tokens: int) -> Iterator[tup
     """An engine holding the KV it computed for ``tokens`` prompt tokens: (engine, entries, block ids, bytes/token)."""
     from tierserve.cache.hashing import extend_hashes
     from tierserve.cache.tier import CacheEntry
-    from tierserve.core.config import load_settings
-    from tierserve.core.engine import EngineClient
+    from tierserve.settings.config import load_settings
+    from tierserve.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
     loaded = load_settings(

@@ -25,9 +25,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from tierserve.core.checkpoints import resolve_model_path
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
+from tierserve.models.checkpoints import resolve_model_path
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 
 

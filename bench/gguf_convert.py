@@ -8,7 +8,7 @@ Two things of the converter are steered, nothing else: its vocabulary reader
 tries sentencepiece first (our checkpoints have no ``tokenizer.model``), and
 it identifies a BPE pre-tokenizer by hashing the ids of a probe text, which
 knows published tokenizers only. Ours is a byte-level BPE with Qwen2's
-pre-tokenizer regex (``core/builtin_tokenizer.py``), so it is named ``qwen2``.
+pre-tokenizer regex (``models/builtin_tokenizer.py``), so it is named ``qwen2``.
 The bench sends token ids, never text, so tokenization does not enter the
 comparison either way.
 """

@@ -27,7 +27,7 @@ class BenchContext:
 
     @classmethod
     def create(cls, model: str, results_dir: Path) -> BenchContext:
-        from tierserve.core.checkpoints import resolve_model_path
+        from tierserve.models.checkpoints import resolve_model_path
 
         checkpoint = Path(resolve_model_path(model))
         results_dir.mkdir(parents=True, exist_ok=True)

@@ -52,8 +52,8 @@ def write_adapter(checkpoint: Path, out: Path, rank: int, seed: int) -> Path:
 
 
 def run(ctx: BenchContext, requests: int, prompt_len: int, output_len: int, adapters: int, rank: int, repeats: int) -> dict:
-    from tierserve.core.config import load_settings
-    from tierserve.core.engine import EngineClient
+    from tierserve.settings.config import load_settings
+    from tierserve.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
     paths = [write_adapter(ctx.checkpoint, ctx.results_dir / "lora-adapters" / f"a{i}", rank, i) for i in range(adapters)]

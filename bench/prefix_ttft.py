@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from tests.redis_server import RedisServer  # the tests' own helper; bench runs from a checkout
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

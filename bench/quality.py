@@ -87,7 +87,7 @@ def run(ctx, checkpoints: list[str]) -> dict:
     """Figures for ``ctx``'s checkpoint and the test suite's tiny architectures (written here, seeded)."""
     import tempfile
 
-    from tierserve.core.builtin_models import write_checkpoint
+    from tierserve.models.builtin_models import write_checkpoint
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="tierserve-quality-") as scratch:

@@ -90,8 +90,8 @@ PRECISIONS = {
 
 
 def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int, systems: list[str] | None = None) -> dict:
-    from tierserve.core.config import load_settings
-    from tierserve.core.engine import EngineClient
+    from tierserve.settings.config import load_settings
+    from tierserve.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
     systems = systems or list(PRECISIONS)

@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 
 SEED = "The report lists the steps of the procedure in order. First, "

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierserve.core import __version__
-from tierserve.core.config import LoadedSettings, load_settings, parse_override
+from tierserve.settings.config import LoadedSettings, load_settings, parse_override
 from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import load_plugins
 
@@ -81,7 +81,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         explained = loaded.explain()
         backend = explained["model"]["backend"]
         if str(backend["value"]).lower() == "auto":  # say which backend auto picks for this checkpoint
-            from tierserve.core.backend_choice import backend_candidates
+            from tierserve.models.backend_choice import backend_candidates
 
             candidates = backend_candidates(loaded.settings, loaded.plugins.registry("backends"))
             backend["chosen"] = candidates[0]
@@ -116,8 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = _settings_from(args, flags)  # every source validated before the model loads
     import uvicorn
 
-    from tierserve.core.logs import configure_logging
-    from tierserve.core.secrets import settings_secrets
+    from tierserve.settings.logs import configure_logging
+    from tierserve.settings.secrets import settings_secrets
     from tierserve.server.app import server_config
 
     configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
@@ -153,8 +153,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         from tierserve.fleet.settings_sources import SettingsSources
     except ImportError as exc:
         raise TierserveError(f"tierserve fleet needs Ray Serve ({exc.name} is missing): pip install 'tierserve[fleet]'") from None
-    from tierserve.core.logs import configure_logging
-    from tierserve.core.secrets import settings_secrets
+    from tierserve.settings.logs import configure_logging
+    from tierserve.settings.secrets import settings_secrets
 
     configure_logging(loaded.settings.logging, secrets=settings_secrets(loaded.settings))
     sources = SettingsSources.of(args.preset, args.config_file, _overrides_from(args, flags))
@@ -234,7 +234,7 @@ def cmd_cache_offload(args: argparse.Namespace) -> int:
 def cmd_cache_warm(args: argparse.Namespace) -> int:
     prompts = list(args.prompts)
     if args.file:
-        from tierserve.core.engine import read_warm_prompts
+        from tierserve.engine import read_warm_prompts
 
         try:
             prompts += read_warm_prompts(args.file)

@@ -1,4 +1,5 @@
-"""tierserve's small core: hookspecs, plugin manager and registries, settings, CLI."""
+"""tierserve's small core: hookspecs, the plugin manager and registries, and the contracts (backend, scheduler,
+speculator, tool parser, sequences and batches, sampling parameters, the settings schema)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierserve.cache.kv_manager import KVSpec
@@ -169,39 +167,3 @@ def kernel_variant(backend: str, linear_kernel: str, forced_attention, dtype, kv
     if kv_dtype != dtype:
         variant += f"/kv-{str(kv_dtype).removeprefix('torch.')}"
     return variant
-
-
-def hash_file_ends(digest, name: str, handle, size: int, sample: int = 1 << 20) -> None:
-    """Feed ``digest`` a weight file's name, size and up to ``sample`` bytes from its start and its end."""
-    digest.update(f"{name}:{size}".encode())
-    handle.seek(0)
-    digest.update(handle.read(sample))
-    if size > 2 * sample:
-        handle.seek(size - sample)
-        digest.update(handle.read(sample))
-
-
-def checkpoint_fingerprint(directory, *extra: str) -> str:
-    """A stable id for a checkpoint's weights plus ``extra`` (dtype, backend, ...).
-
-    Hashes config.json, each weight file's name and size, its safetensors
-    header (tensor names, shapes, offsets) and up to 1 MiB from its start and
-    end: cheap even for large checkpoints, and any retrained or re-quantised
-    weights change it. A GGUF file's names its quantization types
-    (``core.gguf.gguf_fingerprint``).
-    """
-    from tierserve.core.gguf import gguf_fingerprint, is_gguf
-
-    root = Path(directory)
-    if is_gguf(root):
-        return gguf_fingerprint(root, *extra)
-    digest = hashlib.sha256()
-    config = root / "config.json"
-    if config.is_file():
-        digest.update(config.read_bytes())
-    for path in sorted(list(root.glob("*.safetensors")) + list(root.glob("*.bin"))):
-        with open(path, "rb") as handle:
-            hash_file_ends(digest, path.name, handle, path.stat().st_size)
-    for item in extra:
-        digest.update(b"\0" + item.encode())
-    return digest.hexdigest()[:32]

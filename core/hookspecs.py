@@ -113,10 +113,10 @@ def register_backends(register: Register) -> None:
     (``native`` and ``transformers`` have ``linear_kernel``).
 
     ``model.backend = "auto"`` tries ``native``, ``transformers``,
-    ``transformers-unpaged`` in that order (``core/backend_choice.py``): a
+    ``transformers-unpaged`` in that order (``models/backend_choice.py``): a
     factory with a static ``supports_model_type(model_type) -> bool`` is
     skipped for checkpoints it does not run, and one that raises
-    ``tierserve.core.backend_choice.UnsupportedModel`` while loading hands
+    ``tierserve.models.backend_choice.UnsupportedModel`` while loading hands
     over to the next.
     """
 
@@ -261,7 +261,7 @@ def register_tool_parsers(register: Register) -> None:
 def on_startup(engine: Any) -> None:
     """Called once after the engine is built and before the first request.
 
-    ``engine`` is the ``tierserve.core.engine.EngineClient`` the server uses
+    ``engine`` is the ``tierserve.engine.EngineClient`` the server uses
     (submit, generate, warm, cache management, statistics).
 
     Use it to start background work or warm caches. An exception here is

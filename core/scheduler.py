@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.core.batch import RunnerOutput, SchedulerOutput
-from tierserve.core.config import SchedulerSettings
+from tierserve.core.sections import SchedulerSettings
 from tierserve.core.errors import QueueFullError
 from tierserve.core.outputs import CoreOutput, TokenLogprob
 from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus

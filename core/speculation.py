@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.core.backend import ModelBackend
-    from tierserve.core.config import Settings
+    from tierserve.core.sections import Settings
     from tierserve.core.sampler import SamplingRow
     from tierserve.core.sequence import Sequence
 

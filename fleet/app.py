@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierserve.core.config import LoadedSettings
+from tierserve.settings.config import LoadedSettings
 from tierserve.core.errors import ConfigError
 from tierserve.core.sections import FleetSettings, Settings
 from tierserve.fleet.settings_sources import SettingsSources

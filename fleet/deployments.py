@@ -56,8 +56,8 @@ class EngineReplica:
         from ray import serve
 
         from tierserve.server.app import server_config
-        from tierserve.core.logs import configure_logging
-        from tierserve.core.secrets import settings_secrets
+        from tierserve.settings.logs import configure_logging
+        from tierserve.settings.secrets import settings_secrets
 
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierserve.core.config import LoadedSettings, load_settings
+from tierserve.settings.config import LoadedSettings, load_settings
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from litestar.middleware.rate_limit import RateLimitConfig
 from litestar.openapi import OpenAPIConfig
 
 from tierserve.core import __version__
-from tierserve.core.config import LoadedSettings, Settings
+from tierserve.settings.config import LoadedSettings, Settings
 from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.server.auth import auth_guard, tenant_map
 from tierserve.server.errors import EXCEPTION_HANDLERS
@@ -113,7 +113,7 @@ def create_app(
         request_max_body_size=settings.server.max_request_bytes,
         openapi_config=OpenAPIConfig(title="tierserve", version=__version__, path="/docs"),
         debug=False,
-        logging_config=None,  # tierserve.core.logs configures logging; Litestar must not replace it
+        logging_config=None,  # tierserve.settings.logs configures logging; Litestar must not replace it
     )
     app.state.tierserve = state
     return app

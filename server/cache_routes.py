@@ -42,7 +42,7 @@ from tierserve.server.stats_document import (
 
 if TYPE_CHECKING:
     from tierserve.cache.named_prefixes import NamedPrefix
-    from tierserve.core.engine import EngineClient, EngineSnapshot
+    from tierserve.engine import EngineClient, EngineSnapshot
 
 log = structlog.get_logger(__name__)
 

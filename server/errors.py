@@ -8,8 +8,8 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from tierserve.core.engine import RequestError
-from tierserve.core.engine.process import EngineProcessError
+from tierserve.engine import RequestError
+from tierserve.engine.process import EngineProcessError
 from tierserve.core.scheduler import QueueFullError
 
 log = structlog.get_logger(__name__)

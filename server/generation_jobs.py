@@ -12,8 +12,8 @@ from typing import Any
 
 from litestar import Request
 
-from tierserve.core.engine import EngineClient, RequestOutput, RequestTimings, TokenLogprob
-from tierserve.core.engine.requests import output_room
+from tierserve.engine import EngineClient, RequestOutput, RequestTimings, TokenLogprob
+from tierserve.engine.requests import output_room
 from tierserve.core.errors import RequestError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from tierserve.core import __version__
 from tierserve.server.state import ServerState, ready_engine, state_of
 
 if TYPE_CHECKING:
-    from tierserve.core.engine import EngineSnapshot
+    from tierserve.engine import EngineSnapshot
 
 HEALTH = {"public": "health"}
 

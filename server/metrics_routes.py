@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tierserve.core.config import Settings
-from tierserve.core.logs import request_context
-from tierserve.core.metrics import EngineCollector
+from tierserve.settings.config import Settings
+from tierserve.settings.logs import request_context
+from tierserve.engine.metrics import EngineCollector
 from tierserve.server.connection import CLIENT_CLOSED
 from tierserve.server.state import BODY_REQUEST_ID, ServerState
 

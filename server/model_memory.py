@@ -53,7 +53,7 @@ def _weight_elements(directory: Path) -> tuple[int, int]:
 
 def _gguf_elements(path: Path) -> tuple[int, int]:
     """(elements, bytes) of every tensor in a GGUF file, from its header."""
-    from tierserve.core.gguf import check_gguf
+    from tierserve.models.gguf import check_gguf
 
     tensors = check_gguf(path).tensors
     return sum(t.n_elements for t in tensors), sum(t.n_bytes for t in tensors)
@@ -102,8 +102,8 @@ def _per_row_int8_bytes(settings: Settings, device: str) -> int:
 
 def estimate_memory(settings: Settings) -> MemoryEstimate:
     """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
-    from tierserve.core.checkpoints import load_config, resolve_model_path
-    from tierserve.core.gguf import is_gguf
+    from tierserve.models.checkpoints import load_config, resolve_model_path
+    from tierserve.models.gguf import is_gguf
 
     model, kv = settings.model, settings.kv_cache
     directory = resolve_model_path(model.path, model.gguf_file)

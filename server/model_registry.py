@@ -27,7 +27,7 @@ from tierserve.core.sections import ModelEntry, ModelSettings, SchedulerSettings
 from tierserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from tierserve.core.engine import EngineClient
+    from tierserve.engine import EngineClient
     from tierserve.core.plugins import PluginManager
 
 log = structlog.get_logger(__name__)
@@ -293,7 +293,7 @@ class ModelRegistry:
                 if served.engine is None:
                     served.memory = estimate_memory(served.settings)
                     self._make_room(served)
-                    from tierserve.core.engine import EngineClient
+                    from tierserve.engine import EngineClient
 
                     served.engine = EngineClient.from_settings(served.settings, self.plugins)
                     served.owns_engine = True

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from tierserve.core.engine import EngineClient, TokenLogprob
+from tierserve.engine import EngineClient, TokenLogprob
 from tierserve.server.generation_jobs import Choice, Job
 from tierserve.server.recent import latency_window
 from tierserve.server.state import ServerState

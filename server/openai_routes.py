@@ -11,7 +11,7 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
-from tierserve.core.engine import EngineClient, RequestTimings
+from tierserve.engine import EngineClient, RequestTimings
 from tierserve.core.errors import RequestTimeoutError
 from tierserve.server.connection import CLIENT_CLOSED, ClientDisconnected, unless_disconnected
 from tierserve.server.errors import APIError, timeout_body
@@ -59,7 +59,7 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
 
 async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job) -> Response:
     """Beam search: the ``n`` best beams of each prompt become its choices (no streaming)."""
-    from tierserve.core.beam_search import BeamSearchParams
+    from tierserve.engine.beam_search import BeamSearchParams
 
     body = job.body
     if body.stream:

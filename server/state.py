@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from tierserve.core.config import Settings
-from tierserve.core.engine.process import EngineProcessError
+from tierserve.settings.config import Settings
+from tierserve.engine.process import EngineProcessError
 from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import PluginManager
 from tierserve.server.model_registry import ModelRegistry, Target
@@ -19,7 +19,7 @@ from tierserve.server.model_registry import ModelRegistry, Target
 if TYPE_CHECKING:
     from litestar import Request
 
-    from tierserve.core.engine import EngineClient
+    from tierserve.engine import EngineClient
 
 log = structlog.get_logger(__name__)
 BODY_REQUEST_ID = "body_request_id"  # ASGI scope state: the request_id a request body gave (echoed in X-Request-Id)

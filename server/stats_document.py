@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tierserve.core.config import MonitoringSettings
-    from tierserve.core.engine import EngineSnapshot
+    from tierserve.settings.config import MonitoringSettings
+    from tierserve.engine import EngineSnapshot
 
 SPEC_TIER_NAMES = ("l1", "l2", "l3")  # the spec always shows these three hit counts
 

@@ -18,7 +18,7 @@ import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tierserve.core.secrets import key_id
+from tierserve.settings.secrets import key_id
 
 if TYPE_CHECKING:
     from tierserve.core.sections import AuthSettings

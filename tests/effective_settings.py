@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tierserve.core.config import LoadedSettings, load_settings
+from tierserve.settings.config import LoadedSettings, load_settings
 from tests.test_config import ORIGINAL_DESIGN_TOML
 
 # flat [kv_cache] tier keys: inputs that build the tier list, not settings the engine reads

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.effects_lab import Lab, greedy, run
-from tierserve.core.builtin_models import write_checkpoint
-from tierserve.core.engine import RequestError
+from tierserve.models.builtin_models import write_checkpoint
+from tierserve.engine import RequestError
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
@@ -300,7 +300,7 @@ def sliding_window_use_flash_attention(lab: Lab) -> None:
 def server_engine_process(lab: Lab) -> None:
     loaded = lab.settings({"server.engine_process": False})
     children = set(multiprocessing.active_children())
-    from tierserve.core.engine import EngineClient
+    from tierserve.engine import EngineClient
 
     engine = EngineClient.from_settings(loaded.settings, loaded.plugins)  # where the settings say
     try:

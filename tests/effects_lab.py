@@ -19,9 +19,9 @@ import torch
 from litestar.testing import TestClient
 
 from tierserve.cache.tier import CacheEntry, CacheTier
-from tierserve.core.config import LoadedSettings, load_settings
-from tierserve.core.engine import CompletedRequest, EngineClient
-from tierserve.core.engine.builder import build_tier
+from tierserve.settings.config import LoadedSettings, load_settings
+from tierserve.engine import CompletedRequest, EngineClient
+from tierserve.engine.builder import build_tier
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.app import create_app
 

@@ -12,8 +12,8 @@ from litestar.testing import TestClient
 from tests.effects_lab import BASELINE, Lab, greedy, keyed
 from tests.lora_helpers import make_adapter
 from tests.waiting import wait_until
-from tierserve.core.config import load_settings
-from tierserve.core.engine import RequestError
+from tierserve.settings.config import load_settings
+from tierserve.engine import RequestError
 from tierserve.server.app import create_app
 
 PROMPT = "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read books."

@@ -18,10 +18,10 @@ from tests.effects_lab import Lab, greedy, run
 from tests.server_helpers import free_port
 from tests.waiting import wait_until
 from tierserve.server.app import server_config
-from tierserve.core.config import load_settings
-from tierserve.core.engine import RequestOutput
+from tierserve.settings.config import load_settings
+from tierserve.engine import RequestOutput
 from tierserve.core.errors import ConfigError
-from tierserve.core.logs import configure_logging
+from tierserve.settings.logs import configure_logging
 from tierserve.server.stats_document import current_alerts
 
 LONG = "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read books."

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tierserve.core.builtin_models import write_checkpoint
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
+from tierserve.models.builtin_models import write_checkpoint
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
 
 PROMPTS = [
     "Hello",

@@ -54,7 +54,7 @@ def server_starter(checkpoint) -> Iterator[Callable[..., object]]:
     """Yields ``start(**values)``: a ``running_server`` on ``checkpoint`` with a fresh in-process engine and
     these ``section__key`` settings (``auth__api_keys=[...]``). Every engine started is closed on exit."""
     from tests.engine_helpers import make_engine
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
 
     engines = []
 
@@ -80,7 +80,7 @@ def openai_client(checkpoint, served_name: str = "tiny") -> Iterator[object]:
     """The official ``openai`` client against a server on ``checkpoint`` (engine on a thread), named ``served_name``."""
     import openai
 
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
 
     overrides = {
         ("model", "path"): str(checkpoint), ("model", "device"): "cpu", ("model", "served_model_name"): served_name,

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
-from tierserve.core.beam_search import BeamSearchParams, beam_search_blocks, run_beam_search
-from tierserve.core.engine import RequestError
+from tierserve.engine.beam_search import BeamSearchParams, beam_search_blocks, run_beam_search
+from tierserve.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
 

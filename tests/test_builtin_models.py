@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from tierserve.core import builtin_models
-from tierserve.core.builtin_models import (
+from tierserve.models import builtin_models
+from tierserve.models.builtin_models import (
     BUILTIN_MODELS,
     build_tokenizer,
     builtin_checkpoint_dir,
@@ -25,7 +25,7 @@ from tierserve.core.builtin_models import (
     ensure_builtin_checkpoint,
     write_checkpoint,
 )
-from tierserve.core.checkpoints import load_generation_eos_ids, resolve_model_path
+from tierserve.models.checkpoints import load_generation_eos_ids, resolve_model_path
 from tierserve.core.errors import ConfigError
 
 pytestmark = pytest.mark.integration
@@ -330,7 +330,7 @@ def test_writing_leaves_the_global_rng_alone(tmp_path):
 def test_tokenizer_is_identical_in_another_process(tokenizer):
     script = (
         "import hashlib\n"
-        "from tierserve.core.builtin_models import build_tokenizer\n"
+        "from tierserve.models.builtin_models import build_tokenizer\n"
         "print('sha=' + hashlib.sha256(build_tokenizer()._tokenizer.to_str().encode()).hexdigest())\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "1"}

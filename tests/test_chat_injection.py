@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 
 pytestmark = pytest.mark.integration
 

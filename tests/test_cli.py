@@ -137,8 +137,8 @@ def test_serve_ends_with_one_line_when_the_model_cannot_load(tmp_path):
 
 def test_config_show_says_which_backend_auto_runs(tmp_path):
     from tests.engine_helpers import build_checkpoint
-    from tierserve.core.backend_choice import backend_candidates
-    from tierserve.core.config import load_settings
+    from tierserve.models.backend_choice import backend_candidates
+    from tierserve.settings.config import load_settings
 
     gemma = build_checkpoint(tmp_path, "gemma2", "gemma2")
     result = run("config", "show", "--set", f"model.path={json.dumps(str(gemma))}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierserve.core.config import load_settings, preset_names
+from tierserve.settings.config import load_settings, preset_names
 from tierserve.core.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -385,7 +385,7 @@ def test_memory_estimate_counts_the_small_batch_copy(tmp_path):
     """``auto`` int8 holds the q8 kernel's copy next to fbgemm's (bfloat16 one copy, whichever kernel): the
     pre-load estimate says so."""
     from tests.engine_helpers import build_checkpoint
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
     from tierserve.server.model_memory import estimate_memory
 
     path = build_checkpoint(tmp_path, "llama", "llama")
@@ -407,7 +407,7 @@ def test_torch_kernels_are_used_throughout_when_asked(tmp_path):
     """``linear_kernel = "torch"``: no tierserve kernel runs, and the fingerprint says which set computed."""
     from tests.engine_helpers import build_checkpoint
     from tierserve.plugins.backends.native import NativeBackend
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
 
     path = build_checkpoint(tmp_path, "llama", "llama")
     backends = {}

@@ -15,7 +15,7 @@ from tests.browser import artifact_dir, headless_chromium, save_page_screenshot
 from tests.conftest import require_service
 from tests.engine_helpers import PROMPTS, build_checkpoint
 from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 
 pytestmark = pytest.mark.browser
 

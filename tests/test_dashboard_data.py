@@ -12,7 +12,7 @@ from tests.engine_helpers import PROMPTS, build_checkpoint
 from tests.server_helpers import running_server
 from tests.waiting import wait_until
 from tierserve.cli.main import main
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 from tierserve.server.recent import RecentRates, percentile
 
 pytestmark = pytest.mark.integration

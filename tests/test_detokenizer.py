@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tierserve.core.detokenizer import IncrementalDetokenizer
+from tierserve.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.unit
 

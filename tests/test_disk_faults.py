@@ -23,7 +23,7 @@ from tests.engine_helpers import build_checkpoint, hf_greedy, make_engine
 from tests.server_helpers import running_server
 from tests.store_helpers import BLOCK, block_file_bytes, build_tier, kv_for, prompt
 from tierserve.cache.tier import CacheEntry
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration

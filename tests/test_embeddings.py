@@ -14,8 +14,8 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
 from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
-from tierserve.core.engine import RequestError
+from tierserve.settings.config import load_settings
+from tierserve.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import pytest
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
 from tests.waiting import wait_until
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient, RequestError
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient, RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
-from tierserve.core.engine import EngineClient
-from tierserve.core.config import load_settings
+from tierserve.engine import EngineClient
+from tierserve.settings.config import load_settings
 from tierserve.core.hookspecs import hookimpl
 from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
@@ -210,7 +210,7 @@ def test_detailed_profiling_times_every_phase_and_exports_them(llama, profiling)
     """``[monitoring] detailed_profiling``: per-phase step timings in the snapshot and on /metrics, or neither."""
     from litestar.testing import TestClient
 
-    from tierserve.core.engine.profiling import CLIENT_PHASES, CORE_PHASES
+    from tierserve.engine.profiling import CLIENT_PHASES, CORE_PHASES
     from tierserve.server.app import create_app
 
     engine = make_engine(llama, monitoring__detailed_profiling=profiling)

@@ -10,10 +10,10 @@ import pytest
 
 from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
 from tests.waiting import wait_until
-from tierserve.core.beam_search import BeamSearchParams
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
-from tierserve.core.engine.process import EngineProcessError
+from tierserve.engine.beam_search import BeamSearchParams
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
+from tierserve.engine.process import EngineProcessError
 from tierserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -153,8 +153,8 @@ def test_a_core_whose_server_process_dies_exits_too(llama, tmp_path):
     script = textwrap.dedent(
         f"""
         import signal, sys
-        from tierserve.core.config import load_settings
-        from tierserve.core.engine import EngineClient
+        from tierserve.settings.config import load_settings
+        from tierserve.engine import EngineClient
         loaded = load_settings(None, environ={{}}, overrides={{("model", "path"): {str(llama)!r}}})
         engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=True)
         print("CORE", engine.driver.process.pid, flush=True)

@@ -62,7 +62,7 @@ def test_selected_by_name_from_toml_and_exercised(plugin_site, tmp_path):
     script = textwrap.dedent(
         f"""
         import json
-        from tierserve.core.config import load_settings
+        from tierserve.settings.config import load_settings
         loaded = load_settings(None, config_file={str(config)!r}, environ={{}})
         name = loaded.settings.kv_cache.eviction_policy
         component = loaded.plugins.registry("eviction_policies").get(name)
@@ -92,8 +92,8 @@ def test_example_scheduler_serves_shortest_prompts_first_with_unchanged_outputs(
     script = textwrap.dedent(
         f"""
         import json
-        from tierserve.core.config import load_settings
-        from tierserve.core.engine import EngineClient
+        from tierserve.settings.config import load_settings
+        from tierserve.engine import EngineClient
         from tierserve.core.sampling_params import SamplingParams
 
         prompts = ["a much longer prompt than the others, " * 4, "mid-sized prompt here", "hi"]

@@ -17,7 +17,7 @@ from tests.conftest import require_service
 from tests.redis_server import RedisServer
 from tests.server_helpers import free_port
 from tests.waiting import wait_until
-from tierserve.core.engine import EngineClient
+from tierserve.engine import EngineClient
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.fleet.app import APP_NAME, build_fleet, engine_options
 from tierserve.fleet.settings_sources import SettingsSources

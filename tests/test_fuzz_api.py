@@ -18,7 +18,7 @@ from schemathesis import GenerationMode  # noqa: E402
 from tests.engine_helpers import build_checkpoint, make_engine  # noqa: E402
 from tests.server_helpers import running_server  # noqa: E402
 import httpx  # noqa: E402
-from tierserve.core.config import load_settings  # noqa: E402
+from tierserve.settings.config import load_settings  # noqa: E402
 
 V1_OPERATIONS = [
     "GET /v1/models",

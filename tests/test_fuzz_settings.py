@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tierserve.core.config import LoadedSettings, Settings, load_settings
+from tierserve.settings.config import LoadedSettings, Settings, load_settings
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import load_plugins
 from tierserve.core.tier_settings import TIER_KEYS

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from bench.quality import closeness, teacher_forced_logits
 from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
 from tests.gguf_helpers import write_gguf
-from tierserve.core.checkpoints import load_config, load_tokenizer
+from tierserve.models.checkpoints import load_config, load_tokenizer
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.backends import cpu_gemm
@@ -175,7 +175,7 @@ def test_q8_0_weights_stay_int8(files):
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2's embeddings are tied
 def test_memory_estimate_counts_q8_0_as_it_is_held(files, architecture):
     """The registry's pre-load estimate (its memory budget check) is the bytes the int8 matrices take."""
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
     from tierserve.server.model_memory import estimate_memory
 
     _, gguf = files[architecture]
@@ -213,7 +213,7 @@ def test_fingerprint_reads_every_tensor(files, tmp_path):
     """Two files of one size that differ in one tensor past the first MiB never share KV."""
     import gguf as gguf_package
 
-    from tierserve.core.gguf import gguf_fingerprint
+    from tierserve.models.gguf import gguf_fingerprint
 
     _, gguf = files["llama"]
     data = bytearray(gguf["f32"].read_bytes())

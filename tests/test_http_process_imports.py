@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 # A fresh interpreter each: this test process has long since imported torch.
 APP_WITH_ENGINE_PROCESS = """
 import sys
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 from tierserve.core.plugins import load_plugins
 from tierserve.server.app import create_app
 

@@ -1,4 +1,5 @@
-"""No import cycles between the top-level folders (tierserve.core, .cache, .plugins, .server, .fleet, .cli).
+"""No import cycles between the top-level folders (tierserve.cache, .core, .models, .settings, .engine, .plugins,
+.server, .fleet, .cli).
 
 Read over the AST of every module, function-local imports included. Imports under ``if TYPE_CHECKING:``
 only name types for annotations and never run, so they do not count.
@@ -14,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("core", "cache", "plugins", "server", "fleet", "cli", "configs")
+FOLDERS = ("core", "cache", "models", "settings", "engine", "plugins", "server", "fleet", "cli", "configs")
 
 
 def _type_checking_blocks(tree: ast.AST) -> set[int]:
@@ -82,9 +83,25 @@ def test_top_level_folders_import_one_way():
         pytest.fail("import cycle between top-level folders: " + " -> ".join(cycle) + "\n" + "\n".join(witnesses))
 
 
-def test_core_imports_no_server_fleet_cli_or_concrete_plugin():
+def test_core_holds_contracts_only():
+    """core (hookspecs, plugin manager, contracts) imports nothing above it: no engine, settings loading,
+    model loading, plugin, server, fleet or CLI."""
     edges = folder_imports()
-    assert not {"server", "fleet", "cli", "plugins"} & set(edges["core"]), edges["core"]
+    assert set(edges["core"]) <= {"cache"}, edges["core"]
+
+
+def test_the_layers_the_readme_describes():
+    """Each folder imports only folders below it in the README's order (skipping ahead is allowed)."""
+    order = ["cache", "core", "models", "settings", "engine", "plugins", "server", "fleet", "cli"]
+    edges = folder_imports()
+    upward = {
+        f"{folder} -> {target}": where[:3]
+        for folder, targets in edges.items()
+        if folder in order
+        for target, where in targets.items()
+        if target in order and order.index(target) > order.index(folder)
+    }
+    assert not upward, upward
 
 
 def test_the_check_sees_a_cycle():

@@ -9,8 +9,8 @@ import logging
 import pytest
 import structlog
 
-from tierserve.core.config import load_settings
-from tierserve.core.logs import configure_logging, request_context
+from tierserve.settings.config import load_settings
+from tierserve.settings.logs import configure_logging, request_context
 
 pytestmark = pytest.mark.unit
 

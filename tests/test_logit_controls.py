@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
-from tierserve.core.engine import RequestError
+from tierserve.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

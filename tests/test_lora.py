@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.lora_helpers import ALL_MODULES, make_adapter
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, make_engine
 from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from tests.effects_registry import models_toml
 from tests.engine_helpers import build_checkpoint, hf_greedy
 from tests.server_helpers import running_server
 from tests.waiting import wait_until
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 from tierserve.core.errors import ConfigError
 
 pytestmark = pytest.mark.integration

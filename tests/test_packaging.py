@@ -29,6 +29,9 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
     for required in (
         "tierserve/core/hookspecs.py",
         "tierserve/core/plugins.py",
+        "tierserve/engine/core.py",
+        "tierserve/settings/config.py",
+        "tierserve/models/gguf.py",
         "tierserve/cache/eviction.py",
         "tierserve/plugins/eviction/adaptive.py",
         "tierserve/configs/production.toml",
@@ -44,7 +47,7 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
     assert "tierserve/plugins/backends/cpu_gemm.c" not in names  # nothing to compile at run time
     packages = {  # every package folder of the checkout, as the wheel must name it
         "tierserve/" + str(init.parent.relative_to(REPO_ROOT))
-        for folder in ("core", "cache", "plugins", "server", "configs", "fleet")
+        for folder in ("core", "cache", "models", "settings", "engine", "plugins", "server", "configs", "fleet", "cli")
         for init in (REPO_ROOT / folder).rglob("__init__.py")
     }
     assert {p + "/__init__.py" for p in packages} <= names, sorted({p + "/__init__.py" for p in packages} - names)
@@ -59,7 +62,7 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c",
          "import tierserve.core, tierserve.plugins.eviction.lru as m; print(m.__file__);"
-         "from tierserve.core.config import load_settings;"
+         "from tierserve.settings.config import load_settings;"
          "print(load_settings('production').settings.kv_cache.eviction_policy);"
          "from tierserve.server.dashboard_routes import asset; assert b'dashboard.js' in asset('index.html');"
          "from tierserve.plugins.backends import cpu_gemm; lib = cpu_gemm.library(); print(lib and lib.path)"],

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tierserve.cli.main import main
-from tierserve.core.config import Settings, load_settings
+from tierserve.settings.config import Settings, load_settings
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import load_plugins
 from tierserve.plugins.backends.native import NativeBackend, NativeSettings

@@ -238,7 +238,7 @@ def test_offload_moves_idle_l1_prefixes_to_l2_and_they_still_hit(tmp_path):
 def test_prometheus_metrics_follow_the_store(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from tierserve.core.metrics import EngineCollector
+    from tierserve.engine.metrics import EngineCollector
 
     path = build_checkpoint(tmp_path, "p", "llama")
     engine = make_engine(path, **cache_settings(tmp_path))

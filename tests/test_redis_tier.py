@@ -19,10 +19,10 @@ from tests.test_cache_tiers import FINGERPRINT, make_tier
 from tests.waiting import wait_until
 from tierserve.cache.hashing import block_hash, root_hash
 from tierserve.cache.tier import CacheEntry
-from tierserve.core.config import load_settings
-from tierserve.core.logs import configure_logging
+from tierserve.settings.config import load_settings
+from tierserve.settings.logs import configure_logging
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.core.secrets import settings_secrets
+from tierserve.settings.secrets import settings_secrets
 
 pytestmark = pytest.mark.redis
 

@@ -125,7 +125,7 @@ def test_stored_conversations_survive_a_restart_with_their_kv_in_l3(tmp_path):
     import openai as client_library
 
     from tests.server_helpers import running_server
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
 
     checkpoint = build_checkpoint(tmp_path, "llama", "llama", max_position_embeddings=2048)
     overrides = {
@@ -155,7 +155,7 @@ def test_a_stored_response_is_its_tenants_only(tmp_path):
     import openai as client_library
 
     from tests.server_helpers import running_server
-    from tierserve.core.config import load_settings
+    from tierserve.settings.config import load_settings
 
     checkpoint = build_checkpoint(tmp_path, "llama", "llama")
     overrides = {

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.kv_manager import KVCacheManager
 from tierserve.core.batch import RunnerOutput, SchedulerOutput
-from tierserve.core.config import SchedulerSettings
+from tierserve.settings.config import SchedulerSettings
 from tierserve.core.plugins import load_plugins
 from tierserve.core.sampler import SampledToken
 from tierserve.core.sampling_params import SamplingParams

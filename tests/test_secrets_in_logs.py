@@ -18,9 +18,9 @@ from litestar import Request, get
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
 from tierserve.core import hookimpl
-from tierserve.core.config import load_settings
-from tierserve.core.logs import configure_logging
-from tierserve.core.secrets import auth_secrets
+from tierserve.settings.config import load_settings
+from tierserve.settings.logs import configure_logging
+from tierserve.settings.secrets import auth_secrets
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 from tests.engine_helpers import PROMPTS, build_checkpoint, hf_greedy, make_engine
 from tests.server_helpers import running_server
 from tests.waiting import wait_until
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 
 pytestmark = pytest.mark.integration
 

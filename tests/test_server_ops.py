@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.engine_helpers import PROMPTS, build_checkpoint, make_engine
 from tests.server_helpers import running_server
 from tests.waiting import wait_until
-from tierserve.core.config import LoggingSettings, load_settings
-from tierserve.core.logs import configure_logging
+from tierserve.settings.config import LoggingSettings, load_settings
+from tierserve.settings.logs import configure_logging
 from tierserve.core.plugins import load_plugins
 from tierserve.server import metrics_routes
 from tierserve.server.app import create_app

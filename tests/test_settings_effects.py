@@ -24,7 +24,7 @@ from tests.effects_redis import PROBES as REDIS_PROBES
 from tests.effects_registry import PROBES as REGISTRY_PROBES
 from tests.effects_server import PROBES as SERVER_PROBES
 from tests.engine_helpers import build_checkpoint
-from tierserve.core.config import ModelSettings, Settings, TierSettings
+from tierserve.settings.config import ModelSettings, Settings, TierSettings
 from tierserve.core.sections import ModelEntry
 from tierserve.core.plugins import TIER_KIND, load_plugins
 from tierserve.core.tier_settings import FLAT_TIER_KEYS

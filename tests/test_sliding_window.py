@@ -67,7 +67,7 @@ def test_window_off_by_default_and_budget_still_enforced(tmp_path):
     engine = make_engine(path, kv_cache__block_size=4, kv_cache__l1_capacity=24)
     import pytest
 
-    from tierserve.core.engine import RequestError
+    from tierserve.engine import RequestError
 
     with pytest.raises(RequestError, match="KV cache capacity"):
         engine.submit(engine.encode_prompt("hi"), SamplingParams(max_tokens=200))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tierserve.core.config import Settings, load_settings, parse_override
-from tierserve.core.engine import EngineClient
+from tierserve.settings.config import Settings, load_settings, parse_override
+from tierserve.engine import EngineClient
 from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.tiers.disk import DiskTierSettings

@@ -118,7 +118,7 @@ def test_a_control_token_in_tools_is_refused_where_the_template_renders_them(tmp
     (where tierserve writes the tools into the system message, they are masked as any message text)."""
     from transformers import AutoTokenizer
 
-    from tierserve.core.chat_prompt import encode_chat
+    from tierserve.engine.chat_prompt import encode_chat
     from tierserve.core.errors import RequestError
 
     tokenizer = AutoTokenizer.from_pretrained(build_checkpoint(tmp_path, "llama", "llama"))

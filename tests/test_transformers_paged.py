@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
-from tierserve.core.backend_choice import UnsupportedModel
+from tierserve.models.backend_choice import UnsupportedModel
 from tierserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine_helpers import build_checkpoint, make_engine
 from tests.server_helpers import running_server
-from tierserve.core.config import load_settings
+from tierserve.settings.config import load_settings
 from tierserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tierserve.core.config import load_settings
-from tierserve.core.engine import EngineClient
+from tierserve.settings.config import load_settings
+from tierserve.engine import EngineClient
 from tierserve.core.hookspecs import hookimpl
 from tierserve.core.plugins import load_plugins
 from tierserve.core.speculation import Proposal, Speculator

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from tierserve.core.errors import ConfigError
-from tierserve.core.gguf import FLOAT_TYPES, check_gguf, open_reader
+from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
 from tierserve.plugins.backends.linear import GROUP_SIZE, GroupedInt8, quantize_groups
 
 log = structlog.get_logger(__name__)

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
-from tierserve.core.backend import ModelBackend, checkpoint_fingerprint, kernel_variant
-from tierserve.core.backend_choice import UnsupportedModel
+from tierserve.core.backend import ModelBackend, kernel_variant
+from tierserve.models.fingerprint import checkpoint_fingerprint
+from tierserve.models.backend_choice import UnsupportedModel
 from tierserve.core.batch import ScheduledChunk
-from tierserve.core.config import Settings
+from tierserve.settings.config import Settings
 from tierserve.core.hookspecs import hookimpl
 
 # torch, transformers and the model load when a backend is built, so listing
@@ -75,8 +76,8 @@ class NativeBackend(ModelBackend):
 
     def __init__(self, settings: Settings) -> None:
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, eos_token_ids, load_config, load_tokenizer
-        from tierserve.core.devices import resolve_placement
+        from tierserve.models.checkpoints import context_length, eos_token_ids, load_config, load_tokenizer
+        from tierserve.models.devices import resolve_placement
         from tierserve.plugins.backends.llama import PagedLlama
 
         model = settings.model
@@ -118,7 +119,7 @@ class NativeBackend(ModelBackend):
         self.lora = self.model.enable_lora(model.max_loras, model.max_lora_rank) if model.max_loras else None
 
     def _weights(self, quantization: str) -> dict[str, object]:
-        from tierserve.core.gguf import is_gguf
+        from tierserve.models.gguf import is_gguf
 
         if not is_gguf(self.path):
             return load_safetensors(self.path)

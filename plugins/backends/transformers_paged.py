@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierserve.cache.kv_manager import KVSpec
-from tierserve.core.backend import ModelBackend, checkpoint_fingerprint, kernel_variant
-from tierserve.core.backend_choice import UnsupportedModel
+from tierserve.core.backend import ModelBackend, kernel_variant
+from tierserve.models.fingerprint import checkpoint_fingerprint
+from tierserve.models.backend_choice import UnsupportedModel
 from tierserve.core.batch import ScheduledChunk
-from tierserve.core.config import Settings
+from tierserve.settings.config import Settings
 from tierserve.core.errors import ConfigError
 from tierserve.core.hookspecs import hookimpl
 
@@ -155,8 +156,8 @@ class PagedTransformersBackend(ModelBackend):
 
     def __init__(self, settings: Settings) -> None:
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import context_length, eos_token_ids, load_causal_lm, load_config, load_tokenizer
-        from tierserve.core.devices import resolve_placement
+        from tierserve.models.checkpoints import context_length, eos_token_ids, load_causal_lm, load_config, load_tokenizer
+        from tierserve.models.devices import resolve_placement
         from tierserve.plugins.backends.linear import LinearFactory, swap_linear_layers
         from tierserve.plugins.backends.paged_attention import KVArena, window_layout
 

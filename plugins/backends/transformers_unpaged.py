@@ -14,9 +14,10 @@ import inspect
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from tierserve.core.backend import ModelBackend, checkpoint_fingerprint
+from tierserve.core.backend import ModelBackend
+from tierserve.models.fingerprint import checkpoint_fingerprint
 from tierserve.core.batch import ScheduledChunk
-from tierserve.core.config import Settings
+from tierserve.settings.config import Settings
 from tierserve.core.errors import ConfigError
 from tierserve.core.hookspecs import hookimpl
 from tierserve.core.sequence import Sequence
@@ -32,14 +33,14 @@ class TransformersBackend(ModelBackend):
 
     def __init__(self, settings: Settings) -> None:
         from tierserve.core.attention import attention_kernel
-        from tierserve.core.checkpoints import (
+        from tierserve.models.checkpoints import (
             context_length,
             eos_token_ids,
             load_causal_lm,
             load_tokenizer,
             resolve_model_path,
         )
-        from tierserve.core.devices import resolve_device, resolve_dtype
+        from tierserve.models.devices import resolve_device, resolve_dtype
 
         model = settings.model
         # this backend keeps transformers' own weights and per-sequence caches

@@ -15,9 +15,9 @@ from typing import Any
 
 import structlog
 
-from tierserve.core.engine.core import EngineCore
-from tierserve.core.engine.loop import CoreLoop
-from tierserve.core.engine.messages import Abort, CallResult, PendingCalls, StepOutputs
+from tierserve.engine.core import EngineCore
+from tierserve.engine.loop import CoreLoop
+from tierserve.engine.messages import Abort, CallResult, PendingCalls, StepOutputs
 
 log = structlog.get_logger(__name__)
 

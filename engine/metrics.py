@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tierserve.core.engine.stats import EngineSnapshot
+    from tierserve.engine.stats import EngineSnapshot
 
 TIER_COUNTERS = {
     "hits": "Cache lookups that found the block",

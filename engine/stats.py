@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierserve.core.engine.profiling import PhaseTimings
+from tierserve.engine.profiling import PhaseTimings
 from tierserve.core.speculation import SpeculationStats
 
 

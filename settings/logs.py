@@ -16,8 +16,8 @@ from typing import TextIO
 
 import structlog
 
-from tierserve.core.config import LoggingSettings
-from tierserve.core.secrets import SecretScrubber
+from tierserve.settings.config import LoggingSettings
+from tierserve.settings.secrets import SecretScrubber
 
 
 def configure_logging(

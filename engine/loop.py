@@ -16,9 +16,9 @@ from typing import Any
 
 import structlog
 
-from tierserve.core.engine.core import EngineCore
-from tierserve.core.engine.messages import Abort, Call, CallResult, StepOutputs
-from tierserve.core.engine.requests import EngineRequest
+from tierserve.engine.core import EngineCore
+from tierserve.engine.messages import Abort, Call, CallResult, StepOutputs
+from tierserve.engine.requests import EngineRequest
 from tierserve.core.outputs import CoreOutput
 from tierserve.core.sequence import FinishReason
 

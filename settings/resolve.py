@@ -11,9 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from tierserve.core.backend_choice import AUTO
+from tierserve.models.backend_choice import AUTO
 from tierserve.core.errors import ConfigError, UnknownComponentError
-from tierserve.core.merge import Merged
+from tierserve.settings.merge import Merged
 from tierserve.core.plugins import PluginManager
 from tierserve.core.registry import Component
 from tierserve.core.sections import Settings

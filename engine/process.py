@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from tierserve.core.engine.messages import (
+from tierserve.engine.messages import (
     Abort,
     CallResult,
     LoadFailed,
@@ -36,8 +36,8 @@ from tierserve.core.engine.messages import (
 from tierserve.core.errors import ConfigError, TierserveError
 
 if TYPE_CHECKING:
-    from tierserve.core.config import Settings
-    from tierserve.core.engine.client import EngineClient
+    from tierserve.settings.config import Settings
+    from tierserve.engine.client import EngineClient
     from tierserve.core.plugins import PluginManager
 
 log = structlog.get_logger(__name__)
@@ -53,11 +53,11 @@ class EngineProcessError(RuntimeError):
 
 def core_process_main(conn: Connection, settings: Settings, allowlist: list[str] | None) -> None:
     """The child's entry point: build the core, say so, then serve messages until ``Shutdown``."""
-    from tierserve.core.engine.builder import build_core, model_info
-    from tierserve.core.engine.loop import CoreLoop
-    from tierserve.core.logs import configure_logging
+    from tierserve.engine.builder import build_core, model_info
+    from tierserve.engine.loop import CoreLoop
+    from tierserve.settings.logs import configure_logging
     from tierserve.core.plugins import load_plugins
-    from tierserve.core.secrets import settings_secrets
+    from tierserve.settings.secrets import settings_secrets
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
     configure_logging(settings.logging, secrets=settings_secrets(settings))
@@ -198,8 +198,8 @@ class ProcessDriver:
 
 def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClient:
     """Start a core process for ``settings`` and return a client attached to it (after the model loaded)."""
-    from tierserve.core.checkpoints import load_tokenizer, resolve_model_path
-    from tierserve.core.engine.client import EngineClient
+    from tierserve.models.checkpoints import load_tokenizer, resolve_model_path
+    from tierserve.engine.client import EngineClient
 
     if plugins is not None and not plugins.reproducible:
         raise ConfigError(

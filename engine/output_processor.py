@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from tierserve.core.detokenizer import IncrementalDetokenizer
-from tierserve.core.engine.profiling import PhaseClock
+from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.profiling import PhaseClock
 from tierserve.core.outputs import CoreOutput, RequestCacheInfo, RequestOutput, RequestTimings, TokenLogprob
 from tierserve.core.sampling_params import SamplingParams
 

@@ -18,11 +18,11 @@ The server and the CLI import ``EngineClient`` (and the request/output types) on
 
 from __future__ import annotations
 
-from tierserve.core.engine.client import EngineClient
-from tierserve.core.engine.messages import ModelInfo
-from tierserve.core.engine.output_processor import RequestStream
-from tierserve.core.engine.requests import RequestError, read_warm_prompts
-from tierserve.core.engine.stats import EngineSnapshot
+from tierserve.engine.client import EngineClient
+from tierserve.engine.messages import ModelInfo
+from tierserve.engine.output_processor import RequestStream
+from tierserve.engine.requests import RequestError, read_warm_prompts
+from tierserve.engine.stats import EngineSnapshot
 from tierserve.core.outputs import CompletedRequest, RequestOutput, RequestTimings, TokenLogprob
 
 __all__ = [

@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator, Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
 from tierserve.cache.warm_writes import WarmedPrompts
-from tierserve.core.chat_prompt import encode_chat
-from tierserve.core.detokenizer import IncrementalDetokenizer
-from tierserve.core.engine.messages import Abort, ModelInfo, StepOutputs
-from tierserve.core.engine.output_processor import OutputProcessor, RequestState, RequestStream
-from tierserve.core.engine.profiling import CLIENT_PHASES, PhaseClock, with_client_phases
-from tierserve.core.engine.requests import (
+from tierserve.engine.chat_prompt import encode_chat
+from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.messages import Abort, ModelInfo, StepOutputs
+from tierserve.engine.output_processor import OutputProcessor, RequestState, RequestStream
+from tierserve.engine.profiling import CLIENT_PHASES, PhaseClock, with_client_phases
+from tierserve.engine.requests import (
     EngineRequest,
     RequestError,
     batch_by_tokens,
@@ -35,7 +35,7 @@ from tierserve.core.engine.requests import (
     check_request,
     window_mode,
 )
-from tierserve.core.engine.stats import EngineSnapshot, empty_snapshot
+from tierserve.engine.stats import EngineSnapshot, empty_snapshot
 from tierserve.core.errors import RequestTimeoutError
 from tierserve.core.grammar import GrammarSpec
 from tierserve.core.outputs import CompletedRequest, RequestOutput, TokenLogprob
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from tierserve.cache.frequency import PrefixUse
     from tierserve.cache.named_prefixes import NamedPrefix
     from tierserve.cache.warming import WarmReport
-    from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
-    from tierserve.core.config import Settings
+    from tierserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from tierserve.settings.config import Settings
     from tierserve.core.plugins import PluginManager
 
 
@@ -84,7 +84,7 @@ class EngineClient:
     ) -> EngineClient:
         """Build the core (in this process, or in a child process when ``process`` or
         ``settings.server.engine_process`` says so) and a client attached to it; warm the preset prompts."""
-        from tierserve.core.engine.connect import connect
+        from tierserve.engine.connect import connect
 
         return connect(settings, plugins, process=settings.server.engine_process if process is None else process)
 
@@ -523,7 +523,7 @@ class EngineClient:
                 whole KV cache can hold for ``beam_width`` beams.
             QueueFullError: too few KV blocks are free now; retry later.
         """
-        from tierserve.core.beam_search import beam_search_blocks
+        from tierserve.engine.beam_search import beam_search_blocks
 
         info = self.info
         ids = self.encode_prompt(prompt)

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierserve.core.engine.stats import EngineSnapshot
+from tierserve.engine.stats import EngineSnapshot
 from tierserve.core.outputs import CoreOutput
 
 

@@ -16,8 +16,8 @@ from tierserve.core.errors import RequestError
 from tierserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tierserve.core.config import SlidingWindowSettings
-    from tierserve.core.engine.messages import ModelInfo
+    from tierserve.settings.config import SlidingWindowSettings
+    from tierserve.engine.messages import ModelInfo
 
 __all__ = [
     "EngineRequest",

@@ -28,8 +28,8 @@ class UnsupportedModel(TierserveError, ValueError):
 def checkpoint_model_type(path: str, gguf_file: str | None = None) -> str:
     """``model_type`` from the checkpoint's ``config.json`` (``model.path``, builtin names included),
     or from a GGUF file's metadata (through transformers, which maps its architecture names)."""
-    from tierserve.core.checkpoints import load_config, resolve_model_path
-    from tierserve.core.gguf import is_gguf
+    from tierserve.models.checkpoints import load_config, resolve_model_path
+    from tierserve.models.gguf import is_gguf
 
     resolved = resolve_model_path(path, gguf_file)
     if is_gguf(resolved):

@@ -253,7 +253,7 @@ def gguf_fingerprint(path: Path, *extra: str) -> str:
     """A stable id for a GGUF file's weights plus ``extra``: its quantization types by name, its size,
     its first and last MiB (header, metadata, first and last tensors), and every tensor's name, type, shape,
     offset and first 4 KiB (in a real file the first MiB is all vocabulary, so each tensor is sampled too)."""
-    from tierserve.core.backend import hash_file_ends
+    from tierserve.models.fingerprint import hash_file_ends
 
     info = check_gguf(path)
     digest = hashlib.sha256(f"gguf:{info.architecture}:{info.file_type}:{info.quantization}".encode())

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from tierserve.core.builtin_tokenizer import (  # noqa: F401  (re-exported: the tokenizer's names are part of this module's API)
+from tierserve.models.builtin_tokenizer import (  # noqa: F401  (re-exported: the tokenizer's names are part of this module's API)
     BOS_TOKEN,
     EOS_TOKEN,
     IM_START_TOKEN,
@@ -479,7 +479,17 @@ def ensure_builtin_checkpoint(name: str, cache_dir: str | os.PathLike[str] | Non
 
 def _write_in_child(name: str, cache_dir: Path) -> None:
     """Write builtin ``name`` from a fresh interpreter, so this process does not import torch."""
-    code = "import sys; from tierserve.core.builtin_models import ensure_builtin_checkpoint as e; e(sys.argv[1], sys.argv[2])"
-    done = subprocess.run([sys.executable, "-c", code, name, str(cache_dir)], capture_output=True, text=True)
+    # the child imports torch first, so it writes the weights itself instead of starting a child of its own
+    code = (
+        "import sys, torch; from tierserve.models.builtin_models import ensure_builtin_checkpoint as e; "
+        "e(sys.argv[1], sys.argv[2])"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, name, str(cache_dir)], capture_output=True, text=True, timeout=600
+        )
+    except subprocess.TimeoutExpired:
+        log.warning("builtin_write_in_child_failed", model=name, error="no checkpoint after 600 s")
+        return
     if done.returncode != 0:
         log.warning("builtin_write_in_child_failed", model=name, error=done.stderr.strip()[-2000:])

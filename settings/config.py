@@ -21,17 +21,17 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from tierserve.core.errors import ConfigError
-from tierserve.core.layers import Layer, parse_override, preset_names, preset_path, read_layers, read_toml
-from tierserve.core.merge import Merged, merge_layers
+from tierserve.settings.layers import Layer, parse_override, preset_names, preset_path, read_layers, read_toml
+from tierserve.settings.merge import Merged, merge_layers
 from tierserve.core.plugins import ALLOWLIST_ENV, TIER_KIND, PluginManager, load_plugins, parse_allowlist
-from tierserve.core.resolve import (
+from tierserve.settings.resolve import (
     check_components,
     check_model_keys,
     fold_shorthands,
     resolve_plugin_tables,
     resolve_tiers,
 )
-from tierserve.core.secrets import redact_auth
+from tierserve.settings.secrets import redact_auth
 from tierserve.core.sections import (
     AuthSettings,
     KVCacheSettings,

@@ -34,7 +34,7 @@ def resolve_placement(model_path: str, device: str, dtype: str, kv_dtype: str, g
 
     ``kv_dtype`` ``"auto"`` is the weights' dtype (``kv_cache.dtype``); ``gguf_file`` is ``model.gguf_file``.
     """
-    from tierserve.core.checkpoints import resolve_model_path
+    from tierserve.models.checkpoints import resolve_model_path
 
     where = resolve_device(device)
     weights = resolve_dtype(dtype, where)

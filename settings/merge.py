@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tierserve.core.errors import ConfigError
-from tierserve.core.layers import Layer
+from tierserve.settings.layers import Layer
 from tierserve.core.sections import Settings
 from tierserve.core.tables import model_keys, suggest, unknown_key
 from tierserve.core.tier_settings import FLAT_TIER_KEYS, SHORTHANDS

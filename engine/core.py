@@ -21,10 +21,10 @@ import structlog
 import torch
 
 from tierserve.cache.warm_writes import WarmWrites
-from tierserve.core.engine.profiling import PhaseClock, core_timings
-from tierserve.core.engine.requests import EngineRequest, RequestError
-from tierserve.core.engine.runner import ModelRunner
-from tierserve.core.engine.stats import EngineCounters, EngineSnapshot, SpeculationSnapshot, WindowSnapshot
+from tierserve.engine.profiling import PhaseClock, core_timings
+from tierserve.engine.requests import EngineRequest, RequestError
+from tierserve.engine.runner import ModelRunner
+from tierserve.engine.stats import EngineCounters, EngineSnapshot, SpeculationSnapshot, WindowSnapshot
 from tierserve.core.outputs import CoreOutput
 from tierserve.core.scheduler import QueueFullError, Scheduler
 from tierserve.core.sequence import FinishReason, Sequence
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from tierserve.cache.store import TieredStore
     from tierserve.cache.warming import WarmReport
     from tierserve.core.batch import SchedulerOutput
-    from tierserve.core.beam_search import BeamSearchOutput, BeamSearchParams
-    from tierserve.core.config import Settings
+    from tierserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from tierserve.settings.config import Settings
     from tierserve.core.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -333,7 +333,7 @@ class EngineCore:
 
     def beam_search(self, prompt_ids: list[int], params: BeamSearchParams) -> BeamSearchOutput:
         """A whole beam search, run now on the step thread (running generations wait meanwhile)."""
-        from tierserve.core.beam_search import run_beam_search
+        from tierserve.engine.beam_search import run_beam_search
 
         return run_beam_search(
             self.backend,

@@ -14,13 +14,13 @@ from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
 from tierserve.cache.named_prefixes import NamedPrefixes
 from tierserve.cache.store import StoreTier, TieredStore
-from tierserve.core.engine.core import EngineCore
-from tierserve.core.engine.messages import ModelInfo
-from tierserve.core.engine.profiling import CORE_PHASES, PhaseClock
+from tierserve.engine.core import EngineCore
+from tierserve.engine.messages import ModelInfo
+from tierserve.engine.profiling import CORE_PHASES, PhaseClock
 from tierserve.core.backend import ModelBackend
-from tierserve.core.backend_choice import AUTO, UnsupportedModel, backend_candidates
-from tierserve.core.engine.requests import RequestError
-from tierserve.core.engine.runner import ModelRunner
+from tierserve.models.backend_choice import AUTO, UnsupportedModel, backend_candidates
+from tierserve.engine.requests import RequestError
+from tierserve.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
 from tierserve.core.plugins import PluginManager, load_plugins
 from tierserve.core.scheduler import ModelLimits
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tierserve.cache.tier import CacheTier
     from tierserve.core.speculation import Speculator
     from tierserve.core.tier_settings import TierSettings
-    from tierserve.core.config import Settings
+    from tierserve.settings.config import Settings
 
 log = structlog.get_logger(__name__)
 

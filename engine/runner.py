@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.core.backend import ModelBackend
-    from tierserve.core.engine.profiling import PhaseClock
+    from tierserve.engine.profiling import PhaseClock
     from tierserve.core.grammar import GrammarRuntime
     from tierserve.core.sequence import Sequence
 

@@ -26,22 +26,22 @@ def resolve_model_path(path: str | os.PathLike[str], gguf_file: str | None = Non
     """Turn a ``model.path`` value into a checkpoint directory or a GGUF file.
 
     ``builtin:NAME`` is written on first use into the cache (see
-    ``tierserve.core.builtin_models.ensure_builtin_checkpoint``); a ``.gguf``
+    ``tierserve.models.builtin_models.ensure_builtin_checkpoint``); a ``.gguf``
     file (or a directory and ``gguf_file``, ``model.gguf_file``, naming one in
-    it) is returned as the file (``core.gguf.is_gguf`` tells); anything else is
+    it) is returned as the file (``models.gguf.is_gguf`` tells); anything else is
     a local directory (``~`` expanded) that must contain ``config.json``.
 
     Raises:
         ConfigError: unknown builtin name, missing directory or file, or a directory
             without ``config.json``; the message says what to do instead.
     """
-    from tierserve.core.gguf import find_gguf
+    from tierserve.models.gguf import find_gguf
 
     text = os.fspath(path)
     if gguf_file is not None and text.startswith(BUILTIN_PREFIX):
         raise ConfigError(f"model.gguf_file = {gguf_file!r} is set but model.path {text!r} is a builtin checkpoint")
     if text.startswith(BUILTIN_PREFIX):
-        from tierserve.core.builtin_models import ensure_builtin_checkpoint
+        from tierserve.models.builtin_models import ensure_builtin_checkpoint
 
         try:
             return ensure_builtin_checkpoint(text[len(BUILTIN_PREFIX) :])
@@ -66,10 +66,10 @@ def resolve_model_path(path: str | os.PathLike[str], gguf_file: str | None = Non
 
 def load_config(path: Path):
     """The checkpoint's transformers config: ``config.json``, or a GGUF file's metadata."""
-    from tierserve.core.gguf import is_gguf
+    from tierserve.models.gguf import is_gguf
 
     if is_gguf(path):
-        from tierserve.core.gguf import load_config as gguf_config
+        from tierserve.models.gguf import load_config as gguf_config
 
         return gguf_config(path)
     from transformers import AutoConfig
@@ -82,7 +82,7 @@ def load_causal_lm(path: Path, **kwargs: Any):
     dequantizes a GGUF file's quantized tensors to ``kwargs["dtype"]``; a log line says so)."""
     from transformers import AutoModelForCausalLM
 
-    from tierserve.core.gguf import FLOAT_TYPES, check_gguf, is_gguf
+    from tierserve.models.gguf import FLOAT_TYPES, check_gguf, is_gguf
 
     if not is_gguf(path):
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -101,10 +101,10 @@ def load_causal_lm(path: Path, **kwargs: Any):
 
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer, chat template included: its tokenizer files, or a GGUF file's metadata."""
-    from tierserve.core.gguf import is_gguf
+    from tierserve.models.gguf import is_gguf
 
     if is_gguf(path):
-        from tierserve.core.gguf import load_tokenizer as gguf_tokenizer
+        from tierserve.models.gguf import load_tokenizer as gguf_tokenizer
 
         return gguf_tokenizer(path)
     from transformers import AutoTokenizer
@@ -136,7 +136,7 @@ def load_generation_eos_ids(directory: str | os.PathLike[str]) -> set[int]:
     configs also ``text_config.eos_token_id``). Missing files count as empty.
     A GGUF file's are its eos, eot and eom tokens (llama.cpp's end-of-generation set).
     """
-    from tierserve.core.gguf import end_of_generation_ids, is_gguf
+    from tierserve.models.gguf import end_of_generation_ids, is_gguf
 
     directory = Path(directory)
     if is_gguf(directory):

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from tierserve.core.engine.requests import read_warm_prompts
+from tierserve.engine.requests import read_warm_prompts
 
 if TYPE_CHECKING:
-    from tierserve.core.config import Settings
-    from tierserve.core.engine.client import EngineClient
+    from tierserve.settings.config import Settings
+    from tierserve.engine.client import EngineClient
     from tierserve.core.plugins import PluginManager
 
 log = structlog.get_logger(__name__)
@@ -31,15 +31,15 @@ def warm_prompts(settings: Settings) -> list[str]:
 
 def connect(settings: Settings, plugins: PluginManager | None, *, process: bool) -> EngineClient:
     """A client attached to a new core: in this process (stepped by hand until ``start``), or in a child process."""
-    from tierserve.core.engine.client import EngineClient
+    from tierserve.engine.client import EngineClient
 
     if process:
-        from tierserve.core.engine.process import spawn_core
+        from tierserve.engine.process import spawn_core
 
         client = spawn_core(settings, plugins)
     else:
-        from tierserve.core.engine.builder import build_core, model_info
-        from tierserve.core.engine.drivers import InProcessDriver
+        from tierserve.engine.builder import build_core, model_info
+        from tierserve.engine.drivers import InProcessDriver
 
         core = build_core(settings, plugins)
         client = EngineClient(settings, model_info(core), core.backend.tokenizer)
