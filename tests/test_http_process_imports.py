@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,21 @@ def test_cli_listings_load_without_torch(command):
         "print('torch' in sys.modules)"
     )
     assert _torch_loaded(code) == "False"
+
+
+def test_a_torch_free_process_gets_a_builtin_checkpoint_from_one_child(tmp_path):
+    """The HTTP process asks for a builtin checkpoint without torch: one child writes it, and finishes."""
+    code = (
+        "import sys\n"
+        "from tierserve.models.builtin_models import ensure_builtin_checkpoint\n"
+        "path = ensure_builtin_checkpoint('tiny', sys.argv[1])\n"
+        "print('RESULT', path, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    [result] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    _, path, torch_loaded = result.split()
+    assert torch_loaded == "False"
+    assert (Path(path) / "config.json").is_file() and Path(path).is_relative_to(tmp_path), path
