@@ -1,4 +1,4 @@
-"""The ``tierserve`` command line: plugins, config show, serve, fleet, cache, models, top."""
+"""The ``tierserve`` command line: plugins, config show, serve, fleet, pull, cache, models, top."""
 
 from __future__ import annotations
 
@@ -114,6 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ("model", "path"): args.model,
     }
     loaded = _settings_from(args, flags)  # every source validated before the model loads
+    from tierserve.cli.pull import pull_named_models
+
+    pull_named_models(loaded.settings)  # a catalogue model is fetched here, before the server starts, with progress
     import uvicorn
 
     from tierserve.settings.logs import configure_logging
@@ -146,6 +149,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         ("fleet", "replicas"): args.replicas,
     }
     loaded = _settings_from(args, flags)  # validated here, before any replica loads them again
+    from tierserve.cli.pull import pull_named_models
+
+    pull_named_models(loaded.settings)  # once here, not once per replica
     try:
         from ray import serve
 
@@ -334,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_arguments(serve)
     serve.add_argument("--host", help="bind address (server.host)")
     serve.add_argument("--port", type=int, help="bind port (server.port)")
-    serve.add_argument("--model", help="checkpoint directory or builtin:NAME (model.path)")
+    serve.add_argument("--model", help="a checkpoint directory or .gguf file, builtin:NAME, a catalogue name (smollm2) or a Hugging Face id (model.path)")
     serve.set_defaults(handler=cmd_serve)
 
     fleet = commands.add_parser(
@@ -343,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_arguments(fleet)
     fleet.add_argument("--host", help="bind address of the ingress (server.host)")
     fleet.add_argument("--port", type=int, help="bind port of the ingress (server.port)")
-    fleet.add_argument("--model", help="checkpoint directory or builtin:NAME (model.path)")
+    fleet.add_argument("--model", help="a checkpoint directory or .gguf file, builtin:NAME, a catalogue name (smollm2) or a Hugging Face id (model.path)")
     fleet.add_argument("--replicas", type=int, help="engine replicas (fleet.replicas)")
     fleet.add_argument("--address", help="a running Ray cluster to join (default: start one here)")
     fleet.set_defaults(handler=cmd_fleet)
@@ -352,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tierserve.cli.models import add_model_commands
 
     add_model_commands(commands, _add_server_arguments, _call_server)
+    from tierserve.cli.pull import add_pull_commands
     from tierserve.cli.top import add_top_command
+
+    add_pull_commands(commands)
 
     add_top_command(commands, _add_server_arguments, _call_server)
     return parser

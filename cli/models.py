@@ -85,8 +85,16 @@ def add_model_commands(commands: Any, add_server_arguments: Callable[[argparse.A
         _print(call(args, "POST", "/v1/unload_lora_adapter", {"lora_name": args.lora_name}))
         return 0
 
-    models = commands.add_parser("models", help="list, load, unload and alias a running server's models")
-    sub = models.add_subparsers(dest="models_command", required=True)
+    from tierserve.cli.pull import cmd_local_models
+
+    models = commands.add_parser(
+        "models",
+        help="alone: the models cached on this machine (size, source) and the catalogue; with a command: list, "
+        "load, unload and alias a running server's models",
+    )
+    models.add_argument("--json", action="store_true", help="machine-readable output (the local listing)")
+    models.set_defaults(handler=cmd_local_models)
+    sub = models.add_subparsers(dest="models_command")
     listing = sub.add_parser("list", help="served names: versions, aliases, LoRA adapters (GET /v1/models)")
     add_server_arguments(listing)
     listing.add_argument("--json", action="store_true", help="machine-readable output")

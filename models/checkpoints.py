@@ -16,9 +16,10 @@ log = structlog.get_logger(__name__)
 BUILTIN_PREFIX = "builtin:"
 
 _HOW_TO_FIX = (
-    "tierserve never downloads model weights: point model.path at a local Hugging Face "
-    "checkpoint directory (with config.json, *.safetensors and tokenizer files), at a .gguf file "
-    "(or its directory, with model.gguf_file naming it), or use builtin:tiny"
+    "point model.path at a local Hugging Face checkpoint directory (with config.json, *.safetensors and "
+    "tokenizer files), at a .gguf file (or its directory, with model.gguf_file naming it), at a catalogue "
+    "model (smollm2; see `tierserve models`), at a Hugging Face id (org/name or org/name:file.gguf), "
+    "or use builtin:tiny"
 )
 
 
@@ -26,7 +27,9 @@ def resolve_model_path(path: str | os.PathLike[str], gguf_file: str | None = Non
     """Turn a ``model.path`` value into a checkpoint directory or a GGUF file.
 
     ``builtin:NAME`` is written on first use into the cache (see
-    ``tierserve.models.builtin_models.ensure_builtin_checkpoint``); a ``.gguf``
+    ``tierserve.models.builtin_models.ensure_builtin_checkpoint``); a catalogue name
+    (``smollm2``) or a Hugging Face id that is no local path is fetched on first use
+    (``tierserve.models.catalogue``); a ``.gguf``
     file (or a directory and ``gguf_file``, ``model.gguf_file``, naming one in
     it) is returned as the file (``models.gguf.is_gguf`` tells); anything else is
     a local directory (``~`` expanded) that must contain ``config.json``.
@@ -50,7 +53,11 @@ def resolve_model_path(path: str | os.PathLike[str], gguf_file: str | None = Non
 
     directory = Path(text).expanduser()
     if not directory.exists():
-        raise ConfigError(f"model.path {text!r}: {directory} does not exist; {_HOW_TO_FIX}")
+        from tierserve.models.catalogue import is_named_model, resolve_named_model
+
+        if not is_named_model(text):
+            raise ConfigError(f"model.path {text!r}: {directory} does not exist; {_HOW_TO_FIX}")
+        directory = resolve_named_model(text)  # fetched on first use, its sha256 checked
     gguf = find_gguf(directory, gguf_file, text)
     if gguf is not None:
         return gguf

@@ -1,12 +1,14 @@
 """GGUF model files (llama.cpp's format): find the file, check it whole, and read its metadata.
 
 A ``.gguf`` file carries everything a Hugging Face directory splits over
-config.json, tokenizer files and safetensors. Its metadata is read by the
-``gguf`` package (llama.cpp's own reader) and turned into a transformers
-config and tokenizer by transformers' GGUF support; nothing here parses the
-format by hand. ``check_gguf`` runs before any weight is loaded, so a
-truncated or corrupt file, an architecture transformers cannot read or a
-tensor type nothing can dequantize is refused up front, not half-loaded.
+config.json, tokenizer files and safetensors. It is parsed once by
+``models.gguf_reader`` (header and metadata, tensors memory-mapped) and turned
+into a transformers config and tokenizer by transformers' GGUF support, cached
+after the first conversion (``models.gguf_transformers``); llama.cpp's ``gguf``
+package supplies the type names and the dequantizers. ``check_gguf`` runs
+before any weight is loaded, so a truncated or corrupt file, an architecture
+transformers cannot read or a tensor type nothing can dequantize is refused up
+front, not half-loaded.
 """
 
 from __future__ import annotations
@@ -16,15 +18,12 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tierserve.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+from tierserve.models.gguf_reader import ARRAY, GGUFFile, GGUFFormatError
 
 SUFFIX = ".gguf"
-TEXT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")  # decoded by the check: corrupt text is refused
 FLOAT_TYPES = ("F32", "F16", "BF16")  # loaded as they are
 INSTALL_HINT = "GGUF model files need the gguf package: pip install 'tierserve[gguf]'"
 
@@ -99,15 +98,11 @@ def find_gguf(directory: Path, gguf_file: str | None, shown: str) -> Path | None
     return file.absolute()
 
 
-def open_reader(path: Path) -> GGUFReader:
-    """llama.cpp's reader over ``path`` (memory-mapped); a file it cannot parse is a ``ConfigError``."""
+def open_reader(path: Path) -> GGUFFile:
+    """The file parsed (header and metadata read once, tensors memory-mapped); unreadable is a ``ConfigError``."""
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ConfigError(f"model.path {str(path)!r}: {INSTALL_HINT}") from None
-    try:
-        return GGUFReader(path)
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError, OSError) as exc:
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError, OverflowError, MemoryError) as exc:
         raise ConfigError(
             f"model.path {str(path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
             "it may be truncated or corrupt: download or convert it again"
@@ -126,59 +121,44 @@ def check_gguf(path: Path) -> GGUFInfo:
 
 @functools.lru_cache(maxsize=8)
 def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+    try:
+        from gguf import GGMLQuantizationType, LlamaFileType
+    except ImportError:
+        raise ConfigError(f"model.path {str(path)!r}: {INSTALL_HINT}") from None
 
-    reader = open_reader(path)
+    reader = open_reader(path)  # every text field is decoded by the reader: corrupt metadata is refused here
     shown = str(path)
-    try:  # every text field decoded now, so corrupt metadata is refused here, not deep inside transformers
-        scalars = {
-            key: field.contents()
-            for key, field in reader.fields.items()
-            if field.types and field.types[0] != GGUFValueType.ARRAY
-        }
-        for key in TEXT_ARRAYS:
-            _field(reader, key)
-    except (UnicodeDecodeError, ValueError, IndexError, TypeError) as exc:
-        raise ConfigError(
-            f"model.path {shown!r}: the GGUF file's metadata is corrupt ({type(exc).__name__}: {exc}); "
-            "download or convert it again"
-        ) from None
-    architecture = scalars.get("general.architecture")
-    if not isinstance(architecture, str):
-        raise ConfigError(f"model.path {shown!r}: the GGUF file has no general.architecture; it is not a model file")
-    supported = supported_architectures()
-    if architecture not in supported:
-        raise ConfigError(
-            f"model.path {shown!r}: GGUF architecture {architecture!r} cannot be loaded; "
-            f"supported: {', '.join(sorted(supported))}"
-        )
-    loadable = loadable_types()
-    types: Counter[str] = Counter()
-    layout: list[TensorLayout] = []
-    for tensor in reader.tensors:
-        kind = GGMLQuantizationType(tensor.tensor_type)
-        if kind.name not in loadable:
+    try:
+        scalars = {key: field.value for key, field in reader.fields.items() if field.value_type != ARRAY}
+        architecture = scalars.get("general.architecture")
+        if not isinstance(architecture, str):
             raise ConfigError(
-                f"model.path {shown!r}: tensor {tensor.name!r} has GGML type {kind.name}, which cannot be "
-                f"loaded; supported: {', '.join(loadable)}"
+                f"model.path {shown!r}: the GGUF file has no general.architecture; it is not a model file"
             )
-        block, type_size = GGML_QUANT_SIZES[kind]
-        expected = int(tensor.n_elements) // block * type_size
-        end = int(tensor.data_offset) + expected
-        if end > size:
+        supported = supported_architectures()
+        if architecture not in supported:
             raise ConfigError(
-                f"model.path {shown!r}: tensor {tensor.name!r} ends at byte {end} but the file has {size} bytes; "
-                "the file is truncated or corrupt: download or convert it again"
+                f"model.path {shown!r}: GGUF architecture {architecture!r} cannot be loaded; "
+                f"supported: {', '.join(sorted(supported))}"
             )
-        if int(tensor.n_bytes) != expected or tensor.data.size * tensor.data.itemsize != expected:
-            raise ConfigError(
-                f"model.path {shown!r}: tensor {tensor.name!r} holds {int(tensor.n_bytes)} bytes where its shape and "
-                f"type {kind.name} need {expected}; the file is corrupt: download or convert it again"
-            )
-        types[kind.name] += 1
-        shape = tuple(int(d) for d in tensor.shape)
-        layout.append(TensorLayout(tensor.name, int(tensor.tensor_type), shape, int(tensor.data_offset), expected,
-                                   int(tensor.n_elements)))  # fmt: skip
+        loadable = loadable_types()
+        types: Counter[str] = Counter()
+        layout: list[TensorLayout] = []
+        for tensor in reader.tensors:  # the reader checked each lies inside the file and is whole blocks
+            try:
+                kind_name = GGMLQuantizationType(tensor.tensor_type).name
+            except ValueError:
+                kind_name = f"type-{tensor.tensor_type}"
+            if kind_name not in loadable:
+                raise ConfigError(
+                    f"model.path {shown!r}: tensor {tensor.name!r} has GGML type {kind_name}, which cannot be "
+                    f"loaded; supported: {', '.join(loadable)}"
+                )
+            types[kind_name] += 1
+            layout.append(TensorLayout(tensor.name, tensor.tensor_type, tensor.shape, tensor.offset, tensor.n_bytes,
+                                       tensor.n_elements))  # fmt: skip
+    finally:
+        reader.close()
     if not types:
         raise ConfigError(f"model.path {shown!r}: the GGUF file holds no tensors")
     file_type = scalars.get("general.file_type")
@@ -191,9 +171,11 @@ def _checked(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
 
 def supported_architectures() -> frozenset[str]:
     """``general.architecture`` values transformers builds a config from."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    # the mapping transformers' GGUF loader takes its supported list from, without the loader itself (which
+    # imports torch: the HTTP process checks files too)
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    return frozenset(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # metadata sections, not models
+    return frozenset(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"}  # metadata sections, not models
 
 
 def loadable_types() -> tuple[str, ...]:
@@ -209,18 +191,13 @@ def loadable_types() -> tuple[str, ...]:
     return tuple(names)
 
 
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def load_config(path: Path):
-    """The transformers config transformers builds from the file's metadata (``AutoConfig``, ``gguf_file=``)."""
-    from transformers import AutoConfig
+    """The transformers config transformers builds from the file's metadata (converted once, then cached)."""
+    from tierserve.models.gguf_transformers import converted_config
 
     info = check_gguf(path)
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        config = converted_config(path)
     except (ValueError, KeyError, TypeError, NotImplementedError, OSError) as exc:
         raise ConfigError(f"model.path {str(path)!r}: transformers cannot build a config from it: {exc}") from None
     # transformers maps head_dim from rope.dimension_count for llama only; qwen3's (128 by default) is wrong
@@ -231,13 +208,29 @@ def load_config(path: Path):
     return config
 
 
+def config_dict(path: Path) -> dict[str, Any]:
+    """The config's values as a dict: the cached conversion's config.json read as JSON (no transformers import,
+    which the HTTP process's memory estimate would otherwise pay before the engine starts), else ``load_config``."""
+    import json
+
+    from tierserve.models.gguf_transformers import cached_config_file
+
+    cached = cached_config_file(path)
+    if cached is not None:
+        try:
+            return json.loads(cached.read_text())
+        except (OSError, ValueError):
+            pass
+    return load_config(path).to_dict()
+
+
 def load_tokenizer(path: Path):
-    """The tokenizer (chat template included) transformers builds from the file's metadata."""
-    from transformers import AutoTokenizer
+    """The tokenizer (chat template included) transformers builds from the file's metadata (converted once, cached)."""
+    from tierserve.models.gguf_transformers import converted_tokenizer
 
     check_gguf(path)
     try:
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return converted_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises its own bare Exception on a corrupt vocabulary
         raise ConfigError(f"model.path {str(path)!r}: transformers cannot build its tokenizer: {exc}") from None
 

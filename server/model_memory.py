@@ -102,7 +102,8 @@ def _per_row_int8_bytes(settings: Settings, device: str) -> int:
 
 def estimate_memory(settings: Settings) -> MemoryEstimate:
     """Weights in the dtype they will run in (int8: one byte each) plus the L1 pool ``[kv_cache]`` sizes."""
-    from tierserve.models.checkpoints import load_config, resolve_model_path
+    from tierserve.models.checkpoints import resolve_model_path
+    from tierserve.models.gguf import config_dict as gguf_config_dict
     from tierserve.models.gguf import is_gguf
 
     model, kv = settings.model, settings.kv_cache
@@ -112,7 +113,7 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
     kv_itemsize = weight_itemsize if kv.dtype == "auto" else _itemsize(kv.dtype, device)
     gguf = is_gguf(Path(directory))
     elements, stored = _gguf_elements(directory) if gguf else _weight_elements(Path(directory))
-    config = load_config(directory).to_dict() if gguf else json.loads((Path(directory) / "config.json").read_text())
+    config = gguf_config_dict(directory) if gguf else json.loads((Path(directory) / "config.json").read_text())
     per_weight: float = weight_itemsize
     if model.quantization == "int8":
         # a GGUF file's weights stay group-wise int8: one byte each plus a float32 scale per 32 (1.125 bytes);

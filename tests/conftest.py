@@ -55,16 +55,26 @@ def require_service(name: str, reason: str) -> NoReturn:
 
 
 def real_model_file() -> Path:
-    """The SmolLM2-135M-Instruct GGUF the ``real_model`` tests load, named by ``$TIERSERVE_REAL_MODEL``.
+    """The SmolLM2-135M-Instruct GGUF the ``real_model`` tests load: ``$TIERSERVE_REAL_MODEL`` when set, else
+    the catalogue's ``smollm2`` where ``tierserve pull smollm2`` put it (the README's test command pulls it).
 
     A missing file is a missing service: skipped here, failed under CI.
     """
     named = os.environ.get("TIERSERVE_REAL_MODEL", "")
-    path = Path(named).expanduser()
-    if not named or not path.is_file():
-        where = f"{named} is not a file" if named else "TIERSERVE_REAL_MODEL is not set"
-        require_service("SmolLM2-135M-Instruct GGUF", f"{where}; set it to the file's path")
-    return path
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            require_service("SmolLM2-135M-Instruct GGUF", f"TIERSERVE_REAL_MODEL={named} is not a file")
+        return path
+    from tierserve.models.catalogue import cached_path, catalogue_entry
+
+    pulled = cached_path(catalogue_entry("smollm2"))
+    if not pulled.is_file():
+        require_service(
+            "SmolLM2-135M-Instruct GGUF",
+            f"TIERSERVE_REAL_MODEL is not set and {pulled} is not there: run `tierserve pull smollm2`",
+        )
+    return pulled
 
 
 @pytest.hookimpl(wrapper=True)

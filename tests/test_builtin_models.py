@@ -355,7 +355,7 @@ def test_resolve_rejects_a_missing_directory(tmp_path):
     with pytest.raises(ConfigError) as info:
         resolve_model_path(str(tmp_path / "nope"))
     message = str(info.value)
-    assert "does not exist" in message and "builtin:tiny" in message and "download" in message
+    assert "does not exist" in message and "builtin:tiny" in message and "smollm2" in message and "org/name" in message
 
 
 def test_resolve_rejects_a_directory_without_config(tmp_path):

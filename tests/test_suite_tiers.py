@@ -127,11 +127,13 @@ def test_a_module_without_a_tier_fails_collection_though_no_tier_would_select_it
 
 def test_a_missing_service_skips_here_with_the_reason_and_fails_under_ci(tmp_path):
     files = {**A_MISSING_SERVICE, **A_REAL_MODEL_TEST}
-    here = run_suite(tmp_path / "here", files, "-m", every_tier())
+    nothing_pulled = str(tmp_path / "empty-cache")
+    here = run_suite(tmp_path / "here", files, "-m", every_tier(), TIERSERVE_CACHE_DIR=nothing_pulled)
     assert here.returncode == 0, here.stdout
     assert "no frobnicator here: apt-get install frobnicator" in here.stdout
     assert "no SmolLM2-135M-Instruct GGUF here: TIERSERVE_REAL_MODEL is not set" in here.stdout
-    under_ci = run_suite(tmp_path / "ci", files, "-m", every_tier(), CI="true")
+    assert "run `tierserve pull smollm2`" in here.stdout
+    under_ci = run_suite(tmp_path / "ci", files, "-m", every_tier(), CI="true", TIERSERVE_CACHE_DIR=nothing_pulled)
     assert under_ci.returncode == 1
     assert ran(under_ci, "FAILED") == {"test_needs_a_service"} and ran(under_ci, "ERROR") == {"test_loads_the_model"}
     assert "no frobnicator here: apt-get install frobnicator" in under_ci.stdout

@@ -33,10 +33,13 @@ def hf_name_map(config, architecture: str):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    from tierserve.models.gguf_transformers import name_maps_built_once
+
     with torch.device("meta"):  # the parameter names only; nothing is allocated
         skeleton = AutoModelForCausalLM.from_config(config)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    return get_gguf_hf_weights_map(skeleton, processor), processor
+    with name_maps_built_once():
+        return get_gguf_hf_weights_map(skeleton, processor), processor
 
 
 def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -> dict[str, torch.Tensor | GroupedInt8]:
@@ -48,11 +51,12 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
     from gguf import GGMLQuantizationType, dequantize
 
     info = check_gguf(path)
-    reader = open_reader(path)
+    reader = open_reader(path)  # parsed once; tensor bytes memory-mapped
     names, processor = hf_name_map(config, info.architecture)
     state: dict[str, torch.Tensor | GroupedInt8] = {}
     converted: dict[str, str] = {}
     for tensor in reader.tensors:
+        data = reader.data(tensor)
         name = names.get(tensor.name)
         if name is None:  # e.g. llama.cpp's precomputed rope_freqs: the config rebuilds it
             log.info("gguf_tensor_skipped", tensor=tensor.name, path=str(path))
@@ -61,14 +65,14 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None  # GGUF lists dims innermost first
         order = processor.process(weights=np.arange(rows), name=tensor.name).weights if rows else None
         if kind == GGMLQuantizationType.Q8_0 and quantization == "int8" and rows:
-            state[name] = _q8_0(tensor.data, rows, order)
+            state[name] = _q8_0(data, rows, order)
             continue
         if kind.name == "BF16":
-            values = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
+            values = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         elif kind.name in ("F32", "F16"):
-            values = torch.from_numpy(np.array(tensor.data))
+            values = torch.from_numpy(np.array(data))
         else:
-            values = torch.from_numpy(dequantize(tensor.data, kind))  # the reader shaped it [rows, columns]
+            values = torch.from_numpy(dequantize(data, kind))  # the reader shaped it [rows, columns]
         if order is not None:
             values = values[torch.from_numpy(np.ascontiguousarray(order))]
         if kind.name in FLOAT_TYPES:
