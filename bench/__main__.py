@@ -8,8 +8,10 @@ into ``report.md`` and PNG plots):
     prefix       multi-turn chats on a shared long system prompt: cold / L1 / L2 / L3-after-restart
     cold-prefill TTFT of 512- and 2048-token prompts no cache holds, vs llama-server
     roofline     batch-1 decode tokens/s against the memory-bandwidth limit, per weight precision
-    quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL
+    quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL; for a GGUF file
+                 (--model smollm2), perplexity per precision next to llama.cpp's llama-perplexity
     cache-store  put/get speed of the memory and disk tiers, zstd levels
+    startup      serve to ready on a GGUF file (--model smollm2) vs llama-server, and where the time goes
     fleet        tierserve fleet on Ray: cache-aware vs default routing, prefill/decode disaggregation
     lora         one batch over 4 LoRA adapters vs the base model alone (output tokens/s)
     grammar      per-token mask cost of llguidance and xgrammar, 2k and 150k vocabularies
@@ -98,10 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--systems", type=_names(tuple(roofline.PRECISIONS)), default=list(roofline.PRECISIONS),
                     help=f"comma-separated, of {','.join(roofline.PRECISIONS)} (default: all)")  # fmt: skip
 
-    ql = commands.add_parser("quality", help="int8 and bfloat16 weights against float32 (greedy agreement, KL)")
+    ql = commands.add_parser("quality", help="int8 and bfloat16 weights against float32 (greedy agreement, KL); "
+                             "a GGUF file's perplexity next to llama.cpp's")
+    ql.add_argument("--model", default=argparse.SUPPRESS, help="as the global --model (e.g. smollm2)")
     ql.add_argument("--architectures", type=_names(("llama", "qwen2", "qwen3", "mistral")),
                     default=["llama", "qwen2", "qwen3", "mistral"],
                     help="tiny seeded checkpoints to measure besides --model (default: llama,qwen2,qwen3,mistral)")  # fmt: skip
+
+    su = commands.add_parser("startup", help="serve to ready on a GGUF file vs llama-server, and where the time goes")
+    su.add_argument("--model", default=argparse.SUPPRESS, help="as the global --model (e.g. smollm2)")
+    su.add_argument("--repeats", type=int, default=3)
+    su.add_argument("--threads", type=int, default=2, help="llama-server threads (default: 2)")
 
     cs = commands.add_parser("cache-store", help="memory and disk tier speed, compression per zstd level")
     cs.add_argument("--block-sizes", type=_ints, default=[16, 64], help="tokens per entry (default: 16,64)")
@@ -181,10 +190,16 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         from bench import responses
 
         payload = responses.run(ctx, args.turns, args.turn_len, args.output_len, args.repeats)
+    elif name == "startup":
+        from bench import startup
+
+        payload = startup.run(ctx, args.repeats, args.threads)
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:
         raise ValueError(name)
+    if "perplexity" in payload:  # quality on a GGUF file: its own results file, beside the precision closeness
+        name = "perplexity"
     path = ctx.save(name, payload)
     print(report.section(name, payload))
     print(f"\nsaved {path}")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from bench.servers import Server
 
@@ -29,9 +28,11 @@ class BenchContext:
     def create(cls, model: str, results_dir: Path) -> BenchContext:
         from tierserve.models.checkpoints import resolve_model_path
 
+        from tierserve.models.checkpoints import load_tokenizer
+
         checkpoint = Path(resolve_model_path(model))
         results_dir.mkdir(parents=True, exist_ok=True)
-        return cls(model, checkpoint, results_dir, AutoTokenizer.from_pretrained(checkpoint))
+        return cls(model, checkpoint, results_dir, load_tokenizer(checkpoint))  # a GGUF file's too
 
     def progress(self, total: int, description: str) -> tqdm:
         return tqdm(total=total, desc=description, unit="req", dynamic_ncols=True, file=sys.stderr)

@@ -1,5 +1,8 @@
 """Scenario ``quality``: how close reduced precisions stay to float32 on the same checkpoint.
 
+For a GGUF file (``--model smollm2``) it is perplexity instead, next to llama.cpp's on the same file
+(``bench/perplexity.py``).
+
 Each text's token ids are fed whole (teacher forcing) to the native backend's
 model at float32 and at each variant, and the logits at every position compared:
 
@@ -84,8 +87,16 @@ def measure(path: Path, token_ids: list[list[int]]) -> dict[str, Closeness]:
 
 
 def run(ctx, checkpoints: list[str]) -> dict:
-    """Figures for ``ctx``'s checkpoint and the test suite's tiny architectures (written here, seeded)."""
+    """Figures for ``ctx``'s checkpoint and the test suite's tiny architectures (written here, seeded); for a GGUF
+    file, its perplexity at each precision next to llama.cpp's (``bench.perplexity``)."""
     import tempfile
+
+    from tierserve.models.gguf import is_gguf
+
+    if is_gguf(ctx.checkpoint):
+        from bench import perplexity
+
+        return {"config": {"model": ctx.model, "file": ctx.checkpoint.name}, "perplexity": perplexity.run(ctx)}
 
     from tierserve.models.builtin_models import write_checkpoint
 

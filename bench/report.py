@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.stats import median, ratio
 
-SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store", "fleet")
+SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store", "fleet", "perplexity", "startup")
 
 
 def _ms(seconds: float | None) -> str:
@@ -218,6 +218,51 @@ def roofline_section(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def perplexity_section(payload: dict) -> str:
+    ppl = payload["perplexity"]
+    lines = [
+        f"Perplexity of {payload['config']['file']} over `bench/data/{ppl['text']}` ({ppl['tokens']} tokens, "
+        f"{ppl['chunks']} chunks of {ppl['n_ctx']}, the second half of each scored: {ppl['scored_tokens']} tokens), "
+        "computed as llama.cpp's `llama-perplexity` computes it; llama.cpp runs the file as stored and as its own "
+        "`llama-quantize --allow-requantize` converts it to the same precision class as tierserve's.",
+        "",
+        "| precision | tierserve PPL | llama.cpp PPL | tierserve / llama.cpp |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in ppl["rows"]:
+        ours, theirs = row["tierserve"], row["llama.cpp"]
+        shown = f"{ours['ppl']:.4f} ± {ours['stderr']:.3f}" if ours else "—"
+        ratio = f"{ours['ppl'] / theirs['ppl']:.4f}" if ours else "—"
+        lines.append(f"| {row['precision']} | {shown} | {theirs['ppl']:.4f} ± {theirs['stderr']:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def startup_section(payload: dict) -> str:
+    config, summary = payload["config"], payload["summary"]
+    lines = [
+        f"`serve` to ready on {config['file']}, median of {config['repeats']} alternating starts (tierserve with its "
+        f"caches warm; llama-server with {config['threads']} threads), then one greedy chat answer.",
+        "",
+        "| system | ready (s) | first answer (s) | answer |",
+        "|---|---:|---:|---|",
+    ]
+    for name, row in summary.items():
+        lines.append(f"| {name} | {row['ready_s']:.2f} | {row['first_answer_s']:.2f} | {row['answer']!r} |")
+    cold = payload["cold"]
+    lines += [
+        "",
+        f"tierserve's first start after its converted-metadata cache is cleared: ready in {cold['ready_s']:.2f} s.",
+        "",
+        "Where tierserve's time goes (each step in turn in a fresh interpreter; the HTTP process and the engine "
+        "process overlap some of them):",
+        "",
+        "| step | seconds |",
+        "|---|---:|",
+    ]
+    lines += [f"| {step} | {seconds:.2f} |" for step, seconds in payload["phases"].items()]
+    return "\n".join(lines)
+
+
 def quality_section(payload: dict) -> str:
     lines = [
         f"Teacher-forced logits at every position of {payload['config']['texts']} texts, each variant against "
@@ -378,6 +423,8 @@ SECTIONS = {
     "roofline": ("Batch-1 decode vs the memory-bandwidth limit", roofline_section),
     "cache-store": ("Cache tiers and compression", cache_store_section),
     "quality": ("Reduced precisions against float32", quality_section),
+    "perplexity": ("A GGUF file's perplexity per precision, against llama.cpp", perplexity_section),
+    "startup": ("Start-up: serve to ready on a GGUF file", startup_section),
 }
 
 

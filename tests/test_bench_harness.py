@@ -192,3 +192,14 @@ def test_cli_names_the_bad_option_and_the_allowed_values(capsys):
         main(["throughput", "--concurrency", "8,zero"])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--concurrency" in stderr and "integers" in stderr
+
+
+def test_perplexity_windows_are_llama_perplexitys():
+    from bench.perplexity import chunks, ppl
+
+    ids = list(range(1100))
+    windows = chunks(ids, 512, bos=None)
+    assert [w[0] for w in windows] == [0, 512] and all(len(w) == 512 for w in windows)  # the partial tail is dropped
+    assert [w[0] for w in chunks(ids, 512, bos=7)] == [7, 7] and chunks(ids, 512, bos=7)[1][1] == 513
+    value, error = ppl([1.0, 1.0, 1.0])
+    assert abs(value - 2.718281828) < 1e-6 and error == 0.0
