@@ -7,8 +7,9 @@ dropped), each chunk is evaluated on its own (its first token replaced by BOS wh
 the negative log-likelihood of every token in the chunk's second half is averaged over all chunks;
 PPL = exp(mean NLL).
 
-tierserve runs the file at each precision its native backend loads it in: float32 and bfloat16 (Q4_1 and Q8_0
-dequantized) and int8 (``model.quantization = "int8"``: Q8_0 kept, the rest re-quantized in groups of 32).
+tierserve runs the file at each precision its native backend loads it in: as stored (``model.quantization =
+"gguf"``: Q4_0, Q4_1 and Q8_0 kept, the q4 kernel), float32 and bfloat16 (Q4_1 and Q8_0 dequantized) and int8
+(``model.quantization = "int8"``: Q8_0 kept, the rest re-quantized in groups of 32).
 llama.cpp runs the same weights in the same precision class: the file as stored (4-bit), and the file converted
 by its own ``llama-quantize --allow-requantize`` to F32, BF16 and Q8_0.
 """
@@ -135,7 +136,9 @@ def run(ctx, threads: int = 2) -> dict:
     info = check_gguf(path)
     rows = []
     stored = llama_perplexity(path, threads)
-    rows.append({"precision": f"as stored ({info.quantization})", "tierserve": None, "llama.cpp": stored})
+    native = tierserve_perplexity(path, ids, bos, {"dtype": torch.float32, "quantization": "gguf"})
+    rows.append({"precision": f"as stored ({info.quantization}; tierserve: model.quantization = gguf)",
+                 "tierserve": native, "llama.cpp": stored})  # fmt: skip
     for name, (options, file_type) in PRECISIONS.items():
         ours = tierserve_perplexity(path, ids, bos, options)
         theirs = llama_perplexity(requantized(path, file_type, PEERS_DIR), threads)

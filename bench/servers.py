@@ -53,6 +53,7 @@ TIERSERVE_MODES = {"tierserve": None, "tierserve-inproc": False, "tierserve-proc
 TIERSERVE_PRECISIONS = {
     "tierserve-bf16": ["model.dtype=bfloat16"],
     "tierserve-int8": ["model.quantization=int8"],
+    "tierserve-gguf": ['model.quantization="gguf"'],  # a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as stored
     "tierserve-kvbf16": ["kv_cache.dtype=bfloat16"],
     "tierserve-int8-kvbf16": ["model.quantization=int8", "kv_cache.dtype=bfloat16"],
 }
@@ -228,9 +229,11 @@ def start_llama_server(
     name: str, checkpoint: Path, log_dir: Path, slots: int, context_per_slot: int, timeout: float = 600.0
 ) -> Server:
     """llama.cpp's ``llama-server`` on ``checkpoint`` converted to GGUF (built and converted on first use)."""
-    from transformers import AutoTokenizer
+    from tierserve.models.checkpoints import load_tokenizer
+    from tierserve.models.gguf import is_gguf
 
-    model = gguf_file(checkpoint, PRECISIONS[name])
+    # a GGUF model (--model smollm2) is served as the file stores it; a directory is converted at the precision
+    model = checkpoint if is_gguf(checkpoint) else gguf_file(checkpoint, PRECISIONS[name])
     port = free_port()
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     command = server_command(llama_server_binary(), model, port, slots, context_per_slot, threads)
@@ -258,7 +261,7 @@ def start_llama_server(
         _MODELS_WITHOUT_REPACK.add(model)
         process = _launch([*command, "--no-repack"], log_path, dict(os.environ))
         _ready_or_killed(f"{base}/health", process, log_path, timeout)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
     return Server(name, base, name, process, log_path, encode=lambda text: tokenizer(text)["input_ids"])
 
 

@@ -98,10 +98,12 @@ class ModelSettings(Section):
         "transformers-unpaged (no prefix cache); or name one",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8"] = Field(
+    quantization: Literal["none", "int8", "gguf"] = Field(
         "none",
         description="int8: every weight matrix stored as int8 with one scale per output row, computed at load "
-        "(about 1 byte per weight; the native backend's fastest int8 kernel here runs it)",
+        "(about 1 byte per weight; the native backend's fastest int8 kernel here runs it); gguf (a GGUF file on "
+        "the native backend): Q4_0, Q4_1 and Q8_0 tensors kept as the file stores them (0.56-1.1 bytes per "
+        "weight, tierserve's q4 and q8 kernels), any other type as int8 does",
     )
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)

@@ -59,6 +59,19 @@ def _gguf_elements(path: Path) -> tuple[int, int]:
     return sum(t.n_elements for t in tensors), sum(t.n_bytes for t in tensors)
 
 
+def _gguf_kept_bytes(path: Path) -> int:
+    """Bytes a GGUF file's tensors take with ``model.quantization = "gguf"``."""
+    from tierserve.models.gguf import check_gguf
+
+    kept = {2: 18 / 32, 3: 20 / 32, 8: 1.125, 0: 4.0, 1: 4.0, 30: 4.0}  # Q4_0, Q4_1, Q8_0; floats widened
+    # the token embedding table is read by row: a Q4 one is held as int8 groups
+    return int(sum(
+        t.n_elements * (1.125 if t.name == "token_embd.weight" and t.tensor_type in (2, 3) else
+                        kept.get(t.tensor_type, 1.125))
+        for t in check_gguf(path).tensors
+    ))  # fmt: skip
+
+
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -121,6 +134,10 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
         per_weight = 1.125 if gguf else _per_row_int8_bytes(settings, device)
     # bfloat16 weights: one copy each (linear.bf16_copies)
     weight_bytes = int(elements * per_weight) if elements else stored
+    if model.quantization == "gguf" and gguf:
+        # Q4_0 / Q4_1 / Q8_0 kept as stored (Q8_0's scales widened to float32: 1.125 bytes a weight, not 1.0625),
+        # any other type at int8's 1.125 bytes
+        weight_bytes = _gguf_kept_bytes(directory)
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)

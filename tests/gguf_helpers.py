@@ -19,9 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 OUTTYPES = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
-            "q8_0": gguf.GGMLQuantizationType.Q8_0}  # fmt: skip
+            "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+            "q4_1": gguf.GGMLQuantizationType.Q4_1}  # fmt: skip
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+              "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}  # fmt: skip
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -57,7 +59,8 @@ def _tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, config: dict) -> None:
 
 
 def write_gguf(checkpoint: Path, target: Path, outtype: str) -> Path:
-    """``checkpoint`` (a llama, qwen2 or qwen3 directory) as a GGUF file at ``target`` in ``outtype`` (f32, bf16, q8_0)."""
+    """``checkpoint`` (a llama, qwen2 or qwen3 directory) as a GGUF file at ``target`` in ``outtype`` (f32, bf16, q8_0,
+    q4_0, q4_1)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = config["model_type"]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]

@@ -25,7 +25,7 @@ from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.gguf_weights import load_gguf_state
-from tierserve.plugins.backends.linear import GroupedInt8
+from tierserve.plugins.backends.linear import BlockQ4, GroupedInt8, Q4Linear
 from tierserve.plugins.backends.llama import PagedLlama
 
 pytestmark = pytest.mark.unit
@@ -45,7 +45,8 @@ def files(tmp_path_factory):
     found = {}
     for name, (architecture, overrides) in ARCHITECTURES.items():
         checkpoint = build_checkpoint(root, name, architecture, **overrides)
-        found[name] = (checkpoint, {t: write_gguf(checkpoint, root / f"{name}-{t}.gguf", t) for t in ("f32", "bf16", "q8_0")})
+        outtypes = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
+        found[name] = (checkpoint, {t: write_gguf(checkpoint, root / f"{name}-{t}.gguf", t) for t in outtypes})
     return found
 
 
@@ -191,6 +192,71 @@ def test_memory_estimate_counts_q8_0_as_it_is_held(files, architecture):
     overrides = {("model", "path"): str(gguf["q8_0"]), ("model", "quantization"): "int8", ("model", "device"): "cpu"}
     estimate = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
     assert held <= estimate <= 1.05 * held  # plus the small float tensors (norms, biases)
+
+
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
+@pytest.mark.parametrize("outtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2's embeddings are tied
+def test_q4_runs_as_its_dequantized_weights(files, architecture, outtype):
+    """``model.quantization = "gguf"``: the Q4 blocks kept, against transformers' float32 model of the
+    dequantized file, within Q8_0 activation rounding (llama.cpp's arithmetic), through the engine too."""
+    _, gguf = files[architecture]
+    path = gguf[outtype]
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(path)
+    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    with torch.inference_mode():
+        expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
+    config = load_config(path)
+    model = PagedLlama(config, load_gguf_state(path, config, torch.float32, "gguf"), torch.device("cpu"),
+                       torch.float32, quantization="gguf")  # fmt: skip
+    assert model.linear_kernel.endswith("+q4"), model.linear_kernel
+    assert all(isinstance(m, Q4Linear) for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                            layer.down))  # fmt: skip
+    found = closeness(expected, teacher_forced_logits(model, ids))
+    print(f"{architecture} {outtype} (q4) vs dequantized reference: {found}")
+    assert found.greedy_agreement >= Q8_AGREEMENT and found.mean_kl <= Q8_KL, found
+
+    engine = make_engine(path, model__quantization="gguf")
+    assert engine.info.linear_kernel.endswith("+q4")
+    outputs = generate(engine)
+    firsts = [int(logits[-1].argmax()) == output[0] for logits, output in zip(expected, outputs)]
+    assert sum(firsts) * 2 >= len(firsts), firsts
+
+
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
+@pytest.mark.parametrize(("outtype", "block_bytes"), [("q4_0", 18), ("q4_1", 20)])
+def test_q4_weights_stay_at_their_bits_and_the_estimate_counts_them(files, outtype, block_bytes):
+    from tierserve.server.model_memory import estimate_memory
+    from tierserve.settings.config import load_settings
+
+    _, gguf = files["llama"]
+    config = load_config(gguf[outtype])
+    state = load_gguf_state(gguf[outtype], config, torch.float32, "gguf")
+    blocks = [t for t in state.values() if isinstance(t, BlockQ4)]
+    assert len(blocks) == 7 * config.num_hidden_layers + 1  # every layer matrix and the untied output head
+    assert isinstance(state["model.embed_tokens.weight"], GroupedInt8)  # read by row: int8 groups
+    model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="gguf")
+    layers = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    packed = [layer.packed for layer in layers]
+    weights = sum(p.out_features * p.in_features for p in packed)
+    held = sum(p.nibbles.nbytes + p.scale.nbytes + (p.mins.nbytes if p.mins is not None else 0) for p in packed)
+    padding = sum((-p.out_features % 4) * p.in_features for p in packed) * block_bytes / 32
+    assert held == pytest.approx(weights * block_bytes / 32 + padding)  # the file's bytes, regrouped
+    overrides = {("model", "path"): str(gguf[outtype]), ("model", "quantization"): "gguf", ("model", "device"): "cpu"}
+    estimate = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
+    held += model.embed.weight.nbytes + model.embed.scale.nbytes
+    assert 0.9 * held <= estimate <= 1.2 * held
+
+
+def test_gguf_quantization_is_for_gguf_files_on_the_native_backend(files):
+    checkpoint, gguf = files["llama"]
+    with pytest.raises(ConfigError, match=r"model.quantization = 'gguf' keeps a GGUF file's blocks as stored, but "
+                                          r"model.path .* is a Hugging Face directory; use model.quantization = 'int8'"):
+        make_engine(checkpoint, model__quantization="gguf")
+    with pytest.raises(ConfigError, match=r"model.quantization = 'gguf' keeps a GGUF file's Q4/Q8 blocks on the "
+                                          r"native backend only"):
+        make_engine(gguf["q4_0"], model__quantization="gguf", model__backend="transformers")
 
 
 def test_q8_0_without_int8_is_dequantized_to_the_model_dtype(files):

@@ -81,6 +81,27 @@
     X(S, float*, q8_scales)    /* ts_q8_gemm: their block scales [rows, in_features / 32] (scratch) */   \
     X(S, int32_t, threads)
 
+/* out [rows, out_features] = x [rows, in_features] @ W^T (+ bias) for a GGUF Q4_0 or Q4_1 weight kept at its
+ * 4.5 (Q4_0) or 5 (Q4_1) bits a weight: ts_q4_gemm. The file's blocks are repacked by tiles of 4 rows, the same
+ * bytes: row r of a tile, block k holds 32 weights as 16 bytes (weight i in byte i % 16, the low nibble for
+ * i < 16, as llama.cpp stores them), its float16 scale d and (Q4_1) float16 minimum m;
+ * w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1). */
+#define TS_Q4_MATMUL(X, S)                                                                                \
+    X(S, const float*, x)            /* float32 rows */                                                  \
+    X(S, int64_t, rows)                                                                                   \
+    X(S, int64_t, in_features)                                                                            \
+    X(S, const uint8_t*, nibbles)    /* [N/4][K/32][4][16] */                                            \
+    X(S, const uint16_t*, scale)     /* float16 [N/4][K/32][4] */                                        \
+    X(S, const uint16_t*, mins)      /* Q4_1: float16 [N/4][K/32][4]; Q4_0: NULL */                      \
+    X(S, const float*, bias)         /* [out_features] or NULL */                                        \
+    X(S, int64_t, out_features)                                                                           \
+    X(S, float*, out)                /* float32 rows */                                                  \
+    X(S, int8_t*, q8_rows)           /* scratch: x rounded to Q8_0 [rows, in_features] */                \
+    X(S, float*, q8_scales)          /* scratch: their block scales [rows, in_features / 32] */          \
+    X(S, int32_t*, q8_sums)          /* scratch: [rows, in_features / 32, 4] the lanes' sums (below) */  \
+    X(S, float*, q8_block_sums)      /* scratch: [rows, in_features / 32] d times the block's sum */     \
+    X(S, int32_t, threads)
+
 /* Attention read in place from the paged arena: ts_decode_attention (q_len 1) and ts_prefill_attention */
 #define TS_ATTENTION(X, S)                                                                                \
     X(S, const float*, q)          /* [batch * q_len, heads, head_dim] float32, sequence by sequence */  \
@@ -162,6 +183,7 @@ enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32 };
 #define TS_MEMBER(S, T, N) T N;
 #define TS_FIELD(S, T, N) {#N, (int64_t)offsetof(struct S, N), (int64_t)sizeof(T)},
 typedef struct ts_matmul { TS_MATMUL(TS_MEMBER, ts_matmul) } ts_matmul;
+typedef struct ts_q4_matmul { TS_Q4_MATMUL(TS_MEMBER, ts_q4_matmul) } ts_q4_matmul;
 typedef struct ts_attention { TS_ATTENTION(TS_MEMBER, ts_attention) } ts_attention;
 typedef struct ts_layer { TS_LAYER(TS_MEMBER, ts_layer) } ts_layer;
 typedef struct ts_decode_step { TS_DECODE_STEP(TS_MEMBER, ts_decode_step) } ts_decode_step;
@@ -171,6 +193,7 @@ typedef struct {
     int64_t offset, size;
 } ts_field;
 static const ts_field ts_matmul_fields[] = {TS_MATMUL(TS_FIELD, ts_matmul)};
+static const ts_field ts_q4_matmul_fields[] = {TS_Q4_MATMUL(TS_FIELD, ts_q4_matmul)};
 static const ts_field ts_attention_fields[] = {TS_ATTENTION(TS_FIELD, ts_attention)};
 static const ts_field ts_layer_fields[] = {TS_LAYER(TS_FIELD, ts_layer)};
 static const ts_field ts_decode_step_fields[] = {TS_DECODE_STEP(TS_FIELD, ts_decode_step)};
@@ -183,7 +206,8 @@ const ts_field* ts_layout(const char* name, int64_t* count, int64_t* size) {
         *size = (int64_t)sizeof(S);                                     \
         return S##_fields;                                              \
     }
-    TS_DESCRIBE(ts_matmul) TS_DESCRIBE(ts_attention) TS_DESCRIBE(ts_layer) TS_DESCRIBE(ts_decode_step)
+    TS_DESCRIBE(ts_matmul) TS_DESCRIBE(ts_q4_matmul) TS_DESCRIBE(ts_attention) TS_DESCRIBE(ts_layer)
+    TS_DESCRIBE(ts_decode_step)
 #undef TS_DESCRIBE
     return NULL;
 }
@@ -712,6 +736,153 @@ void ts_q8_gemm(const ts_matmul* a) {
     for (int64_t m = 0; m < M; m++) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
     _Pragma("omp parallel num_threads(a->threads)")
     q8_rows(qx, dx, M, K, (const int8_t*)a->weight, a->scale, a->grouped, a->bias, a->out_features, (float*)a->out);
+}
+
+/* Q4_0 / Q4_1 (ts_q4_gemm). A row's 32 weights of block k are multiplied by the activation block rounded to
+ * Q8_0 (q, d) as llama.cpp's vec_dot_q4_0_q8_0 / q4_1_q8_1 do: the nibble x q products summed exactly in int32,
+ * in four lanes per row (lane j: weights 4j..4j+3 and 16+4j..16+4j+3, the bytes vpdpbusd and maddubs + madd
+ * both sum into lane j), each lane scaled by d_w * d and added in float32 (four running sums per row), then
+ * the lanes added ((0 + 1) + (2 + 3)); Q4_0 takes 8 x the lane's activation sum off each lane first (exact),
+ * Q4_1 adds m * d * sum(q) per block in a fifth sum. Both builds do these operations in this order: their
+ * results are the same bits, at every batch size (each row of x is computed alone). */
+static void q4_round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sums, float* bsum) {
+    const int64_t blocks = K / QK;
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++) {
+        ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * blocks);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t* q = qx + m * K + b * QK;
+            int32_t* lane = sums + (m * blocks + b) * 4;
+            int32_t total = 0;
+            for (int j = 0; j < 4; j++) {
+                int32_t t = 0;
+                for (int i = 0; i < 4; i++) t += q[4 * j + i] + q[16 + 4 * j + i];
+                lane[j] = t;
+                total += t;
+            }
+            bsum[m * blocks + b] = dx[m * blocks + b] * (float)total;
+        }
+    }
+}
+
+static inline void q4_finish(const float* lanes, const float* mins4, const float* bias, int64_t n0, int64_t N,
+                             float* out) {
+    for (int r = 0; r < 4 && n0 + r < N; r++) {
+        float y = (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]);
+        if (mins4) y = y + mins4[r];
+        if (bias) y += bias[n0 + r];
+        out[n0 + r] = y;
+    }
+}
+
+/* R activation rows (R <= Q4_ROWS) against one tile: the tile's nibbles and scales are decoded once per block
+ * for all R rows; each row's sums are the single-row sums, in the same order. */
+#if TS_AVX512
+#define Q4_ROWS 4
+static inline __attribute__((always_inline)) void q4_tile_rows(
+    const int R, const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, const int8_t* x, const float* dx,
+    const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[Q4_ROWS];
+    __m128 macc[Q4_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        _mm_prefetch((const char*)(wt + (k + 8) * 64), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512((const void*)(wt + k * 64));
+        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        const __m512 d16 = _mm512_permutexvar_ps(
+            spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dt + k * 4)))));
+        const __m128 m4 = mt ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(mt + k * 4))) : _mm_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = x + r * K + k * QK;
+            const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xr));
+            const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xr + 16)));
+            __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+            if (!mt) {
+                const __m128i s = _mm_slli_epi32(_mm_loadu_si128((const __m128i*)(sums + (r * blocks + k) * 4)), 3);
+                isum = _mm512_sub_epi32(isum, _mm512_broadcast_i32x4(s));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d16, _mm512_set1_ps(dx[r * blocks + k])),
+                                     acc[r]);
+            if (mt) macc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(bsum[r * blocks + k]), macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(lanes[r], acc[r]), _mm_storeu_ps(mins4[r], macc[r]);
+}
+#else
+#define Q4_ROWS 2
+static inline __attribute__((always_inline)) void q4_tile_rows(
+    const int R, const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, const int8_t* x, const float* dx,
+    const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i first = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), second = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+    __m256 acc01[Q4_ROWS], acc23[Q4_ROWS];
+    __m128 macc[Q4_ROWS];
+    for (int r = 0; r < R; r++) acc01[r] = acc23[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        _mm_prefetch((const char*)(wt + (k + 8) * 64), _MM_HINT_T0);
+        const __m256i w01 = _mm256_loadu_si256((const __m256i*)(wt + k * 64));
+        const __m256i w23 = _mm256_loadu_si256((const __m256i*)(wt + k * 64 + 32));
+        const __m256i lo01 = _mm256_and_si256(w01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low);
+        const __m256i lo23 = _mm256_and_si256(w23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low);
+        const __m256 d8 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dt + k * 4))));
+        const __m256 d01 = _mm256_permutevar8x32_ps(d8, first), d23 = _mm256_permutevar8x32_ps(d8, second);
+        const __m128 m4 = mt ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(mt + k * 4))) : _mm_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = x + r * K + k * QK;
+            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xr));
+            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xr + 16)));
+            __m256i i01 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo01, xl), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi01, xh), ones));
+            __m256i i23 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo23, xl), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi23, xh), ones));
+            if (!mt) {
+                const __m256i s = _mm256_broadcastsi128_si256(
+                    _mm_slli_epi32(_mm_loadu_si128((const __m128i*)(sums + (r * blocks + k) * 4)), 3));
+                i01 = _mm256_sub_epi32(i01, s), i23 = _mm256_sub_epi32(i23, s);
+            }
+            const __m256 dxv = _mm256_set1_ps(dx[r * blocks + k]);
+            acc01[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i01), _mm256_mul_ps(d01, dxv), acc01[r]);
+            acc23[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i23), _mm256_mul_ps(d23, dxv), acc23[r]);
+            if (mt) macc[r] = _mm_fmadd_ps(m4, _mm_set1_ps(bsum[r * blocks + k]), macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(lanes[r], acc01[r]);
+        _mm256_storeu_ps(lanes[r] + 8, acc23[r]);
+        _mm_storeu_ps(mins4[r], macc[r]);
+    }
+}
+#endif
+
+void ts_q4_gemm(const ts_q4_matmul* a) {
+    const int64_t M = a->rows, K = a->in_features, N = a->out_features, blocks = K / QK, tiles = (N + 3) / 4;
+    _Pragma("omp parallel num_threads(a->threads)") {
+        q4_round_rows(a->x, M, K, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums); /* ends in a barrier */
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t* wt = a->nibbles + t * blocks * 64;
+            const uint16_t* dt = a->scale + t * blocks * 4;
+            const uint16_t* mt = a->mins ? a->mins + t * blocks * 4 : 0;
+            for (int64_t m = 0; m < M; m += Q4_ROWS) {
+                const int R = M - m < Q4_ROWS ? (int)(M - m) : Q4_ROWS;
+                float lanes[Q4_ROWS][16], mins4[Q4_ROWS][4];
+                const int8_t* x = a->q8_rows + m * K;
+                const float *dx = a->q8_scales + m * blocks, *bsum = a->q8_block_sums + m * blocks;
+                const int32_t* sums = a->q8_sums + m * blocks * 4;
+                switch (R) { /* a constant row count each: the row loops unroll */
+                    case 1: q4_tile_rows(1, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 2: q4_tile_rows(2, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+#if Q4_ROWS > 2
+                    case 3: q4_tile_rows(3, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    default: q4_tile_rows(4, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+#endif
+                }
+                for (int r = 0; r < R; r++) q4_finish(lanes[r], mt ? mins4[r] : 0, a->bias, t * 4, N, a->out + (m + r) * N);
+            }
+        }
+    }
 }
 
 /* The lane sums of eight vectors, as one vector (element j: the sum of a[j]'s lanes). */

@@ -253,6 +253,50 @@ class PackedQ8:
         return out
 
 
+class PackedQ4:
+    """A GGUF Q4_0 or Q4_1 weight in ``ts_q4_gemm``'s layout: the file's blocks regrouped by tiles of 4 rows, the
+    same bytes (16 of nibbles, a float16 scale and, Q4_1, a float16 minimum per 32 weights); calls round the
+    activations to Q8_0 blocks (llama.cpp's vec_dot_q4_*) and return float32 rows."""
+
+    __slots__ = ("nibbles", "scale", "mins", "bias", "out_features", "in_features", "kind")
+
+    def __init__(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """``blocks``: uint8 ``[out_features, in_features / 32, 18 (Q4_0) or 20 (Q4_1)]`` as the file stores them."""
+        if library() is None:
+            raise ValueError(f"PackedQ4: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
+        width = Q4_BLOCK_BYTES.get(kind)
+        if width is None or blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != width:
+            raise ValueError(f"PackedQ4: {kind} blocks must be uint8 [out, in / 32, {width}]; got "
+                             f"{blocks.dtype} {list(blocks.shape)}")  # fmt: skip
+        self.kind = kind
+        self.out_features, groups = blocks.shape[:2]
+        self.in_features = groups * QK
+        blocks = _pad_rows(blocks.cpu())
+        tiles = blocks.shape[0] // TILE
+
+        def by_tile(part: torch.Tensor) -> torch.Tensor:  # [N, groups, w] -> [N/4, groups, 4, w]
+            return part.reshape(tiles, TILE, groups, -1).permute(0, 2, 1, 3).contiguous()
+
+        self.nibbles = by_tile(blocks[:, :, width - QK // 2 :])
+        self.scale = by_tile(blocks[:, :, 0:2]).view(torch.float16)[..., 0].contiguous()
+        self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if kind == "Q4_1" else None
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float().contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        library().q4_matmul(self.nibbles, self.scale, self.mins, self.bias, rows, out)
+        return out
+
+
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # llama.cpp's block_q4_0 / block_q4_1: 32 weights each
+
+
+def supports_q4(in_features: int) -> bool:
+    """Whether ``PackedQ4`` can run here (the kernels load; the input width is whole blocks of 32)."""
+    return library() is not None and in_features % QK == 0
+
+
 def supports_float(weight: torch.Tensor) -> bool:
     """Whether ``PackedFloat`` can hold ``weight`` (CPU, float32/bfloat16, input width a multiple of 8)."""
     return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 8 == 0

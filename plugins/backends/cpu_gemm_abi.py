@@ -12,6 +12,7 @@ argument, what it takes and what it got: the C code trusts every pointer.
       -> Kernels.matmul_weight(Projection)            the packed weight, checked once
       -> Kernels.matmul(weight, x, out, ...)          each call's tensors checked, a Matmul struct
         -> ts_q8_gemm(const ts_matmul*)               cpu_gemm.c
+      -> Kernels.q4_matmul(nibbles, scale, mins, ...) a GGUF Q4_0 / Q4_1 weight: ts_q4_gemm(const ts_q4_matmul*)
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ class Matmul(ctypes.Structure):
                 ("q8_rows", _p), ("q8_scales", _p), ("threads", _i32)]  # fmt: skip
 
 
+class Q4Matmul(ctypes.Structure):
+    """``ts_q4_matmul``: the arguments of ``ts_q4_gemm`` (a GGUF Q4_0 / Q4_1 weight kept as stored)."""
+
+    _fields_ = [("x", _p), ("rows", _i64), ("in_features", _i64), ("nibbles", _p), ("scale", _p), ("mins", _p),
+                ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
+                ("q8_sums", _p), ("q8_block_sums", _p), ("threads", _i32)]  # fmt: skip
+
+
 class Attention(ctypes.Structure):
     """``ts_attention``: the arguments of ``ts_decode_attention`` and ``ts_prefill_attention``."""
 
@@ -85,7 +94,7 @@ class DecodeStep(ctypes.Structure):
                 ("q8_scales", _p), ("threads", _i32)]  # fmt: skip
 
 
-STRUCTS = {"ts_matmul": Matmul, "ts_attention": Attention, "ts_layer": Layer, "ts_decode_step": DecodeStep}
+STRUCTS = {"ts_matmul": Matmul, "ts_q4_matmul": Q4Matmul, "ts_attention": Attention, "ts_layer": Layer, "ts_decode_step": DecodeStep}
 
 
 class _Field(ctypes.Structure):
@@ -244,6 +253,7 @@ class Kernels:
         self._check(lib)
         self.avx512 = bool(self._constants(lib)["avx512"])
         for name, struct in (("ts_f32_gemm", Matmul), ("ts_bf16_gemm", Matmul), ("ts_q8_gemm", Matmul),
+                             ("ts_q4_gemm", Q4Matmul),
                              ("ts_decode_attention", Attention), ("ts_decode_layers", DecodeStep)):  # fmt: skip
             self._declare(name, [ctypes.POINTER(struct)])
         self._prefill = getattr(lib, "ts_prefill_attention", None)  # the AVX-512 build's
@@ -353,6 +363,36 @@ class Kernels:
             args.q8_rows = _address(kernel, "q8_rows", q8_rows, INT8, (rows, k))
             args.q8_scales = _address(kernel, "q8_scales", q8_scales, FLOAT32, (rows, k // QK))
         weight.function(ctypes.byref(args))
+
+    def q4_matmul(
+        self,
+        nibbles: torch.Tensor,
+        scale: torch.Tensor,
+        mins: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q4_0 (``mins`` None) or Q4_1 weight in ``ts_q4_gemm``'s
+        layout: ``nibbles`` uint8 ``[ceil(N/4), K/32, 4, 16]``, ``scale`` and ``mins`` float16 ``[ceil(N/4), K/32,
+        4]``; ``x`` and ``out`` float32. The activations' Q8_0 scratch is allocated here."""
+        kernel = "q4_gemm"
+        tiles, blocks = _dims(kernel, "nibbles", nibbles, 4)[:2]
+        rows, k = _dims(kernel, "x", x, 2)
+        n = _dims(kernel, "out", out, 2)[1]
+        _require(kernel, k == blocks * QK and -(-n // TILE) == tiles, f"x {list(x.shape)} and out {list(out.shape)} "
+                 f"do not fit a weight of {tiles} tiles of {TILE} rows and {blocks} blocks of {QK}")  # fmt: skip
+        args = Q4Matmul(rows=rows, in_features=k, out_features=n, threads=torch.get_num_threads())
+        args.nibbles = _address(kernel, "nibbles", nibbles, UINT8, (tiles, blocks, TILE, QK // 2))
+        args.scale = _address(kernel, "scale", scale, (torch.float16,), (tiles, blocks, TILE))
+        args.mins = _address(kernel, "mins", mins, (torch.float16,), (tiles, blocks, TILE), optional=True)
+        args.bias = _address(kernel, "bias", bias, FLOAT32, (n,), optional=True)
+        args.x = _address(kernel, "x", x, FLOAT32, (rows, k))
+        args.out = _address(kernel, "out", out, FLOAT32, (rows, n))
+        scratch = [torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, blocks), torch.empty(rows, blocks, TILE,
+                   dtype=torch.int32), torch.empty(rows, blocks)]  # fmt: skip
+        args.q8_rows, args.q8_scales, args.q8_sums, args.q8_block_sums = (t.data_ptr() for t in scratch)
+        self._lib.ts_q4_gemm(ctypes.byref(args))
 
     def _attention(
         self,

@@ -20,12 +20,13 @@ from pathlib import Path
 KERNEL_VERSION = 1
 
 SOURCE = "cpu_gemm.c"
-# -ffp-contract=off: every product and sum rounded as written, so the elementwise code matches torch's to the bit
-COMMON_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+# -ffp-contract=off: every product and sum rounded as written, so the elementwise code matches torch's to the bit;
+# -mf16c: Q4 blocks keep their float16 scales (every AVX2 CPU has F16C)
+COMMON_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 LINK_FLAGS = ("-fopenmp",)
 ISAS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")}
 # what /proc/cpuinfo must list for each build to run (torch's own AVX2 check comes first)
-CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")}
+CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")}
 
 
 def compile_flags(isa: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""A GGUF file's tensors as the native backend's state dict: Hugging Face names, Q8_0 kept int8.
+"""A GGUF file's tensors as the native backend's state dict: Hugging Face names, Q8_0 kept int8, Q4 kept 4-bit.
 
 Names and the q/k row order come from transformers' GGUF loader (its tensor
 name map and its per-architecture tensor processor: llama.cpp's converter
@@ -8,9 +8,12 @@ and nothing passes through float that need not:
 
     F32 / F16 / BF16          as they are (then the model's dtype)
     Q8_0, quantization int8   GroupedInt8: int8 values and one scale per 32, bytes copied
+          or gguf
+    Q4_0 / Q4_1, quantization BlockQ4: the file's blocks, bytes copied (the token embedding table excepted:
+          gguf                it is read by row, so it goes to group-wise int8)
     Q8_0, quantization none   dequantized to the model's dtype (logged)
     any other type            dequantized by the gguf package, then the model's dtype
-                              or, with quantization int8, group-wise int8 (logged)
+                              or, with quantization int8 or gguf, group-wise int8 (logged)
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 
 from tierserve.core.errors import ConfigError
 from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
-from tierserve.plugins.backends.linear import GROUP_SIZE, GroupedInt8, quantize_groups
+from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, GroupedInt8, quantize_groups
+
+Q4_KINDS = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32, as the file stores them
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +60,7 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
     names, processor = hf_name_map(config, info.architecture)
     state: dict[str, torch.Tensor | GroupedInt8] = {}
     converted: dict[str, str] = {}
+    kept: set[str] = set()
     for tensor in reader.tensors:
         data = reader.data(tensor)
         name = names.get(tensor.name)
@@ -64,8 +70,14 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
         kind = GGMLQuantizationType(tensor.tensor_type)
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None  # GGUF lists dims innermost first
         order = processor.process(weights=np.arange(rows), name=tensor.name).weights if rows else None
-        if kind == GGMLQuantizationType.Q8_0 and quantization == "int8" and rows:
+        if kind == GGMLQuantizationType.Q8_0 and quantization in ("int8", "gguf") and rows:
             state[name] = _q8_0(data, rows, order)
+            continue
+        if kind.name in Q4_KINDS and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
+            blocks = np.asarray(data).reshape(rows, -1, Q4_KINDS[kind.name])
+            state[name] = BlockQ4(kind.name, torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None
+                                                                                  else blocks)))  # fmt: skip
+            kept.add(kind.name)
             continue
         if kind.name == "BF16":
             values = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
@@ -77,7 +89,7 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
             values = values[torch.from_numpy(np.ascontiguousarray(order))]
         if kind.name in FLOAT_TYPES:
             state[name] = values.to(dtype)
-        elif quantization == "int8" and rows and values.shape[-1] % GROUP_SIZE == 0:
+        elif quantization in ("int8", "gguf") and rows and values.shape[-1] % GROUP_SIZE == 0:
             state[name] = quantize_groups(values)
             converted[kind.name] = "int8 (groups of 32)"
         else:
@@ -89,8 +101,12 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
             path=str(path),
             type=kind_name,
             to=target,
-            why="only F32/F16/BF16 load as they are and Q8_0 as int8 (model.quantization = 'int8')",
+            why="F32/F16/BF16 load as they are, Q8_0 as int8 (model.quantization = 'int8' or 'gguf'), Q4_0 and "
+            "Q4_1 as stored (model.quantization = 'gguf'); other types have no kernel of their own yet",
         )
+    if kept:
+        log.info("gguf_blocks_kept", path=str(path), types=sorted(kept | ({"Q8_0"} if "Q8_0" in info.tensor_types
+                                                                         else set())), kernel="q4 (cpu_gemm)")  # fmt: skip
     if not state:
         raise ConfigError(f"model.path {str(path)!r}: none of its tensors belongs to a {config.model_type} model")
     return state

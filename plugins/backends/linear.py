@@ -82,7 +82,7 @@ from tierserve.plugins.backends import cpu_gemm
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "onednn", "torch")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "gguf")
 GROUP_SIZE = 32  # llama.cpp's Q8_0 block
 GROUPED_KERNEL = "int8-g32"
 SMALL_BATCH = 4  # rows up to which ``auto`` int8 runs the q8 kernel instead of fbgemm
@@ -112,6 +112,52 @@ class GroupedInt8:
         return (q.view(q.shape[0], -1, GROUP_SIZE) * self.scale[rows, :, None]).view(q.shape).to(dtype)
 
 
+@dataclass(slots=True)
+class BlockQ4:
+    """A GGUF Q4_0 or Q4_1 matrix kept as the file stores it: per row, ``in / 32`` blocks of 18 (Q4_0: a float16
+    scale d, 16 bytes of nibbles) or 20 bytes (Q4_1: d, a float16 minimum m, the nibbles); weight i of a block is
+    the low nibble of byte i (i < 16) or the high nibble of byte i - 16, and w = d * (nibble - 8) (Q4_0) or
+    d * nibble + m (Q4_1)."""
+
+    kind: str  # "Q4_0" or "Q4_1"
+    blocks: torch.Tensor  # uint8 [out, in // 32, 18 or 20]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * GROUP_SIZE))
+
+    def to(self, device: torch.device) -> BlockQ4:
+        return BlockQ4(self.kind, self.blocks.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix, computed in float32 (each weight exactly: d and m are float16), then ``dtype``."""
+        d = self.blocks[..., 0:2].contiguous().view(torch.float16).float()
+        qs = self.blocks[..., -16:].to(torch.int16)
+        nibbles = torch.cat([qs & 0xF, qs >> 4], -1).float()
+        if self.kind == "Q4_0":
+            w = d * (nibbles - 8)
+        else:
+            w = d * nibbles + self.blocks[..., 2:4].contiguous().view(torch.float16).float()
+        return w.reshape(self.shape).to(dtype)
+
+
+class Q4Linear:
+    """``y = x @ W.T + bias`` with ``W`` a ``BlockQ4`` kept at 4 bits (``cpu_gemm.PackedQ4``: llama.cpp's Q4 x Q8_0
+    dot product, the activations rounded to Q8_0 blocks)."""
+
+    __slots__ = ("packed", "out_features", "dtype", "kernel")
+
+    def __init__(self, weight: BlockQ4, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.packed = cpu_gemm.PackedQ4(weight.kind, weight.blocks, bias)
+        self.out_features = weight.shape[0]
+        self.dtype = dtype
+        self.kernel = f"q4-{weight.kind.lower().replace('_', '')}"  # q4-q40, q4-q41
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return self.packed(rows).to(self.dtype).view(*x.shape[:-1], self.out_features)
+
+
 def quantize_groups(weight: torch.Tensor) -> GroupedInt8:
     """Q8_0's rule (``scale = max|w_group| / 127``, rounded half away from zero) over groups of ``GROUP_SIZE``."""
     rows, columns = weight.shape
@@ -125,8 +171,16 @@ def quantize_groups(weight: torch.Tensor) -> GroupedInt8:
     return GroupedInt8(q.view(rows, columns), scale)
 
 
-def cat_rows(parts: list[torch.Tensor | GroupedInt8]) -> torch.Tensor | GroupedInt8:
-    """Stack matrices along their output rows (fused q/k/v, gate/up); group-wise if any part is."""
+def cat_rows(parts: list[torch.Tensor | GroupedInt8 | BlockQ4]) -> torch.Tensor | GroupedInt8 | BlockQ4:
+    """Stack matrices along their output rows (fused q/k/v, gate/up): Q4 blocks if every part is of one Q4 type,
+    else group-wise if any part is quantized (a Q4 part re-quantized to int8 groups, logged), else float."""
+    kinds = {part.kind for part in parts if isinstance(part, BlockQ4)}
+    if len(kinds) == 1 and all(isinstance(part, BlockQ4) for part in parts):
+        return BlockQ4(kinds.pop(), torch.cat([part.blocks for part in parts], 0).contiguous())
+    if kinds:
+        log.warning("q4_requantized kinds=%s: a fused projection mixes block types, so it runs as int8 groups",
+                    sorted(kinds))  # fmt: skip
+        parts = [quantize_groups(part.dequantize()) if isinstance(part, BlockQ4) else part for part in parts]
     if not any(isinstance(part, GroupedInt8) for part in parts):
         return torch.cat(parts, 0).contiguous()
     grouped = [part if isinstance(part, GroupedInt8) else quantize_groups(part) for part in parts]
@@ -365,11 +419,12 @@ class LinearFactory:
             raise ValueError(f"model.quantization: got {quantization!r}, allowed: {', '.join(QUANTIZATIONS)}")
         self.dtype = dtype
         self.quantization = quantization
-        self.grouped_kernel = ""
-        if quantization == "int8":
+        self.grouped_kernel = self.q4_kernel = ""
+        self.device = device
+        if quantization in ("int8", "gguf"):
             if kernel == "onednn":
                 raise ValueError(
-                    f"{setting}: 'onednn' runs float weights; with model.quantization = 'int8' "
+                    f"{setting}: 'onednn' runs float weights; with model.quantization = {quantization!r} "
                     "use 'auto' (the fastest int8 kernel here) or 'torch'"
                 )
             kernels = int8_kernels(device)
@@ -402,15 +457,28 @@ class LinearFactory:
         if kernel == "auto" and dtype == torch.bfloat16 and device.type == "cpu" and cpu_gemm.bf16_dot():
             self.own, self.wide_prefill, self.kernel = True, False, "bf16-panels"
 
-    def __call__(self, weight: torch.Tensor | GroupedInt8, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
-        """A layer for ``weight``: group-wise int8 stays so (``int8-g32``), float follows the factory's choice."""
+    def __call__(
+        self, weight: torch.Tensor | GroupedInt8 | BlockQ4, bias: torch.Tensor | None = None
+    ) -> Linear | Int8Linear | Q4Linear:
+        """A layer for ``weight``: Q4 blocks stay so where ``cpu_gemm`` runs (else int8 groups, logged), group-wise
+        int8 stays so (``int8-g32``), float follows the factory's choice."""
+        if isinstance(weight, BlockQ4):
+            if self.quantization != "gguf":
+                raise ValueError("Q4 blocks load with model.quantization = 'gguf' only")
+            if self.device.type == "cpu" and cpu_gemm.supports_q4(weight.shape[1]):
+                layer = Q4Linear(weight, bias, self.dtype)
+                self.q4_kernel = "q4"
+                return layer
+            log.warning("q4_requantized kind=%s: tierserve's CPU kernels do not run here (%s); int8 groups instead",
+                        weight.kind, cpu_gemm.unavailable_reason() or self.device)  # fmt: skip
+            weight = quantize_groups(weight.dequantize())
         if isinstance(weight, GroupedInt8):
-            if self.quantization != "int8":
-                raise ValueError("group-wise int8 weights load with model.quantization = 'int8' only")
+            if self.quantization not in ("int8", "gguf"):
+                raise ValueError("group-wise int8 weights load with model.quantization = 'int8' or 'gguf' only")
             layer = Int8Linear(weight, bias, "grouped", self.dtype, self.small_batch)
             self.grouped_kernel = GROUPED_KERNEL + ("-q8" if layer.kernel == "grouped-q8" else "")
             return layer
-        if self.quantization == "int8":
+        if self.quantization in ("int8", "gguf"):
             return Int8Linear(weight, bias, self._int8_kernel, self.dtype, self.small_batch)
         own = self.own and cpu_gemm.supports_float(weight)
         return Linear(weight, bias, self.packed, own, self.wide_prefill)
@@ -418,8 +486,8 @@ class LinearFactory:
     @property
     def kernels(self) -> str:
         """What runs the layers built so far, in words: ``kernel``, plus ``int8-g32`` (``int8-g32-q8``) when
-        group-wise layers run."""
-        return f"{self.kernel}+{self.grouped_kernel}" if self.grouped_kernel else self.kernel
+        group-wise layers run and ``q4`` when Q4 blocks do."""
+        return "+".join(part for part in (self.kernel, self.grouped_kernel, self.q4_kernel) if part)
 
 
 class KernelLinear(nn.Module):

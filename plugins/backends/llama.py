@@ -24,6 +24,7 @@ from tierserve.plugins.backends.linear import (
     Int8Linear,
     Linear,
     LinearFactory,
+    BlockQ4,
     cat_rows,
     quantize_rows,
 )
@@ -148,7 +149,7 @@ class PagedLlama:
                 if required:
                     raise ValueError(f"checkpoint is missing weight {name!r}")
                 return None
-            if isinstance(tensor, GroupedInt8):
+            if isinstance(tensor, (GroupedInt8, BlockQ4)):
                 return tensor.to(device)
             return tensor.to(device=device, dtype=dtype)
 
@@ -161,7 +162,7 @@ class PagedLlama:
         if tied and isinstance(embed, GroupedInt8) and isinstance(head, Int8Linear) and head.kernel.startswith("grouped"):
             self.embed = Embedding.of_grouped_head(head, dtype)  # one int8 table for both, in the head's layout
         else:
-            self.embed = Embedding(embed, dtype, quantized=quantization == "int8")
+            self.embed = Embedding(embed, dtype, quantized=quantization in ("int8", "gguf"))
         del embed, lm_head
 
         layer_types = getattr(config, "layer_types", None)

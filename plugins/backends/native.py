@@ -122,6 +122,13 @@ class NativeBackend(ModelBackend):
         from tierserve.models.gguf import is_gguf
 
         if not is_gguf(self.path):
+            if quantization == "gguf":
+                from tierserve.core.errors import ConfigError
+
+                raise ConfigError(
+                    f"model.quantization = 'gguf' keeps a GGUF file's blocks as stored, but model.path "
+                    f"{str(self.path)!r} is a Hugging Face directory; use model.quantization = 'int8' (or 'none')"
+                )
             return load_safetensors(self.path)
         from tierserve.plugins.backends.gguf_weights import load_gguf_state
 

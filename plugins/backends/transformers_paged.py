@@ -181,6 +181,12 @@ class PagedTransformersBackend(ModelBackend):
         )
         self.config = self.model.config
         options = settings.plugin_options("transformers", TransformersSettings)
+        if model.quantization == "gguf":
+            raise ConfigError(
+                "model.quantization = 'gguf' keeps a GGUF file's Q4/Q8 blocks on the native backend only (this "
+                "backend loads transformers' dequantized weights); set model.backend = \"native\" for a Llama, "
+                "Mistral or Qwen file, or model.quantization = \"int8\""
+            )
         try:
             factory = LinearFactory(options.linear_kernel, self.device, self.dtype, model.quantization,
                                     setting="plugins.transformers.linear_kernel")  # fmt: skip

@@ -1,0 +1,103 @@
+"""GGUF Q4_0 / Q4_1 weights kept at 4 bits (cpu_gemm.c's ts_q4_gemm): against a float64 reference of the
+dequantized blocks and the Q8_0-rounded activations, the same bits in the AVX2 and AVX-512 builds, and a row's
+result independent of the batch it runs in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierserve.plugins.backends import cpu_gemm
+from tierserve.plugins.backends.cpu_gemm_abi import Kernels
+from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, cpu_flags, object_name
+
+pytestmark = pytest.mark.unit
+
+if cpu_gemm.library() is None:
+    pytest.skip(f"tierserve's CPU kernels do not run here: {cpu_gemm.unavailable_reason()}", allow_module_level=True)
+
+
+def random_blocks(kind: str, rows: int, groups: int, seed: int) -> torch.Tensor:
+    """uint8 ``[rows, groups, 18|20]`` blocks as llama.cpp writes them: float16 d (and m), 16 bytes of nibbles."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, groups, 1, generator=gen) * 0.02 + 0.001).half()
+    parts = [d.view(torch.uint8)]
+    if kind == "Q4_1":
+        m = ((torch.rand(rows, groups, 1, generator=gen) - 0.5) * 0.2).half()
+        parts.append(m.view(torch.uint8))
+    parts.append(torch.randint(0, 256, (rows, groups, 16), generator=gen, dtype=torch.uint8))
+    return torch.cat(parts, -1)
+
+
+def dequantized(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """float64 ``[rows, groups * 32]``: w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1)."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16).double()
+    qs = blocks[..., -16:].long()
+    nibbles = torch.cat([qs & 0xF, qs >> 4], -1).double()  # weight i < 16: low nibble of byte i
+    if kind == "Q4_0":
+        w = d * (nibbles - 8)
+    else:
+        w = d * nibbles + blocks[..., 2:4].contiguous().view(torch.float16).double()
+    return w.reshape(blocks.shape[0], -1)
+
+
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's quantize_row_q8_0 rounds it (d = max|x| / 127 in float32, half away from zero), float64."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    scaled = blocks * inv
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (q.double() * d.double()).view_as(x)
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, Kernels]:
+    found = {}
+    for isa in ISAS:
+        path = cpu_gemm.KERNEL_DIR / object_name(isa)
+        if path.exists() and set(CPU_FLAGS[isa]) <= cpu_flags():
+            found[isa] = Kernels(path, isa)
+    return found
+
+
+def run(kernels: Kernels, packed: cpu_gemm.PackedQ4, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], packed.out_features)
+    kernels.q4_matmul(packed.nibbles, packed.scale, packed.mins, packed.bias, x, out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("n", "k"), [(64, 576), (18, 1536), (7, 32)])
+def test_q4_matches_the_float64_reference_of_its_blocks(builds, kind, n, k):
+    blocks = random_blocks(kind, n, k // 32, seed=n + k)
+    bias = torch.randn(n)
+    packed = cpu_gemm.PackedQ4(kind, blocks, bias)
+    x = torch.randn(5, k) * 3
+    expected = q8_rounded(x) @ dequantized(kind, blocks).T + bias.double()
+    for isa, kernels in builds.items():
+        got = run(kernels, packed, x).double()
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() <= 2e-6 * scale + 1e-6, isa
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_both_builds_give_the_same_bits_at_every_batch_size(builds, kind):
+    if len(builds) < 2:
+        pytest.skip("this CPU runs one build only")
+    blocks = random_blocks(kind, 96, 48, seed=7)
+    packed = cpu_gemm.PackedQ4(kind, blocks, None)
+    x = torch.randn(9, 1536)
+    outputs = {isa: run(kernels, packed, x) for isa, kernels in builds.items()}
+    avx2, avx512 = outputs["avx2"], outputs["avx512"]
+    assert torch.equal(avx2, avx512)
+    for kernels in builds.values():
+        for i in range(x.shape[0]):  # each row alone: the same bits as in the batch of 9
+            assert torch.equal(run(kernels, packed, x[i : i + 1].contiguous())[0], avx2[i])
+
+
+def test_packing_refuses_what_is_not_q4_blocks():
+    with pytest.raises(ValueError, match=r"Q4_1 blocks must be uint8 \[out, in / 32, 20\]"):
+        cpu_gemm.PackedQ4("Q4_1", torch.zeros(4, 2, 18, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="Q5_0 blocks"):
+        cpu_gemm.PackedQ4("Q5_0", torch.zeros(4, 2, 22, dtype=torch.uint8), None)
