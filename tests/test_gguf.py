@@ -225,6 +225,20 @@ def test_q4_runs_as_its_dequantized_weights(files, architecture, outtype):
 
 
 @pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
+@pytest.mark.parametrize("outtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v biases and the tied Q4 table
+def test_q4_fused_decode_equals_the_layer_loop(files, architecture, outtype):
+    """Q4 projections through the one-call decode (ts_decode_layers): the layer loop's logits to the bit."""
+    from tests.test_cpu_gemm import fused_and_layer_loop_logits
+
+    _, gguf = files[architecture]
+    engine = make_engine(gguf[outtype], model__quantization="gguf", kv_cache__enable_prefix_caching=False)
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
+    assert fused_steps == 11 and len(fused) == len(loop) == 12
+    assert all(torch.equal(a, b) for a, b in zip(fused, loop))
+
+
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
 @pytest.mark.parametrize(("outtype", "block_bytes"), [("q4_0", 18), ("q4_1", 20)])
 def test_q4_weights_stay_at_their_bits_and_the_estimate_counts_them(files, outtype, block_bytes):
     from tierserve.server.model_memory import estimate_memory

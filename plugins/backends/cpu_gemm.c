@@ -142,6 +142,10 @@
     X(S, const float*, gate_up_scale)                                                                     \
     X(S, const void*, down_weight)                                                                        \
     X(S, const float*, down_scale)                                                                        \
+    X(S, const uint16_t*, qkv_mins)  /* Q4_1 projections: float16 minimums (*_scale: float16 scales) */    \
+    X(S, const uint16_t*, o_mins)                                                                         \
+    X(S, const uint16_t*, gate_up_mins)                                                                   \
+    X(S, const uint16_t*, down_mins)                                                                      \
     X(S, void*, k_cache)                                                                                  \
     X(S, void*, v_cache)                                                                                  \
     X(S, const uint8_t*, keep)     /* [rows, ctx] (this layer's sliding window) or NULL */               \
@@ -149,7 +153,7 @@
     X(S, int32_t, o_kind)                                                                                 \
     X(S, int32_t, gate_up_kind)                                                                           \
     X(S, int32_t, down_kind)
-enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32 };
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1 };
 
 /* A decode step through every layer (ts_decode_layers) */
 #define TS_DECODE_STEP(X, S)                                                                              \
@@ -178,6 +182,8 @@ enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32 };
     X(S, float*, work)             /* scratch: rows * DecodeShape.work_floats(ctx) floats (cpu_gemm_abi.py) */ \
     X(S, int8_t*, q8_rows)         /* scratch: [rows * max(hidden, heads * head_dim, intermediate)] */   \
     X(S, float*, q8_scales)        /* scratch: that / 32 */                                              \
+    X(S, int32_t*, q4_sums)        /* scratch: that * 4 (Q4 projections: lane sums of the rounded rows) */ \
+    X(S, float*, q4_block_sums)    /* scratch: that / 32 (Q4_1: d times each block's sum) */             \
     X(S, int32_t, threads)
 
 #define TS_MEMBER(S, T, N) T N;
@@ -223,7 +229,7 @@ const ts_number* ts_constants(int64_t* count) {
     static const ts_number numbers[] = {
         {"version", TS_KERNEL_VERSION}, {"avx512", TS_AVX512}, {"qk", QK}, {"tile", TILE}, {"panel", PANEL},
         {"max_group", MAX_GROUP}, {"q8_row", K_Q8_ROW}, {"q8_grouped", K_Q8_GROUPED}, {"bf16", K_BF16},
-        {"f32", K_F32},
+        {"f32", K_F32}, {"q4_0", K_Q4_0}, {"q4_1", K_Q4_1},
     };
     *count = (int64_t)(sizeof(numbers) / sizeof(numbers[0]));
     return numbers;
@@ -745,24 +751,30 @@ void ts_q8_gemm(const ts_matmul* a) {
  * the lanes added ((0 + 1) + (2 + 3)); Q4_0 takes 8 x the lane's activation sum off each lane first (exact),
  * Q4_1 adds m * d * sum(q) per block in a fifth sum. Both builds do these operations in this order: their
  * results are the same bits, at every batch size (each row of x is computed alone). */
-static void q4_round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sums, float* bsum) {
-    const int64_t blocks = K / QK;
-    _Pragma("omp for schedule(static)")
-    for (int64_t m = 0; m < M; m++) {
-        ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * blocks);
-        for (int64_t b = 0; b < blocks; b++) {
-            const int8_t* q = qx + m * K + b * QK;
-            int32_t* lane = sums + (m * blocks + b) * 4;
-            int32_t total = 0;
-            for (int j = 0; j < 4; j++) {
-                int32_t t = 0;
-                for (int i = 0; i < 4; i++) t += q[4 * j + i] + q[16 + 4 * j + i];
-                lane[j] = t;
-                total += t;
-            }
-            bsum[m * blocks + b] = dx[m * blocks + b] * (float)total;
-        }
+/* A rounded activation block's sums: lane j's (weights 4j..4j+3 and 16+4j..16+4j+3) and d times the total. */
+static inline void q4_block_sums(const int8_t* q, float d, int32_t* lane, float* bsum) {
+    int32_t total = 0;
+    for (int j = 0; j < 4; j++) {
+        int32_t t = 0;
+        for (int i = 0; i < 4; i++) t += q[4 * j + i] + q[16 + 4 * j + i];
+        lane[j] = t;
+        total += t;
     }
+    *bsum = d * (float)total;
+}
+
+/* Row m of x rounded to Q8_0 blocks, with the sums the Q4 products read. */
+static inline void q4_round_row(const float* x, int64_t m, int64_t K, int8_t* qx, float* dx, int32_t* sums,
+                                float* bsum) {
+    const int64_t blocks = K / QK;
+    ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * blocks);
+    for (int64_t b = 0; b < blocks; b++)
+        q4_block_sums(qx + m * K + b * QK, dx[m * blocks + b], sums + (m * blocks + b) * 4, bsum + m * blocks + b);
+}
+
+static void q4_round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sums, float* bsum) {
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++) q4_round_row(x, m, K, qx, dx, sums, bsum);
 }
 
 static inline void q4_finish(const float* lanes, const float* mins4, const float* bias, int64_t n0, int64_t N,
@@ -856,21 +868,25 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 }
 #endif
 
-void ts_q4_gemm(const ts_q4_matmul* a) {
-    const int64_t M = a->rows, K = a->in_features, N = a->out_features, blocks = K / QK, tiles = (N + 3) / 4;
-    _Pragma("omp parallel num_threads(a->threads)") {
-        q4_round_rows(a->x, M, K, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums); /* ends in a barrier */
+/* The products of rounded rows (qx, dx and their sums) with a Q4 weight; the tiles are shared among the
+ * enclosing parallel region's threads (an orphaned omp for). */
+static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_all, const float* bsum_all, int64_t M,
+                    int64_t K, const uint8_t* nibbles, const uint16_t* scale, const uint16_t* mins, const float* bias,
+                    int64_t N, float* out) {
+    const int64_t blocks = K / QK, tiles = (N + 3) / 4;
+    if (M <= 0) return;
+    {
         _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t* wt = a->nibbles + t * blocks * 64;
-            const uint16_t* dt = a->scale + t * blocks * 4;
-            const uint16_t* mt = a->mins ? a->mins + t * blocks * 4 : 0;
+            const uint8_t* wt = nibbles + t * blocks * 64;
+            const uint16_t* dt = scale + t * blocks * 4;
+            const uint16_t* mt = mins ? mins + t * blocks * 4 : 0;
             for (int64_t m = 0; m < M; m += Q4_ROWS) {
                 const int R = M - m < Q4_ROWS ? (int)(M - m) : Q4_ROWS;
                 float lanes[Q4_ROWS][16], mins4[Q4_ROWS][4];
-                const int8_t* x = a->q8_rows + m * K;
-                const float *dx = a->q8_scales + m * blocks, *bsum = a->q8_block_sums + m * blocks;
-                const int32_t* sums = a->q8_sums + m * blocks * 4;
+                const int8_t* x = qx + m * K;
+                const float *dx = dx_all + m * blocks, *bsum = bsum_all + m * blocks;
+                const int32_t* sums = sums_all + m * blocks * 4;
                 switch (R) { /* a constant row count each: the row loops unroll */
                     case 1: q4_tile_rows(1, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
                     case 2: q4_tile_rows(2, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
@@ -879,9 +895,17 @@ void ts_q4_gemm(const ts_q4_matmul* a) {
                     default: q4_tile_rows(4, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
 #endif
                 }
-                for (int r = 0; r < R; r++) q4_finish(lanes[r], mt ? mins4[r] : 0, a->bias, t * 4, N, a->out + (m + r) * N);
+                for (int r = 0; r < R; r++) q4_finish(lanes[r], mt ? mins4[r] : 0, bias, t * 4, N, out + (m + r) * N);
             }
         }
+    }
+}
+
+void ts_q4_gemm(const ts_q4_matmul* a) {
+    _Pragma("omp parallel num_threads(a->threads)") {
+        q4_round_rows(a->x, a->rows, a->in_features, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums);
+        q4_rows(a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums, a->rows, a->in_features, a->nibbles,
+                a->scale, a->mins, a->bias, a->out_features, a->out);
     }
 }
 
@@ -1830,19 +1854,32 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
 
 /* Row m of x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
 static inline int is_q8(int64_t kind) { return kind == K_Q8_ROW || kind == K_Q8_GROUPED; }
+static inline int is_q4(int64_t kind) { return kind == K_Q4_0 || kind == K_Q4_1; }
 
-static void prepare_row(int kind, const float* x, int64_t m, int64_t K, int8_t* qx, float* dx) {
-    if (is_q8(kind)) ts_q8_quantize(x + m * K, K, qx + m * K, dx + m * (K / QK));
+/* The rounded rows (and, Q4, their sums) the integer products read: q8 and Q4 projections' scratch. */
+typedef struct {
+    int8_t* qx;
+    float* dx;
+    int32_t* sums;
+    float* bsum;
+} rounded_rows;
+
+static void prepare_row(int kind, const float* x, int64_t m, int64_t K, rounded_rows r) {
+    if (is_q8(kind)) ts_q8_quantize(x + m * K, K, r.qx + m * K, r.dx + m * (K / QK));
+    if (is_q4(kind)) q4_round_row(x, m, K, r.qx, r.dx, r.sums, r.bsum);
 }
 
-static void project(int kind, const float* x, const int8_t* qx, const float* dx, uint16_t* xb, int64_t M,
-                    int64_t K, const void* w, const float* ws, const float* bias, int64_t N, float* out) {
+static void project(int kind, const float* x, rounded_rows r, uint16_t* xb, int64_t M, int64_t K, const void* w,
+                    const float* ws, const uint16_t* mins, const float* bias, int64_t N, float* out) {
     if (kind == K_BF16)
         ts_bf16_gemm_rows(x, xb, M, K, (const uint16_t*)w, bias, N, out, 0);
     else if (kind == K_F32)
         ts_f32_gemm_rows(x, M, K, (const float*)w, bias, N, out);
+    else if (is_q4(kind))
+        q4_rows(r.qx, r.dx, r.sums, r.bsum, M, K, (const uint8_t*)w, (const uint16_t*)ws,
+                kind == K_Q4_1 ? mins : 0, bias, N, out);
     else
-        q8_rows(qx, dx, M, K, (const int8_t*)w, ws, kind == K_Q8_GROUPED, bias, N, out);
+        q8_rows(r.qx, r.dx, M, K, (const int8_t*)w, ws, kind == K_Q8_GROUPED, bias, N, out);
 }
 
 static void add_rows(float* hidden, const float* delta, int64_t n, int bf16) {
@@ -1862,6 +1899,7 @@ void ts_decode_layers(const ts_decode_step* step) {
     const int64_t nb = step->blocks_per_row, bs = step->block_size, ctx = step->ctx;
     float *work = step->work, *dx = step->q8_scales;
     int8_t* qx = step->q8_rows;
+    const rounded_rows rr = {qx, dx, step->q4_sums, step->q4_block_sums};
     const int64_t qkv_n = (NH + 2 * KVH) * D, qsize = NH * D, kvsize = KVH * D;
     const int64_t wide = H > I ? H : I, widest = wide > qsize ? wide : qsize;
     void (*norm)(const float*, int64_t, int64_t, const float*, float, float*) = act_bf16 ? ts_rms_norm_bf16 : ts_rms_norm;
@@ -1893,10 +1931,9 @@ void ts_decode_layers(const ts_decode_step* step) {
         for (int64_t m = 0; m < M; m++) {
             if (l > 0) add_rows(hidden + m * H, delta + m * H, H, act_bf16);
             norm(hidden + m * H, 1, H, p->input_norm, eps, x + m * H);
-            prepare_row(p->qkv_kind, x, m, H, qx, dx);
+            prepare_row(p->qkv_kind, x, m, H, rr);
         }
-        project(p->qkv_kind, x, qx, dx, xb, M, H, p->qkv_weight, p->qkv_scale,
-                p->qkv_bias, qkv_n, qkv);
+        project(p->qkv_kind, x, rr, xb, M, H, p->qkv_weight, p->qkv_scale, p->qkv_mins, p->qkv_bias, qkv_n, qkv);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             float* row = qkv + m * qkv_n;
@@ -1961,18 +1998,18 @@ void ts_decode_layers(const ts_decode_step* step) {
         for (int64_t m = 0; m < M; m++) {
             if (act_bf16)
                 for (int64_t i = m * qsize; i < (m + 1) * qsize; i++) attn[i] = round_bf16(attn[i]);
-            prepare_row(p->o_kind, attn, m, qsize, qx, dx);
+            prepare_row(p->o_kind, attn, m, qsize, rr);
         }
-        project(p->o_kind, attn, qx, dx, xb, M, qsize, p->o_weight, p->o_scale, p->o_bias,
-                H, delta);
+        project(p->o_kind, attn, rr, xb, M, qsize, p->o_weight, p->o_scale, p->o_mins, p->o_bias, H, delta);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             add_rows(hidden + m * H, delta + m * H, H, act_bf16);
             norm(hidden + m * H, 1, H, p->post_norm, eps, x + m * H);
-            prepare_row(p->gate_up_kind, x, m, H, qx, dx);
+            prepare_row(p->gate_up_kind, x, m, H, rr);
         }
-        project(p->gate_up_kind, x, qx, dx, xb, M, H, p->gate_up_weight, p->gate_up_scale, 0, 2 * I, gu);
-        const int q8_down = is_q8(p->down_kind);
+        project(p->gate_up_kind, x, rr, xb, M, H, p->gate_up_weight, p->gate_up_scale, p->gate_up_mins, 0, 2 * I,
+                gu);
+        const int q8_down = is_q8(p->down_kind) || is_q4(p->down_kind), q4_down = is_q4(p->down_kind);
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul of 32 columns, then their Q8_0 block rounded */
             const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;
@@ -1982,8 +2019,9 @@ void ts_decode_layers(const ts_decode_step* step) {
                 for (int i = 0; i < QK; i++) g[i] = round_bf16(g[i]), u[i] = round_bf16(u[i]);
             silu_mul_span(g, u, QK, act_bf16, x + m * I + at);
             if (q8_down) ts_q8_quantize(x + m * I + at, QK, qx + m * I + at, dx + m * (I / QK) + at / QK);
+            if (q4_down) q4_block_sums(qx + m * I + at, dx[j], rr.sums + j * 4, rr.bsum + j);
         }
-        project(p->down_kind, x, qx, dx, xb, M, I, p->down_weight, p->down_scale, 0, H, delta);
+        project(p->down_kind, x, rr, xb, M, I, p->down_weight, p->down_scale, p->down_mins, 0, H, delta);
     }
 #if TS_AVX512
     if (step->shared_tokens) pa_free(&buf);

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tierserve.plugins.backends.cpu_gemm_abi import (
-    BF16, F32, MAX_GROUP, PANEL, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
+    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
 )
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, cpu_flags, object_name
 
@@ -281,6 +281,10 @@ class PackedQ4:
         self.scale = by_tile(blocks[:, :, 0:2]).view(torch.float16)[..., 0].contiguous()
         self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if kind == "Q4_1" else None
         self.bias = None if bias is None else bias.float().contiguous()
+
+    def projection(self) -> Projection:
+        """This weight as ``ts_decode_layers`` takes it."""
+        return Projection(Q4_0 if self.kind == "Q4_0" else Q4_1, self.nibbles, self.scale, self.bias, self.mins)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()

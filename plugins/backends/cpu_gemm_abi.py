@@ -30,9 +30,10 @@ QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows of a bfloat16 (AVX2 build) or q8 tile
 PANEL = 32  # output columns of a float32 or (AVX-512 build) bfloat16 panel
 MAX_GROUP = 16  # query heads per KV head the attention kernels take
-Q8_ROW, Q8_GROUPED, BF16, F32 = 0, 1, 2, 3  # how a ts_layer projection computes (cpu_gemm.c: K_*)
+Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1 = 0, 1, 2, 3, 4, 5  # how a ts_layer projection computes (cpu_gemm.c: K_*)
 CONSTANTS = {"version": KERNEL_VERSION, "qk": QK, "tile": TILE, "panel": PANEL, "max_group": MAX_GROUP,
-             "q8_row": Q8_ROW, "q8_grouped": Q8_GROUPED, "bf16": BF16, "f32": F32}  # fmt: skip
+             "q8_row": Q8_ROW, "q8_grouped": Q8_GROUPED, "bf16": BF16, "f32": F32, "q4_0": Q4_0,
+             "q4_1": Q4_1}  # fmt: skip
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 FLOAT32, FLOATS, INT8, INT16, INT64, UINT8 = (
@@ -79,7 +80,7 @@ class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("qkv_weight", _p), ("qkv_scale", _p), ("qkv_bias", _p), ("q_norm", _p),
                 ("k_norm", _p), ("o_weight", _p), ("o_scale", _p), ("o_bias", _p), ("post_norm", _p),
                 ("gate_up_weight", _p), ("gate_up_scale", _p), ("down_weight", _p), ("down_scale", _p),
-                ("k_cache", _p), ("v_cache", _p), ("keep", _p), ("qkv_kind", _i32), ("o_kind", _i32),
+                ("qkv_mins", _p), ("o_mins", _p), ("gate_up_mins", _p), ("down_mins", _p), ("k_cache", _p), ("v_cache", _p), ("keep", _p), ("qkv_kind", _i32), ("o_kind", _i32),
                 ("gate_up_kind", _i32), ("down_kind", _i32)]  # fmt: skip
 
 
@@ -91,7 +92,7 @@ class DecodeStep(ctypes.Structure):
                 ("kv_bf16", _i32), ("hidden", _p), ("cos", _p), ("sin", _p), ("slots", _p), ("blocks", _p),
                 ("blocks_per_row", _i64), ("block_size", _i64), ("ctx", _i64), ("shared_blocks", _p),
                 ("shared_tokens", _i64), ("layer", ctypes.POINTER(Layer)), ("work", _p), ("q8_rows", _p),
-                ("q8_scales", _p), ("threads", _i32)]  # fmt: skip
+                ("q8_scales", _p), ("q4_sums", _p), ("q4_block_sums", _p), ("threads", _i32)]  # fmt: skip
 
 
 STRUCTS = {"ts_matmul": Matmul, "ts_q4_matmul": Q4Matmul, "ts_attention": Attention, "ts_layer": Layer, "ts_decode_step": DecodeStep}
@@ -151,12 +152,14 @@ def _require(kernel: str, condition: bool, message: str) -> None:
 @dataclass(frozen=True, slots=True)
 class Projection:
     """A packed weight as the matmul kernels take it: its kind (``Q8_ROW``, ``Q8_GROUPED``, ``BF16``,
-    ``F32``), the packed weight, the q8 scales and the bias (float32, or None)."""
+    ``F32``, ``Q4_0``, ``Q4_1``), the packed weight, the q8 scales (Q4: float16 scales), the bias (float32, or
+    None) and, Q4_1, the float16 minimums."""
 
     kind: int
     weight: torch.Tensor
     scale: torch.Tensor | None
     bias: torch.Tensor | None
+    mins: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +204,8 @@ class DecodeShape:
         )  # fmt: skip
 
 
-WEIGHT_DTYPES = {Q8_ROW: torch.int8, Q8_GROUPED: torch.int8, BF16: torch.int16, F32: torch.float32}
+WEIGHT_DTYPES = {Q8_ROW: torch.int8, Q8_GROUPED: torch.int8, BF16: torch.int16, F32: torch.float32,
+                 Q4_0: torch.uint8, Q4_1: torch.uint8}  # fmt: skip
 
 
 def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Projection, n: int, k: int) -> tuple:
@@ -209,10 +213,12 @@ def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Pro
     ``[n, k]`` weight of its kind."""
     kind = projection.kind
     _require(kernel, kind in WEIGHT_DTYPES, f"{label}: unknown kind {kind!r}; allowed: {sorted(WEIGHT_DTYPES)}")
-    _require(kernel, kind not in (Q8_ROW, Q8_GROUPED) or k % QK == 0, f"{label}: width {k} is not a multiple of {QK}")
+    _require(kernel, kind in (BF16, F32) or k % QK == 0, f"{label}: width {k} is not a multiple of {QK}")
     packed_shape = kernels.packed_shape(kind, n, k)
     weight = _address(kernel, f"{label} weight", projection.weight, (WEIGHT_DTYPES[kind],), packed_shape)
     scale = None
+    if kind in (Q4_0, Q4_1):
+        scale = _address(kernel, f"{label} scale", projection.scale, (torch.float16,), packed_shape[:3])
     if kind in (Q8_ROW, Q8_GROUPED):
         scale_shape = kernels.q8_scale_shape(kind == Q8_GROUPED, n, k)
         scale = _address(kernel, f"{label} scale", projection.scale, FLOAT32, scale_shape)
@@ -317,7 +323,11 @@ class Kernels:
             return (-(-n // PANEL), k // 2, PANEL, 2) if self.avx512 else (-(-n // TILE), k // 8, TILE, 8)
         if kind == F32:
             return (-(-n // PANEL), k, PANEL)
-        raise KernelArgumentError(f"unknown projection kind {kind!r}; allowed: {Q8_ROW}, {Q8_GROUPED}, {BF16}, {F32}")
+        if kind in (Q4_0, Q4_1):
+            return (-(-n // TILE), k // QK, TILE, QK // 2)
+        raise KernelArgumentError(
+            f"unknown projection kind {kind!r}; allowed: {Q8_ROW}, {Q8_GROUPED}, {BF16}, {F32}, {Q4_0}, {Q4_1}"
+        )
 
     def q8_scale_shape(self, grouped: bool, out_features: int, in_features: int) -> tuple[int, ...]:
         """The shape of a q8 weight's scales: one per row, or per 32 columns in the weight's tiles."""
@@ -549,6 +559,7 @@ class DecodeStack:
         self.table = (Layer * len(layers))()
         self.kv_dtype: torch.dtype | None = None
         self._held: list[torch.Tensor] = []
+        self._q4_scratch = (torch.empty(0, dtype=torch.int32), torch.empty(0))
         s = shape
         q_size, qkv_size = s.heads * s.head_dim, (s.heads + 2 * s.kv_heads) * s.head_dim
         projections = {  # [out_features, in_features]
@@ -573,7 +584,11 @@ class DecodeStack:
                 if name in ("qkv", "o"):
                     setattr(entry, f"{name}_bias", bias)
                 setattr(entry, f"{name}_kind", projection.kind)
-                self._held += [t for t in (projection.weight, projection.scale, projection.bias) if t is not None]
+                if projection.kind == Q4_1:
+                    setattr(entry, f"{name}_mins", _address(kernel, f"{label} mins", projection.mins, (torch.float16,),
+                                                            tuple(projection.scale.shape)))  # fmt: skip
+                self._held += [t for t in (projection.weight, projection.scale, projection.bias, projection.mins)
+                               if t is not None]  # fmt: skip
 
     def _hold(
         self, kernel: str, name: str, tensor: torch.Tensor | None, shape: tuple[int, ...], optional: bool = False
@@ -623,6 +638,9 @@ class DecodeStack:
         kernel, s = "decode_layers", self.shape
         _require(kernel, self.kv_dtype is not None, "no arena set (set_arena)")
         rows = _dims(kernel, "hidden", hidden, 2)[0]
+        blocks_wide = rows * s.widest // QK  # the Q4 projections' sums: held here, grown when a step has more rows
+        if self._q4_scratch[1].numel() < max(1, blocks_wide):
+            self._q4_scratch = (torch.empty(max(1, blocks_wide) * 4, dtype=torch.int32), torch.empty(max(1, blocks_wide)))
         nb = _dims(kernel, "blocks", blocks, 2)[1]
         _require(kernel, nb * block_size >= ctx, f"{nb} blocks of {block_size} hold fewer than ctx = {ctx} positions")
         _require(kernel, len(keeps) == len(self.table), f"{len(keeps)} keeps for {len(self.table)} layers")
@@ -651,5 +669,6 @@ class DecodeStack:
             layer=self.table, work=_address(kernel, "work", work, FLOAT32, at_least=rows * s.work_floats(ctx)),
             q8_rows=_address(kernel, "q8_rows", q8_rows, INT8, at_least=rows * s.widest),
             q8_scales=_address(kernel, "q8_scales", q8_scales, FLOAT32, at_least=rows * s.widest // QK),
+            q4_sums=self._q4_scratch[0].data_ptr(), q4_block_sums=self._q4_scratch[1].data_ptr(),
             threads=torch.get_num_threads(),
         )))  # fmt: skip

@@ -31,16 +31,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
-from tierserve.plugins.backends.cpu_gemm_abi import BF16, F32, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape
-from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear
+from tierserve.plugins.backends.cpu_gemm_abi import BF16, F32, Q4_0, Q4_1, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape
+from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear, Q4Linear
 from tierserve.plugins.backends.paged_attention import PagedBatch
 
 if TYPE_CHECKING:
     from tierserve.plugins.backends.llama import LayerWeights, PagedLlama
 
 
-def _kind(linear: Linear | Int8Linear, dtype: torch.dtype) -> int | None:
+def _kind(linear: Linear | Int8Linear | Q4Linear, dtype: torch.dtype) -> int | None:
     """How ts_decode_layers computes this projection, or None where it cannot (the layer loop runs)."""
+    if isinstance(linear, Q4Linear) and dtype == torch.float32:
+        return Q4_0 if linear.packed.kind == "Q4_0" else Q4_1
     if isinstance(linear, Int8Linear) and linear.q8 is not None and dtype == torch.float32:
         return Q8_GROUPED if linear.q8.grouped else Q8_ROW
     if isinstance(linear, Linear) and linear.own is not None and dtype == torch.bfloat16:
@@ -65,7 +67,8 @@ class FusedDecode:
                                  config.intermediate_size)  # fmt: skip
         layers = []
         for layer in model.layers:
-            packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.own for linear in _projections(layer)]
+            packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.packed if isinstance(linear, Q4Linear)
+                      else linear.own for linear in _projections(layer)]  # fmt: skip
             input_norm, q_norm, k_norm, post_norm = (
                 None if norm is None else norm.float().contiguous()
                 for norm in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)

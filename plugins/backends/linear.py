@@ -153,6 +153,10 @@ class Q4Linear:
         self.dtype = dtype
         self.kernel = f"q4-{weight.kind.lower().replace('_', '')}"  # q4-q40, q4-q41
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.packed.bias
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return self.packed(rows).to(self.dtype).view(*x.shape[:-1], self.out_features)
