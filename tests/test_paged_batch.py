@@ -58,3 +58,24 @@ def test_a_decode_that_needs_a_mask_takes_the_general_path(length, windows, drop
     chunk = decoding(length, [7, 2, 9, 4, 11, 5], dropped)
     assert lone_decode(chunk, 4, windows, CPU) is None
     assert any(mask is not None for mask in build_paged_batch([chunk], 4, windows, CPU).groups[0].masks.values())
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_the_arena_is_committed_as_it_is_written_not_at_allocation():
+    """kv_cache.l1_capacity sizes the arena, but memory is held only for the blocks written (zero until then)."""
+    from tierserve.plugins.backends.paged_attention import KVArena
+
+    arena = KVArena(4, 2, 64, torch.float32, torch.device("cpu"))
+    before = _resident_bytes()
+    arena.allocate(num_blocks=4096, block_size=16)  # 4 layers x 2 x 4096 x 16 x 2 x 64 x 4 bytes = 268 MiB
+    reserved = sum(t.nbytes for t in arena.k + arena.v)
+    assert reserved == 4 * 2 * 4096 * 16 * 2 * 64 * 4
+    assert _resident_bytes() - before < reserved // 20
+    assert all(float(t[::997].abs().sum()) == 0.0 for t in arena.k + arena.v)  # reads as zeros
+    arena.write_blocks(torch.tensor([3]), torch.ones(1, 4, 2, 16, 2, 64))
+    assert float(arena.k[0].view(-1, 16, 2, 64)[3].sum()) == 16 * 2 * 64
+    assert _resident_bytes() - before < reserved // 20

@@ -28,6 +28,8 @@ sees the context and its own ancestors only (``core/token_tree.py``).
 
 from __future__ import annotations
 
+import mmap
+import warnings
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -396,6 +398,24 @@ def merge_attention(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b
     return ((a.float() * weight_a + b.float() * weight_b) / (weight_a + weight_b)).to(a.dtype)
 
 
+def lazy_zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose CPU memory is committed as it is first written: an anonymous memory map, which the
+    kernel hands out as zero pages on first touch. The arena is sized for ``kv_cache.l1_capacity`` blocks, but a
+    server holds in memory only the blocks its requests have used (as llama.cpp's KV buffer does), instead of
+    writing zeros over all of it at load (``torch.zeros``: the whole pool resident from the start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    with warnings.catch_warnings():  # the map is writable; torch warns about buffers in general
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVArena:
     """Every layer's keys and values in blocks: ``[num_blocks * block_size, kv_heads, head_dim]`` per layer.
 
@@ -426,8 +446,8 @@ class KVArena:
     def allocate(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks * block_size, self.kv_heads, self.head_dim)
         self.block_size = block_size
-        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
-        self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
+        self.k = [lazy_zeros(shape, self.device, self.dtype) for _ in range(self.layers)]
+        self.v = [lazy_zeros(shape, self.device, self.dtype) for _ in range(self.layers)]
 
     def clear(self) -> None:
         self.k.clear()
