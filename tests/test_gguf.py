@@ -98,6 +98,16 @@ def test_the_paged_transformers_backend_runs_a_gguf_file(files):
     assert generate(engine) == hf_greedy(checkpoint, PROMPTS, NEW_TOKENS)
 
 
+def dequantized_reference(path):
+    """transformers' float32 model of the dequantized file, the token ids of ``PROMPTS`` and its logits for them."""
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(path)
+    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    with torch.inference_mode():
+        expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
+    return reference, ids, expected
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_q8_0_runs_as_its_dequantized_weights(files, architecture, kernel):
@@ -105,11 +115,7 @@ def test_q8_0_runs_as_its_dequantized_weights(files, architecture, kernel):
     exact with the portable kernel (``torch``), within Q8_0 activation rounding with ``auto``."""
     _, gguf = files[architecture]
     path = gguf["q8_0"]
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(path)
-    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-    with torch.inference_mode():
-        expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
+    reference, ids, expected = dequantized_reference(path)
     config = load_config(path)
     model = PagedLlama(config, load_gguf_state(path, config, torch.float32, "int8"), torch.device("cpu"),
                        torch.float32, linear_kernel=kernel, quantization="int8")  # fmt: skip
@@ -202,11 +208,7 @@ def test_q4_runs_as_its_dequantized_weights(files, architecture, outtype):
     dequantized file, within Q8_0 activation rounding (llama.cpp's arithmetic), through the engine too."""
     _, gguf = files[architecture]
     path = gguf[outtype]
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(path)
-    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-    with torch.inference_mode():
-        expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
+    _, ids, expected = dequantized_reference(path)
     config = load_config(path)
     model = PagedLlama(config, load_gguf_state(path, config, torch.float32, "gguf"), torch.device("cpu"),
                        torch.float32, quantization="gguf")  # fmt: skip
