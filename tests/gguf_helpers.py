@@ -11,6 +11,7 @@ requested type, quantized by the gguf package (llama.cpp's reference quantizer).
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import gguf
@@ -20,10 +21,10 @@ from safetensors.torch import load_file
 
 OUTTYPES = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-            "q4_1": gguf.GGMLQuantizationType.Q4_1}  # fmt: skip
+            "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-              "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}  # fmt: skip
+              "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}  # fmt: skip
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -58,9 +59,20 @@ def _tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, config: dict) -> None:
         writer.add_chat_template(template.read_text())
 
 
+def random_q4_k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """uint8 ``[rows, columns / 256, 144]`` Q4_K super-blocks: small float16 d and dmin, random 6-bit scales and
+    minimums and nibbles (what a file's bytes may hold; every loader must read them as llama.cpp does)."""
+    rng = np.random.default_rng(seed)
+    sb = rng.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
+    for at in (0, 2):
+        halves = (rng.random((rows, columns // 256, 1)) * 0.002).astype(np.float16)
+        sb[..., at : at + 2] = halves.view(np.uint8).reshape(rows, columns // 256, 2)
+    return sb
+
+
 def write_gguf(checkpoint: Path, target: Path, outtype: str) -> Path:
     """``checkpoint`` (a llama, qwen2 or qwen3 directory) as a GGUF file at ``target`` in ``outtype`` (f32, bf16, q8_0,
-    q4_0, q4_1)."""
+    q4_0, q4_1; q4_k: random super-blocks, for widths that are multiples of 256)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = config["model_type"]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
@@ -99,6 +111,10 @@ def write_gguf(checkpoint: Path, target: Path, outtype: str) -> Path:
         elif arch == "llama" and base.endswith("self_attn.k_proj"):
             data = _permute(data, kv_heads)
         kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if kind == gguf.GGMLQuantizationType.Q4_K:  # the gguf package has no Q4_K quantizer: seeded random blocks
+            stored = random_q4_k(data.shape[0], data.shape[1], seed=zlib.crc32(f"{name}.{suffix}".encode()))
+            writer.add_tensor(f"{name}.{suffix}", stored.reshape(data.shape[0], -1), raw_dtype=kind)
+            continue
         stored = gguf.quants.quantize(data, kind) if kind != gguf.GGMLQuantizationType.F32 else data
         writer.add_tensor(f"{name}.{suffix}", stored, raw_dtype=kind)
     writer.write_header_to_file()

@@ -241,6 +241,28 @@ def test_q4_fused_decode_equals_the_layer_loop(files, architecture, outtype):
 
 
 @pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
+def test_q4_k_runs_as_its_dequantized_weights_and_decodes_in_one_call(tmp_path):
+    """A Q4_K file (widths of 256): its super-blocks as 32-weight blocks with float32 scales, against
+    transformers' model of the dequantized file, and the one-call decode equal to the layer loop."""
+    from tests.test_cpu_gemm import fused_and_layer_loop_logits
+
+    checkpoint = build_checkpoint(tmp_path, "llama256", "llama", hidden_size=256, intermediate_size=512)
+    path = write_gguf(checkpoint, tmp_path / "llama256-q4_k.gguf", "q4_k")
+    _, ids, expected = dequantized_reference(path)
+    config = load_config(path)
+    state = load_gguf_state(path, config, torch.float32, "gguf")
+    assert {t.kind for t in state.values() if isinstance(t, BlockQ4)} == {"Q4_K"}
+    model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="gguf")
+    assert model.linear_kernel.endswith("+q4")
+    found = closeness(expected, teacher_forced_logits(model, ids))
+    print(f"llama Q4_K (q4) vs dequantized reference: {found}")
+    assert found.greedy_agreement >= Q8_AGREEMENT and found.mean_kl <= Q8_KL, found
+    engine = make_engine(path, model__quantization="gguf", kv_cache__enable_prefix_caching=False)
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
+    assert fused_steps == 11 and all(torch.equal(a, b) for a, b in zip(fused, loop))
+
+
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
 @pytest.mark.parametrize(("outtype", "block_bytes"), [("q4_0", 18), ("q4_1", 20)])
 def test_q4_weights_stay_at_their_bits_and_the_estimate_counts_them(files, outtype, block_bytes):
     from tierserve.server.model_memory import estimate_memory

@@ -4,12 +4,17 @@ result independent of the batch it runs in."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
+from tests.gguf_helpers import random_q4_k
 from tierserve.plugins.backends.cpu_gemm_abi import Kernels
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, cpu_flags, object_name
+from tierserve.plugins.backends.gguf_weights import q4_k_sub_blocks
+from tierserve.plugins.backends.linear import BlockQ4
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +23,10 @@ if cpu_gemm.library() is None:
 
 
 def random_blocks(kind: str, rows: int, groups: int, seed: int) -> torch.Tensor:
-    """uint8 ``[rows, groups, 18|20]`` blocks as llama.cpp writes them: float16 d (and m), 16 bytes of nibbles."""
+    """uint8 ``[rows, groups, 18|20|24]`` blocks as ``BlockQ4`` holds them: float16 d (and m) and 16 bytes of
+    nibbles as llama.cpp writes Q4_0 / Q4_1; Q4_K super-blocks converted (``q4_k_sub_blocks``)."""
+    if kind == "Q4_K":
+        return torch.from_numpy(q4_k_sub_blocks(random_q4_k(rows, groups * 32, seed), rows))
     gen = torch.Generator().manual_seed(seed)
     d = (torch.rand(rows, groups, 1, generator=gen) * 0.02 + 0.001).half()
     parts = [d.view(torch.uint8)]
@@ -30,7 +38,9 @@ def random_blocks(kind: str, rows: int, groups: int, seed: int) -> torch.Tensor:
 
 
 def dequantized(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """float64 ``[rows, groups * 32]``: w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1)."""
+    """float64 ``[rows, groups * 32]``: w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1, Q4_K)."""
+    if kind == "Q4_K":
+        return BlockQ4(kind, blocks).dequantize().double()
     d = blocks[..., 0:2].contiguous().view(torch.float16).double()
     qs = blocks[..., -16:].long()
     nibbles = torch.cat([qs & 0xF, qs >> 4], -1).double()  # weight i < 16: low nibble of byte i
@@ -67,8 +77,8 @@ def run(kernels: Kernels, packed: cpu_gemm.PackedQ4, x: torch.Tensor) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize(("n", "k"), [(64, 576), (18, 1536), (7, 32)])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize(("n", "k"), [(64, 512), (18, 1536), (7, 256)])
 def test_q4_matches_the_float64_reference_of_its_blocks(builds, kind, n, k):
     blocks = random_blocks(kind, n, k // 32, seed=n + k)
     bias = torch.randn(n)
@@ -81,11 +91,11 @@ def test_q4_matches_the_float64_reference_of_its_blocks(builds, kind, n, k):
         assert (got - expected).abs().max().item() <= 2e-6 * scale + 1e-6, isa
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_both_builds_give_the_same_bits_at_every_batch_size(builds, kind):
     if len(builds) < 2:
         pytest.skip("this CPU runs one build only")
-    blocks = random_blocks(kind, 96, 48, seed=7)
+    blocks = random_blocks(kind, 96, 48, seed=7)  # 1536 columns
     packed = cpu_gemm.PackedQ4(kind, blocks, None)
     x = torch.randn(9, 1536)
     outputs = {isa: run(kernels, packed, x) for isa, kernels in builds.items()}
@@ -101,3 +111,12 @@ def test_packing_refuses_what_is_not_q4_blocks():
         cpu_gemm.PackedQ4("Q4_1", torch.zeros(4, 2, 18, dtype=torch.uint8), None)
     with pytest.raises(ValueError, match="Q5_0 blocks"):
         cpu_gemm.PackedQ4("Q5_0", torch.zeros(4, 2, 22, dtype=torch.uint8), None)
+
+
+def test_q4_k_sub_blocks_dequantize_as_llama_cpp_does():
+    """Q4_K's super-blocks regrouped into 32-weight blocks with float32 scales: gguf's (llama.cpp's reference)
+    dequantization of the file's bytes, to the bit."""
+    sb = random_q4_k(6, 1024, seed=3)
+    reference = gguf.quants.dequantize(sb.reshape(6, -1), gguf.GGMLQuantizationType.Q4_K)
+    ours = BlockQ4("Q4_K", torch.from_numpy(q4_k_sub_blocks(sb, 6))).dequantize().numpy()
+    assert np.array_equal(reference, ours)

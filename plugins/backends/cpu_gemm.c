@@ -91,8 +91,9 @@
     X(S, int64_t, rows)                                                                                   \
     X(S, int64_t, in_features)                                                                            \
     X(S, const uint8_t*, nibbles)    /* [N/4][K/32][4][16] */                                            \
-    X(S, const uint16_t*, scale)     /* float16 [N/4][K/32][4] */                                        \
-    X(S, const uint16_t*, mins)      /* Q4_1: float16 [N/4][K/32][4]; Q4_0: NULL */                      \
+    X(S, const void*, scale)         /* float16 (f32_scales: float32) [N/4][K/32][4] */                  \
+    X(S, const void*, mins)          /* Q4_1, Q4_K: [N/4][K/32][4] as scale; Q4_0: NULL */               \
+    X(S, int32_t, f32_scales)        /* Q4_K: each 32's d * scale and -dmin * min, exact in float32 */  \
     X(S, const float*, bias)         /* [out_features] or NULL */                                        \
     X(S, int64_t, out_features)                                                                           \
     X(S, float*, out)                /* float32 rows */                                                  \
@@ -142,10 +143,10 @@
     X(S, const float*, gate_up_scale)                                                                     \
     X(S, const void*, down_weight)                                                                        \
     X(S, const float*, down_scale)                                                                        \
-    X(S, const uint16_t*, qkv_mins)  /* Q4_1 projections: float16 minimums (*_scale: float16 scales) */    \
-    X(S, const uint16_t*, o_mins)                                                                         \
-    X(S, const uint16_t*, gate_up_mins)                                                                   \
-    X(S, const uint16_t*, down_mins)                                                                      \
+    X(S, const void*, qkv_mins)      /* Q4_1 / Q4_K projections: minimums (typed as their *_scale) */      \
+    X(S, const void*, o_mins)                                                                             \
+    X(S, const void*, gate_up_mins)                                                                       \
+    X(S, const void*, down_mins)                                                                          \
     X(S, void*, k_cache)                                                                                  \
     X(S, void*, v_cache)                                                                                  \
     X(S, const uint8_t*, keep)     /* [rows, ctx] (this layer's sliding window) or NULL */               \
@@ -153,7 +154,7 @@
     X(S, int32_t, o_kind)                                                                                 \
     X(S, int32_t, gate_up_kind)                                                                           \
     X(S, int32_t, down_kind)
-enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1 };
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1, K_Q4_K };
 
 /* A decode step through every layer (ts_decode_layers) */
 #define TS_DECODE_STEP(X, S)                                                                              \
@@ -229,7 +230,7 @@ const ts_number* ts_constants(int64_t* count) {
     static const ts_number numbers[] = {
         {"version", TS_KERNEL_VERSION}, {"avx512", TS_AVX512}, {"qk", QK}, {"tile", TILE}, {"panel", PANEL},
         {"max_group", MAX_GROUP}, {"q8_row", K_Q8_ROW}, {"q8_grouped", K_Q8_GROUPED}, {"bf16", K_BF16},
-        {"f32", K_F32}, {"q4_0", K_Q4_0}, {"q4_1", K_Q4_1},
+        {"f32", K_F32}, {"q4_0", K_Q4_0}, {"q4_1", K_Q4_1}, {"q4_k", K_Q4_K},
     };
     *count = (int64_t)(sizeof(numbers) / sizeof(numbers[0]));
     return numbers;
@@ -787,12 +788,18 @@ static inline void q4_finish(const float* lanes, const float* mins4, const float
     }
 }
 
+/* Block k's four rows' scales (or minimums): float16 widened, or float32 as stored (Q4_K). */
+static inline __m128 q4_scales(const void* p, int64_t k, int f32) {
+    return f32 ? _mm_loadu_ps((const float*)p + k * 4)
+               : _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)((const uint16_t*)p + k * 4)));
+}
+
 /* R activation rows (R <= Q4_ROWS) against one tile: the tile's nibbles and scales are decoded once per block
  * for all R rows; each row's sums are the single-row sums, in the same order. */
 #if TS_AVX512
 #define Q4_ROWS 4
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, const int8_t* x, const float* dx,
+    const int R, const uint8_t* wt, const void* dt, const void* mt, int f32, const int8_t* x, const float* dx,
     const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -804,8 +811,8 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
         const __m512i w = _mm512_loadu_si512((const void*)(wt + k * 64));
         const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
         const __m512 d16 = _mm512_permutexvar_ps(
-            spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dt + k * 4)))));
-        const __m128 m4 = mt ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(mt + k * 4))) : _mm_setzero_ps();
+            spread, _mm512_castps128_ps512(q4_scales(dt, k, f32)));
+        const __m128 m4 = mt ? q4_scales(mt, k, f32) : _mm_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int8_t* xr = x + r * K + k * QK;
             const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xr));
@@ -825,7 +832,7 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 #else
 #define Q4_ROWS 2
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, const int8_t* x, const float* dx,
+    const int R, const uint8_t* wt, const void* dt, const void* mt, int f32, const int8_t* x, const float* dx,
     const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i first = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), second = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -838,9 +845,9 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
         const __m256i w23 = _mm256_loadu_si256((const __m256i*)(wt + k * 64 + 32));
         const __m256i lo01 = _mm256_and_si256(w01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low);
         const __m256i lo23 = _mm256_and_si256(w23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low);
-        const __m256 d8 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dt + k * 4))));
+        const __m256 d8 = _mm256_castps128_ps256(q4_scales(dt, k, f32));
         const __m256 d01 = _mm256_permutevar8x32_ps(d8, first), d23 = _mm256_permutevar8x32_ps(d8, second);
-        const __m128 m4 = mt ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(mt + k * 4))) : _mm_setzero_ps();
+        const __m128 m4 = mt ? q4_scales(mt, k, f32) : _mm_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int8_t* xr = x + r * K + k * QK;
             const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xr));
@@ -871,7 +878,7 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 /* The products of rounded rows (qx, dx and their sums) with a Q4 weight; the tiles are shared among the
  * enclosing parallel region's threads (an orphaned omp for). */
 static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_all, const float* bsum_all, int64_t M,
-                    int64_t K, const uint8_t* nibbles, const uint16_t* scale, const uint16_t* mins, const float* bias,
+                    int64_t K, const uint8_t* nibbles, const void* scale, const void* mins, int f32, const float* bias,
                     int64_t N, float* out) {
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
     if (M <= 0) return;
@@ -879,8 +886,9 @@ static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_a
         _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t* wt = nibbles + t * blocks * 64;
-            const uint16_t* dt = scale + t * blocks * 4;
-            const uint16_t* mt = mins ? mins + t * blocks * 4 : 0;
+            const int64_t skip = t * blocks * 4 * (f32 ? 4 : 2); /* bytes of the earlier tiles' scales */
+            const void* dt = (const char*)scale + skip;
+            const void* mt = mins ? (const char*)mins + skip : 0;
             for (int64_t m = 0; m < M; m += Q4_ROWS) {
                 const int R = M - m < Q4_ROWS ? (int)(M - m) : Q4_ROWS;
                 float lanes[Q4_ROWS][16], mins4[Q4_ROWS][4];
@@ -888,11 +896,11 @@ static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_a
                 const float *dx = dx_all + m * blocks, *bsum = bsum_all + m * blocks;
                 const int32_t* sums = sums_all + m * blocks * 4;
                 switch (R) { /* a constant row count each: the row loops unroll */
-                    case 1: q4_tile_rows(1, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
-                    case 2: q4_tile_rows(2, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 1: q4_tile_rows(1, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 2: q4_tile_rows(2, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
 #if Q4_ROWS > 2
-                    case 3: q4_tile_rows(3, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
-                    default: q4_tile_rows(4, wt, dt, mt, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 3: q4_tile_rows(3, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    default: q4_tile_rows(4, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
 #endif
                 }
                 for (int r = 0; r < R; r++) q4_finish(lanes[r], mt ? mins4[r] : 0, bias, t * 4, N, out + (m + r) * N);
@@ -905,7 +913,7 @@ void ts_q4_gemm(const ts_q4_matmul* a) {
     _Pragma("omp parallel num_threads(a->threads)") {
         q4_round_rows(a->x, a->rows, a->in_features, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums);
         q4_rows(a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums, a->rows, a->in_features, a->nibbles,
-                a->scale, a->mins, a->bias, a->out_features, a->out);
+                a->scale, a->mins, a->f32_scales, a->bias, a->out_features, a->out);
     }
 }
 
@@ -1854,7 +1862,7 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
 
 /* Row m of x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
 static inline int is_q8(int64_t kind) { return kind == K_Q8_ROW || kind == K_Q8_GROUPED; }
-static inline int is_q4(int64_t kind) { return kind == K_Q4_0 || kind == K_Q4_1; }
+static inline int is_q4(int64_t kind) { return kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q4_K; }
 
 /* The rounded rows (and, Q4, their sums) the integer products read: q8 and Q4 projections' scratch. */
 typedef struct {
@@ -1870,14 +1878,14 @@ static void prepare_row(int kind, const float* x, int64_t m, int64_t K, rounded_
 }
 
 static void project(int kind, const float* x, rounded_rows r, uint16_t* xb, int64_t M, int64_t K, const void* w,
-                    const float* ws, const uint16_t* mins, const float* bias, int64_t N, float* out) {
+                    const float* ws, const void* mins, const float* bias, int64_t N, float* out) {
     if (kind == K_BF16)
         ts_bf16_gemm_rows(x, xb, M, K, (const uint16_t*)w, bias, N, out, 0);
     else if (kind == K_F32)
         ts_f32_gemm_rows(x, M, K, (const float*)w, bias, N, out);
     else if (is_q4(kind))
-        q4_rows(r.qx, r.dx, r.sums, r.bsum, M, K, (const uint8_t*)w, (const uint16_t*)ws,
-                kind == K_Q4_1 ? mins : 0, bias, N, out);
+        q4_rows(r.qx, r.dx, r.sums, r.bsum, M, K, (const uint8_t*)w, ws, kind == K_Q4_0 ? 0 : mins,
+                kind == K_Q4_K, bias, N, out);
     else
         q8_rows(r.qx, r.dx, M, K, (const int8_t*)w, ws, kind == K_Q8_GROUPED, bias, N, out);
 }

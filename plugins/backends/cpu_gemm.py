@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tierserve.plugins.backends.cpu_gemm_abi import (
-    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
+    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q4_K, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
 )
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, cpu_flags, object_name
 
@@ -261,7 +261,8 @@ class PackedQ4:
     __slots__ = ("nibbles", "scale", "mins", "bias", "out_features", "in_features", "kind")
 
     def __init__(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """``blocks``: uint8 ``[out_features, in_features / 32, 18 (Q4_0) or 20 (Q4_1)]`` as the file stores them."""
+        """``blocks``: uint8 ``[out_features, in_features / 32, 18 (Q4_0), 20 (Q4_1) or 24 (Q4_K)]``
+        (``linear.BlockQ4``'s layout)."""
         if library() is None:
             raise ValueError(f"PackedQ4: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
         width = Q4_BLOCK_BYTES.get(kind)
@@ -278,13 +279,18 @@ class PackedQ4:
             return part.reshape(tiles, TILE, groups, -1).permute(0, 2, 1, 3).contiguous()
 
         self.nibbles = by_tile(blocks[:, :, width - QK // 2 :])
-        self.scale = by_tile(blocks[:, :, 0:2]).view(torch.float16)[..., 0].contiguous()
-        self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if kind == "Q4_1" else None
+        if kind == "Q4_K":  # float32 scale and minimum of each 32 (linear.BlockQ4)
+            self.scale = by_tile(blocks[:, :, 0:4]).view(torch.float32)[..., 0].contiguous()
+            self.mins = by_tile(blocks[:, :, 4:8]).view(torch.float32)[..., 0].contiguous()
+        else:
+            self.scale = by_tile(blocks[:, :, 0:2]).view(torch.float16)[..., 0].contiguous()
+            self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if kind == "Q4_1" else None
         self.bias = None if bias is None else bias.float().contiguous()
 
     def projection(self) -> Projection:
         """This weight as ``ts_decode_layers`` takes it."""
-        return Projection(Q4_0 if self.kind == "Q4_0" else Q4_1, self.nibbles, self.scale, self.bias, self.mins)
+        return Projection({"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K}[self.kind], self.nibbles, self.scale, self.bias,
+                          self.mins)  # fmt: skip
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()
@@ -293,7 +299,9 @@ class PackedQ4:
         return out
 
 
-Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # llama.cpp's block_q4_0 / block_q4_1: 32 weights each
+# llama.cpp's block_q4_0 / block_q4_1, and Q4_K's 32-weight sub-blocks with their scale and minimum widened to
+# float32 (linear.BlockQ4): 32 weights each
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}
 
 
 def supports_q4(in_features: int) -> bool:

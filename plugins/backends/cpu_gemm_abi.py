@@ -30,10 +30,10 @@ QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows of a bfloat16 (AVX2 build) or q8 tile
 PANEL = 32  # output columns of a float32 or (AVX-512 build) bfloat16 panel
 MAX_GROUP = 16  # query heads per KV head the attention kernels take
-Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1 = 0, 1, 2, 3, 4, 5  # how a ts_layer projection computes (cpu_gemm.c: K_*)
+Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1, Q4_K = 0, 1, 2, 3, 4, 5, 6  # how a ts_layer projection computes (K_*)
 CONSTANTS = {"version": KERNEL_VERSION, "qk": QK, "tile": TILE, "panel": PANEL, "max_group": MAX_GROUP,
              "q8_row": Q8_ROW, "q8_grouped": Q8_GROUPED, "bf16": BF16, "f32": F32, "q4_0": Q4_0,
-             "q4_1": Q4_1}  # fmt: skip
+             "q4_1": Q4_1, "q4_k": Q4_K}  # fmt: skip
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 FLOAT32, FLOATS, INT8, INT16, INT64, UINT8 = (
@@ -61,7 +61,7 @@ class Q4Matmul(ctypes.Structure):
     """``ts_q4_matmul``: the arguments of ``ts_q4_gemm`` (a GGUF Q4_0 / Q4_1 weight kept as stored)."""
 
     _fields_ = [("x", _p), ("rows", _i64), ("in_features", _i64), ("nibbles", _p), ("scale", _p), ("mins", _p),
-                ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
+                ("f32_scales", _i32), ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
                 ("q8_sums", _p), ("q8_block_sums", _p), ("threads", _i32)]  # fmt: skip
 
 
@@ -204,8 +204,9 @@ class DecodeShape:
         )  # fmt: skip
 
 
+Q4_SCALE_DTYPES = {Q4_0: (torch.float16,), Q4_1: (torch.float16,), Q4_K: (torch.float32,)}
 WEIGHT_DTYPES = {Q8_ROW: torch.int8, Q8_GROUPED: torch.int8, BF16: torch.int16, F32: torch.float32,
-                 Q4_0: torch.uint8, Q4_1: torch.uint8}  # fmt: skip
+                 Q4_0: torch.uint8, Q4_1: torch.uint8, Q4_K: torch.uint8}  # fmt: skip
 
 
 def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Projection, n: int, k: int) -> tuple:
@@ -217,8 +218,8 @@ def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Pro
     packed_shape = kernels.packed_shape(kind, n, k)
     weight = _address(kernel, f"{label} weight", projection.weight, (WEIGHT_DTYPES[kind],), packed_shape)
     scale = None
-    if kind in (Q4_0, Q4_1):
-        scale = _address(kernel, f"{label} scale", projection.scale, (torch.float16,), packed_shape[:3])
+    if kind in (Q4_0, Q4_1, Q4_K):
+        scale = _address(kernel, f"{label} scale", projection.scale, Q4_SCALE_DTYPES[kind], packed_shape[:3])
     if kind in (Q8_ROW, Q8_GROUPED):
         scale_shape = kernels.q8_scale_shape(kind == Q8_GROUPED, n, k)
         scale = _address(kernel, f"{label} scale", projection.scale, FLOAT32, scale_shape)
@@ -323,10 +324,10 @@ class Kernels:
             return (-(-n // PANEL), k // 2, PANEL, 2) if self.avx512 else (-(-n // TILE), k // 8, TILE, 8)
         if kind == F32:
             return (-(-n // PANEL), k, PANEL)
-        if kind in (Q4_0, Q4_1):
+        if kind in (Q4_0, Q4_1, Q4_K):
             return (-(-n // TILE), k // QK, TILE, QK // 2)
         raise KernelArgumentError(
-            f"unknown projection kind {kind!r}; allowed: {Q8_ROW}, {Q8_GROUPED}, {BF16}, {F32}, {Q4_0}, {Q4_1}"
+            f"unknown projection kind {kind!r}; allowed: {Q8_ROW}, {Q8_GROUPED}, {BF16}, {F32}, {Q4_0}, {Q4_1}, {Q4_K}"
         )
 
     def q8_scale_shape(self, grouped: bool, out_features: int, in_features: int) -> tuple[int, ...]:
@@ -383,9 +384,10 @@ class Kernels:
         x: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q4_0 (``mins`` None) or Q4_1 weight in ``ts_q4_gemm``'s
-        layout: ``nibbles`` uint8 ``[ceil(N/4), K/32, 4, 16]``, ``scale`` and ``mins`` float16 ``[ceil(N/4), K/32,
-        4]``; ``x`` and ``out`` float32. The activations' Q8_0 scratch is allocated here."""
+        """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q4_0 (``mins`` None), Q4_1 or Q4_K weight in
+        ``ts_q4_gemm``'s layout: ``nibbles`` uint8 ``[ceil(N/4), K/32, 4, 16]``, ``scale`` and ``mins``
+        ``[ceil(N/4), K/32, 4]``, float16 (Q4_0, Q4_1) or float32 (Q4_K, each 32's scale and minimum widened);
+        ``x`` and ``out`` float32. The activations' Q8_0 scratch is allocated here."""
         kernel = "q4_gemm"
         tiles, blocks = _dims(kernel, "nibbles", nibbles, 4)[:2]
         rows, k = _dims(kernel, "x", x, 2)
@@ -394,8 +396,9 @@ class Kernels:
                  f"do not fit a weight of {tiles} tiles of {TILE} rows and {blocks} blocks of {QK}")  # fmt: skip
         args = Q4Matmul(rows=rows, in_features=k, out_features=n, threads=torch.get_num_threads())
         args.nibbles = _address(kernel, "nibbles", nibbles, UINT8, (tiles, blocks, TILE, QK // 2))
-        args.scale = _address(kernel, "scale", scale, (torch.float16,), (tiles, blocks, TILE))
-        args.mins = _address(kernel, "mins", mins, (torch.float16,), (tiles, blocks, TILE), optional=True)
+        args.f32_scales = int(scale.dtype == torch.float32)
+        args.scale = _address(kernel, "scale", scale, (torch.float16, torch.float32), (tiles, blocks, TILE))
+        args.mins = _address(kernel, "mins", mins, (scale.dtype,), (tiles, blocks, TILE), optional=True)
         args.bias = _address(kernel, "bias", bias, FLOAT32, (n,), optional=True)
         args.x = _address(kernel, "x", x, FLOAT32, (rows, k))
         args.out = _address(kernel, "out", out, FLOAT32, (rows, n))
@@ -584,8 +587,9 @@ class DecodeStack:
                 if name in ("qkv", "o"):
                     setattr(entry, f"{name}_bias", bias)
                 setattr(entry, f"{name}_kind", projection.kind)
-                if projection.kind == Q4_1:
-                    setattr(entry, f"{name}_mins", _address(kernel, f"{label} mins", projection.mins, (torch.float16,),
+                if projection.kind in (Q4_1, Q4_K):
+                    setattr(entry, f"{name}_mins", _address(kernel, f"{label} mins", projection.mins,
+                                                            Q4_SCALE_DTYPES[projection.kind],
                                                             tuple(projection.scale.shape)))  # fmt: skip
                 self._held += [t for t in (projection.weight, projection.scale, projection.bias, projection.mins)
                                if t is not None]  # fmt: skip

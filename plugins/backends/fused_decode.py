@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
-from tierserve.plugins.backends.cpu_gemm_abi import BF16, F32, Q4_0, Q4_1, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape
+from tierserve.plugins.backends.cpu_gemm_abi import (
+    BF16, F32, Q4_0, Q4_1, Q4_K, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape,
+)
 from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear, Q4Linear
 from tierserve.plugins.backends.paged_attention import PagedBatch
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 def _kind(linear: Linear | Int8Linear | Q4Linear, dtype: torch.dtype) -> int | None:
     """How ts_decode_layers computes this projection, or None where it cannot (the layer loop runs)."""
     if isinstance(linear, Q4Linear) and dtype == torch.float32:
-        return Q4_0 if linear.packed.kind == "Q4_0" else Q4_1
+        return {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K}[linear.packed.kind]
     if isinstance(linear, Int8Linear) and linear.q8 is not None and dtype == torch.float32:
         return Q8_GROUPED if linear.q8.grouped else Q8_ROW
     if isinstance(linear, Linear) and linear.own is not None and dtype == torch.bfloat16:

@@ -28,7 +28,7 @@ from tierserve.core.errors import ConfigError
 from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
 from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, GroupedInt8, quantize_groups
 
-Q4_KINDS = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32, as the file stores them
+Q4_KINDS = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}  # bytes per 32 weights held (linear.BlockQ4)
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +74,8 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
             state[name] = _q8_0(data, rows, order)
             continue
         if kind.name in Q4_KINDS and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
-            blocks = np.asarray(data).reshape(rows, -1, Q4_KINDS[kind.name])
+            blocks = q4_k_sub_blocks(data, rows) if kind.name == "Q4_K" else np.asarray(data).reshape(
+                rows, -1, Q4_KINDS[kind.name])
             state[name] = BlockQ4(kind.name, torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None
                                                                                   else blocks)))  # fmt: skip
             kept.add(kind.name)
@@ -110,6 +111,34 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
     if not state:
         raise ConfigError(f"model.path {str(path)!r}: none of its tensors belongs to a {config.model_type} model")
     return state
+
+
+def q4_k_sub_blocks(data: np.ndarray, rows: int) -> np.ndarray:
+    """Q4_K super-blocks (144 bytes per 256 weights: float16 d and dmin, 12 bytes of 6-bit scales and minimums,
+    128 of nibbles) as ``BlockQ4``'s 24-byte blocks of 32: each sub-block's d * scale and -dmin * min as float32
+    (exact: a float16 times a 6-bit integer), then its 32 nibbles in Q4_0's order. ``d * nibble + m`` is
+    llama.cpp's dequantize_row_q4_K, to the bit."""
+    sb = np.asarray(data).reshape(rows, -1, 144)
+    n = sb.shape[1]
+    d = np.ascontiguousarray(sb[..., 0:2]).view(np.float16).astype(np.float32)  # [rows, n, 1]
+    dmin = np.ascontiguousarray(sb[..., 2:4]).view(np.float16).astype(np.float32)
+    packed = sb[..., 4:16].astype(np.int32)
+    scales = np.empty((rows, n, 8), np.float32)
+    mins = np.empty((rows, n, 8), np.float32)
+    for j in range(4):  # llama.cpp's get_scale_min_k4
+        scales[..., j] = packed[..., j] & 63
+        mins[..., j] = packed[..., j + 4] & 63
+        scales[..., j + 4] = (packed[..., j + 8] & 0xF) | ((packed[..., j] >> 6) << 4)
+        mins[..., j + 4] = (packed[..., j + 8] >> 4) | ((packed[..., j + 4] >> 6) << 4)
+    d_sub = (d * scales).astype(np.float32)  # [rows, n, 8]
+    m_sub = (-(dmin * mins)).astype(np.float32)
+    q = sb[..., 16:144].reshape(rows, n, 4, 32)  # chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high
+    values = np.stack([q & 0xF, q >> 4], axis=3).reshape(rows, n, 8, 32)
+    nibbles = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate(
+        [d_sub[..., None].view(np.uint8), m_sub[..., None].view(np.uint8), nibbles], axis=-1
+    )  # [rows, n, 8, 24]
+    return np.ascontiguousarray(out.reshape(rows, n * 8, 24))
 
 
 def _q8_0(data: np.ndarray, rows: int, order: np.ndarray | None) -> GroupedInt8:

@@ -114,13 +114,15 @@ class GroupedInt8:
 
 @dataclass(slots=True)
 class BlockQ4:
-    """A GGUF Q4_0 or Q4_1 matrix kept as the file stores it: per row, ``in / 32`` blocks of 18 (Q4_0: a float16
-    scale d, 16 bytes of nibbles) or 20 bytes (Q4_1: d, a float16 minimum m, the nibbles); weight i of a block is
+    """A GGUF Q4_0, Q4_1 or Q4_K matrix kept at 4 bits: per row, ``in / 32`` blocks of 18 (Q4_0: a float16 scale
+    d, 16 bytes of nibbles) or 20 bytes (Q4_1: d, a float16 minimum m, the nibbles), as the file stores them, or
+    24 (Q4_K: each 32-weight sub-block of a 256-weight super-block with its scale d * sc and minimum -dmin * m
+    as float32, exact, then its nibbles: 0.75 bytes a weight against the file's 0.5625); weight i of a block is
     the low nibble of byte i (i < 16) or the high nibble of byte i - 16, and w = d * (nibble - 8) (Q4_0) or
-    d * nibble + m (Q4_1)."""
+    d * nibble + m (Q4_1, Q4_K)."""
 
-    kind: str  # "Q4_0" or "Q4_1"
-    blocks: torch.Tensor  # uint8 [out, in // 32, 18 or 20]
+    kind: str  # "Q4_0", "Q4_1" or "Q4_K"
+    blocks: torch.Tensor  # uint8 [out, in // 32, 18, 20 or 24]
 
     @property
     def shape(self) -> torch.Size:
@@ -131,9 +133,12 @@ class BlockQ4:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix, computed in float32 (each weight exactly: d and m are float16), then ``dtype``."""
-        d = self.blocks[..., 0:2].contiguous().view(torch.float16).float()
         qs = self.blocks[..., -16:].to(torch.int16)
         nibbles = torch.cat([qs & 0xF, qs >> 4], -1).float()
+        if self.kind == "Q4_K":
+            d = self.blocks[..., 0:4].contiguous().view(torch.float32)
+            return (d * nibbles + self.blocks[..., 4:8].contiguous().view(torch.float32)).reshape(self.shape).to(dtype)
+        d = self.blocks[..., 0:2].contiguous().view(torch.float16).float()
         if self.kind == "Q4_0":
             w = d * (nibbles - 8)
         else:
