@@ -23,9 +23,9 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -146,7 +146,7 @@ def resolve_named_model(reference: str, *, pull_missing: bool = True, progress: 
     hub = hub_reference(reference)
     if hub is None:
         raise ConfigError(f"model {reference!r} is neither a catalogue name ({catalogue_names()}) nor a hub id")
-    return _hub_fetch(reference, *hub, progress=progress)
+    return _hub_fetch(reference, *hub)
 
 
 def catalogue_names() -> str:
@@ -170,7 +170,7 @@ def pull(
                 f"tierserve pull {reference!r}: not a catalogue name ({catalogue_names()}) and not a Hugging Face "
                 "id (org/name or org/name:file.gguf)"
             )
-        return _hub_fetch(reference, *hub, progress=progress)
+        return _hub_fetch(reference, *hub)
     target = cached_path(entry, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / ".pull.lock"):
@@ -291,7 +291,7 @@ def _write_manifest(directory: Path, model: CachedModel) -> None:
     os.replace(partial, directory / MANIFEST)
 
 
-def _hub_fetch(reference: str, repo: str, filename: str | None, *, progress: bool) -> Path:
+def _hub_fetch(reference: str, repo: str, filename: str | None) -> Path:
     """Fetch ``repo`` (or one GGUF file of it) through huggingface_hub, with a hard deadline on reaching the hub."""
     how = (
         f"download it where the hub is reachable (`huggingface-cli download {repo}{' ' + filename if filename else ''}`) "
@@ -302,7 +302,7 @@ def _hub_fetch(reference: str, repo: str, filename: str | None, *, progress: boo
         import huggingface_hub
     except ImportError:
         raise ConfigError(f"model {reference!r}: huggingface_hub is not installed; {how}") from None
-    fetch = _hub_download_call(huggingface_hub, repo, filename, progress)
+    fetch = _hub_download_call(huggingface_hub, repo, filename)
     # until the hub has answered, everything shares one deadline: even a cache-only lookup opens a connection
     deadline = time.monotonic() + HUB_TIMEOUT_SECONDS
     done, found = _before(deadline, lambda: fetch(local_files_only=True))
@@ -331,7 +331,7 @@ def _hub_fetch(reference: str, repo: str, filename: str | None, *, progress: boo
     return path
 
 
-def _hub_download_call(hub, repo: str, filename: str | None, progress: bool) -> Callable[..., str]:
+def _hub_download_call(hub, repo: str, filename: str | None) -> Callable[..., str]:
     if filename is not None:
         return lambda **kw: hub.hf_hub_download(repo, filename, **kw)
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]

@@ -125,18 +125,7 @@ def cache_dir_for(path: Path) -> Path:
 def cached_config_file(path: Path) -> Path | None:
     """The cached config.json of the GGUF file ``path``, or None before its first conversion. Cheap: no
     transformers import (the key needs only its version string)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from tierserve.models.builtin_models import cache_root
-    from tierserve.models.gguf import check_gguf, gguf_fingerprint
-
-    try:
-        transformers_version = version("transformers")
-    except PackageNotFoundError:
-        return None
-    check_gguf(path)
-    key = gguf_fingerprint(path, f"transformers-{transformers_version}", f"conversion-{CONVERSION_VERSION}")
-    found = cache_root() / "gguf-meta" / key / "config.json"
+    found = cache_dir_for(path) / "config.json"
     return found if found.is_file() else None
 
 

@@ -28,6 +28,7 @@ sees the context and its own ancestors only (``core/token_tree.py``).
 
 from __future__ import annotations
 
+import math
 import mmap
 import warnings
 from collections.abc import Sequence as Seq
@@ -405,10 +406,7 @@ def lazy_zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype)
     writing zeros over all of it at load (``torch.zeros``: the whole pool resident from the start)."""
     if device.type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     with warnings.catch_warnings():  # the map is writable; torch warns about buffers in general
