@@ -21,10 +21,14 @@ from safetensors.torch import load_file
 
 OUTTYPES = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-            "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
+            "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
+            "q4_k_m": gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-              "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}  # fmt: skip
+              "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+              "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}  # fmt: skip
+# llama-quantize's Q4_K_M keeps these in Q6_K (the rest Q4_K): v and down (in most layers) and the output head
+Q6_K_TENSORS = ("attn_v", "ffn_down", "output")
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -70,9 +74,20 @@ def random_q4_k(rows: int, columns: int, seed: int) -> np.ndarray:
     return sb
 
 
+def random_q6_k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """uint8 ``[rows, columns / 256, 210]`` Q6_K super-blocks: random nibbles, high bit pairs and int8 scales
+    (-128 included), a small float16 d."""
+    rng = np.random.default_rng(seed)
+    sb = rng.integers(0, 256, (rows, columns // 256, 210), dtype=np.uint8)
+    d = (rng.random((rows, columns // 256, 1)) * 0.00004).astype(np.float16)  # |w| up to ~0.16, as trained
+    sb[..., 208:210] = d.view(np.uint8).reshape(rows, columns // 256, 2)
+    return sb
+
+
 def write_gguf(checkpoint: Path, target: Path, outtype: str) -> Path:
     """``checkpoint`` (a llama, qwen2 or qwen3 directory) as a GGUF file at ``target`` in ``outtype`` (f32, bf16, q8_0,
-    q4_0, q4_1; q4_k: random super-blocks, for widths that are multiples of 256)."""
+    q4_0, q4_1; q4_k: random super-blocks, for widths that are multiples of 256; q4_k_m: the same with random
+    Q6_K super-blocks for ``Q6_K_TENSORS``, as llama-quantize mixes them)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = config["model_type"]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
@@ -111,8 +126,14 @@ def write_gguf(checkpoint: Path, target: Path, outtype: str) -> Path:
         elif arch == "llama" and base.endswith("self_attn.k_proj"):
             data = _permute(data, kv_heads)
         kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-        if kind == gguf.GGMLQuantizationType.Q4_K:  # the gguf package has no Q4_K quantizer: seeded random blocks
-            stored = random_q4_k(data.shape[0], data.shape[1], seed=zlib.crc32(f"{name}.{suffix}".encode()))
+        if kind == gguf.GGMLQuantizationType.Q4_K:  # the gguf package has no K quantizer: seeded random blocks
+            seed = zlib.crc32(f"{name}.{suffix}".encode())
+            if outtype == "q4_k_m" and name.rsplit(".", 1)[-1] in Q6_K_TENSORS:
+                stored = random_q6_k(data.shape[0], data.shape[1], seed=seed)
+                writer.add_tensor(f"{name}.{suffix}", stored.reshape(data.shape[0], -1),
+                                  raw_dtype=gguf.GGMLQuantizationType.Q6_K)  # fmt: skip
+                continue
+            stored = random_q4_k(data.shape[0], data.shape[1], seed=seed)
             writer.add_tensor(f"{name}.{suffix}", stored.reshape(data.shape[0], -1), raw_dtype=kind)
             continue
         stored = gguf.quants.quantize(data, kind) if kind != gguf.GGMLQuantizationType.F32 else data

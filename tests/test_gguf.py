@@ -25,7 +25,7 @@ from tierserve.core.errors import ConfigError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.gguf_weights import load_gguf_state
-from tierserve.plugins.backends.linear import BlockQ4, GroupedInt8, Q4Linear
+from tierserve.plugins.backends.linear import BlockLinear, BlockQ4, BlockQ6K, GroupedInt8, SplitLinear
 from tierserve.plugins.backends.llama import PagedLlama
 
 pytestmark = pytest.mark.unit
@@ -213,7 +213,7 @@ def test_q4_runs_as_its_dequantized_weights(files, architecture, outtype):
     model = PagedLlama(config, load_gguf_state(path, config, torch.float32, "gguf"), torch.device("cpu"),
                        torch.float32, quantization="gguf")  # fmt: skip
     assert model.linear_kernel.endswith("+q4"), model.linear_kernel
-    assert all(isinstance(m, Q4Linear) for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up,
+    assert all(isinstance(m, BlockLinear) for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up,
                                                                             layer.down))  # fmt: skip
     found = closeness(expected, teacher_forced_logits(model, ids))
     print(f"{architecture} {outtype} (q4) vs dequantized reference: {found}")
@@ -256,6 +256,32 @@ def test_q4_k_runs_as_its_dequantized_weights_and_decodes_in_one_call(tmp_path):
     assert model.linear_kernel.endswith("+q4")
     found = closeness(expected, teacher_forced_logits(model, ids))
     print(f"llama Q4_K (q4) vs dequantized reference: {found}")
+    assert found.greedy_agreement >= Q8_AGREEMENT and found.mean_kl <= Q8_KL, found
+    engine = make_engine(path, model__quantization="gguf", kv_cache__enable_prefix_caching=False)
+    fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])
+    assert fused_steps == 11 and all(torch.equal(a, b) for a, b in zip(fused, loop))
+
+
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="GGUF blocks run on tierserve's kernels")
+def test_q4_k_m_keeps_q6_k_and_q4_k_apart_and_decodes_in_one_call(tmp_path):
+    """A Q4_K_M-style file (v, down and the head in Q6_K, the rest Q4_K): every block kept in its own type (q and
+    k in Q4_K with v in Q6_K: a split projection, nothing re-quantized), against transformers' model of the
+    dequantized file, and the one-call decode (the split q/k/v included) equal to the layer loop, bit for bit."""
+    from tests.test_cpu_gemm import fused_and_layer_loop_logits
+
+    checkpoint = build_checkpoint(tmp_path, "llama256", "llama", hidden_size=256, intermediate_size=512)
+    path = write_gguf(checkpoint, tmp_path / "llama256-q4_k_m.gguf", "q4_k_m")
+    _, ids, expected = dequantized_reference(path)
+    config = load_config(path)
+    state = load_gguf_state(path, config, torch.float32, "gguf")
+    assert {t.kind for t in state.values() if isinstance(t, (BlockQ4, BlockQ6K))} == {"Q4_K", "Q6_K"}
+    assert not any(isinstance(t, GroupedInt8) for name, t in state.items() if name != "model.embed_tokens.weight")
+    model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="gguf")
+    assert model.linear_kernel.endswith("+q4+q6k"), model.linear_kernel
+    assert isinstance(model.layers[0].qkv, SplitLinear) and model.layers[0].qkv.kernel == "q4-q4k+q6-k"
+    assert isinstance(model.layers[0].down, BlockLinear) and model.layers[0].down.kernel == "q6-k"
+    found = closeness(expected, teacher_forced_logits(model, ids))
+    print(f"llama Q4_K_M (q4 + q6k) vs dequantized reference: {found}")
     assert found.greedy_agreement >= Q8_AGREEMENT and found.mean_kl <= Q8_KL, found
     engine = make_engine(path, model__quantization="gguf", kv_cache__enable_prefix_caching=False)
     fused, loop, fused_steps = fused_and_layer_loop_logits(engine, PROMPTS[:3])

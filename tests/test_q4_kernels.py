@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 weights kept at 4 bits (cpu_gemm.c's ts_q4_gemm): against a float64 reference of the
+"""GGUF Q4_0 / Q4_1 / Q4_K and Q6_K weights kept in their blocks (cpu_gemm.c's ts_q4_gemm, ts_q6k_gemm): against a float64 reference of the
 dequantized blocks and the Q8_0-rounded activations, the same bits in the AVX2 and AVX-512 builds, and a row's
 result independent of the batch it runs in."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
-from tests.gguf_helpers import random_q4_k
+from tests.gguf_helpers import random_q4_k, random_q6_k
 from tierserve.plugins.backends.cpu_gemm_abi import Kernels
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, cpu_flags, object_name
 from tierserve.plugins.backends.gguf_weights import q4_k_sub_blocks
-from tierserve.plugins.backends.linear import BlockQ4
+from tierserve.plugins.backends.linear import BlockQ4, BlockQ6K
 
 pytestmark = pytest.mark.unit
 
@@ -120,3 +120,48 @@ def test_q4_k_sub_blocks_dequantize_as_llama_cpp_does():
     reference = gguf.quants.dequantize(sb.reshape(6, -1), gguf.GGMLQuantizationType.Q4_K)
     ours = BlockQ4("Q4_K", torch.from_numpy(q4_k_sub_blocks(sb, 6))).dequantize().numpy()
     assert np.array_equal(reference, ours)
+
+
+def run_q6(kernels: Kernels, packed: cpu_gemm.PackedQ6K, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], packed.out_features)
+    kernels.q6k_matmul(packed.bits, packed.scale, packed.d, packed.bias, x, out)
+    return out
+
+
+def test_q6_k_dequantizes_as_llama_cpp_does():
+    """The file's Q6_K super-blocks read as gguf's (llama.cpp's reference) dequantize_row_q6_K reads them, to the
+    bit, random scales (-128 included) and all."""
+    sb = random_q6_k(5, 768, seed=4)
+    reference = gguf.quants.dequantize(sb.reshape(5, -1), gguf.GGMLQuantizationType.Q6_K)
+    assert np.array_equal(reference, BlockQ6K(torch.from_numpy(sb)).dequantize().numpy())
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 512), (18, 1536), (7, 256)])
+def test_q6_k_matches_the_float64_reference_of_its_blocks(builds, n, k):
+    weight = BlockQ6K(torch.from_numpy(random_q6_k(n, k, seed=n + k)))
+    bias = torch.randn(n)
+    packed = cpu_gemm.PackedQ6K(*weight.values(), bias)
+    x = torch.randn(5, k) * 3
+    expected = q8_rounded(x) @ weight.dequantize().double().T + bias.double()
+    for isa, kernels in builds.items():
+        got = run_q6(kernels, packed, x).double()
+        assert (got - expected).abs().max().item() <= 2e-6 * expected.abs().max().item() + 1e-6, isa
+
+
+def test_q6_k_gives_the_same_bits_in_both_builds_at_every_batch_size(builds):
+    if len(builds) < 2:
+        pytest.skip("this CPU runs one build only")
+    weight = BlockQ6K(torch.from_numpy(random_q6_k(38, 1536, seed=8)))  # 38 rows: a padded last tile
+    packed = cpu_gemm.PackedQ6K(*weight.values(), None)
+    x = torch.randn(9, 1536)
+    outputs = {isa: run_q6(kernels, packed, x) for isa, kernels in builds.items()}
+    assert torch.equal(outputs["avx2"], outputs["avx512"])
+    for kernels in builds.values():
+        for i in range(x.shape[0]):
+            assert torch.equal(run_q6(kernels, packed, x[i : i + 1].contiguous())[0], outputs["avx2"][i])
+
+
+def test_q6_k_refuses_a_width_of_partial_super_blocks():
+    q = torch.zeros(4, 288, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not whole super-blocks of 256"):
+        cpu_gemm.PackedQ6K(q, torch.zeros(4, 18, dtype=torch.int8), torch.zeros(4, 1), None)

@@ -143,7 +143,7 @@
     X(S, const float*, gate_up_scale)                                                                     \
     X(S, const void*, down_weight)                                                                        \
     X(S, const float*, down_scale)                                                                        \
-    X(S, const void*, qkv_mins)      /* Q4_1 / Q4_K projections: minimums (typed as their *_scale) */      \
+    X(S, const void*, qkv_mins)      /* Q4_1 / Q4_K: minimums (typed as their *_scale); Q6_K: row scales d */ \
     X(S, const void*, o_mins)                                                                             \
     X(S, const void*, gate_up_mins)                                                                       \
     X(S, const void*, down_mins)                                                                          \
@@ -153,8 +153,14 @@
     X(S, int32_t, qkv_kind)                                                                               \
     X(S, int32_t, o_kind)                                                                                 \
     X(S, int32_t, gate_up_kind)                                                                           \
-    X(S, int32_t, down_kind)
-enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1, K_Q4_K };
+    X(S, int32_t, down_kind)                                                                              \
+    X(S, const void*, qkv_tail_weight) /* qkv's last rows in another kind (GGUF: v in Q6_K, q and k in Q4_K) */ \
+    X(S, const float*, qkv_tail_scale)                                                                    \
+    X(S, const void*, qkv_tail_mins)                                                                      \
+    X(S, const float*, qkv_tail_bias)                                                                     \
+    X(S, int64_t, qkv_tail_rows)   /* 0: qkv is one projection */                                        \
+    X(S, int32_t, qkv_tail_kind)
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1, K_Q4_K, K_Q6_K };
 
 /* A decode step through every layer (ts_decode_layers) */
 #define TS_DECODE_STEP(X, S)                                                                              \
@@ -230,7 +236,7 @@ const ts_number* ts_constants(int64_t* count) {
     static const ts_number numbers[] = {
         {"version", TS_KERNEL_VERSION}, {"avx512", TS_AVX512}, {"qk", QK}, {"tile", TILE}, {"panel", PANEL},
         {"max_group", MAX_GROUP}, {"q8_row", K_Q8_ROW}, {"q8_grouped", K_Q8_GROUPED}, {"bf16", K_BF16},
-        {"f32", K_F32}, {"q4_0", K_Q4_0}, {"q4_1", K_Q4_1}, {"q4_k", K_Q4_K},
+        {"f32", K_F32}, {"q4_0", K_Q4_0}, {"q4_1", K_Q4_1}, {"q4_k", K_Q4_K}, {"q6_k", K_Q6_K},
     };
     *count = (int64_t)(sizeof(numbers) / sizeof(numbers[0]));
     return numbers;
@@ -914,6 +920,148 @@ void ts_q4_gemm(const ts_q4_matmul* a) {
         q4_round_rows(a->x, a->rows, a->in_features, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums);
         q4_rows(a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums, a->rows, a->in_features, a->nibbles,
                 a->scale, a->mins, a->f32_scales, a->bias, a->out_features, a->out);
+    }
+}
+
+/* Q6_K (ts_q6k_gemm; K_Q6_K in ts_decode_layers). llama.cpp's block_q6_K (256 weights: 6-bit q as 128 bytes of
+ * low nibbles and 64 of high bit pairs, 16 int8 scales, a float16 d; w = d * scale * (q - 32), a scale per 16)
+ * repacked by tiles of 4 rows at 26.5 bytes per 32 weights (the file: 26.25). Per block of 32, 96 bytes: the
+ * 4 rows' 16 bytes of nibbles in Q4_0's order (weight i: byte i % 16, the low nibble for i < 16), then their 8
+ * bytes of high pairs (byte b: weights b, 8 + b, 16 + b, 24 + b in bits 0-1, 2-3, 4-5, 6-7); the 4 rows' int8
+ * scales of weights 0-15, then of 16-31 ([N/4][K/32][2][4]); each row's d as float32 per 256 ([N/4][K/256][4]).
+ * A row's products with an activation block rounded to Q8_0 (q, dx): q x x summed exactly in int32 per lane
+ * (lane j: weights 4j..4j+3 of each half of 16), 32 x the half's activation lane sums taken off, each half
+ * times its scale and the halves added (exact: every value stays under 2^23), widened to float32 and scaled
+ * by d * dx into four running sums per row, added at the end as Q4's are. Both builds do these operations in
+ * this order: their results are the same bits, at every batch size. */
+#define Q6_BLOCK 96 /* bytes of one tile's block of 32: 4 rows x (16 of nibbles + 8 of high pairs) */
+#if TS_AVX512
+static inline __attribute__((always_inline)) void q6_tile_rows(const int R, const uint8_t* wt, const int8_t* st,
+                                                               const float* dt, const int8_t* x, const float* dx,
+                                                               int64_t K, int64_t blocks, float (*lanes)[16]) {
+    const __m512i low = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i twice = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0); /* each row's 8 high bytes in both halves */
+    const __m512i up = _mm512_set_epi64(2, 4, 2, 4, 2, 4, 2, 4), down = _mm512_set_epi64(2, 0, 2, 0, 2, 0, 2, 0);
+    __m512 acc[Q4_ROWS], d16 = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const uint8_t* wb = wt + k * Q6_BLOCK;
+        _mm_prefetch((const char*)(wb + 8 * Q6_BLOCK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + 8 * Q6_BLOCK + 64), _MM_HINT_T0);
+        if (k % 8 == 0) d16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dt + k / 8 * 4)));
+        const __m512i w = _mm512_loadu_si512((const void*)wb);
+        const __m512i hb = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(wb + 64))));
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, low), _mm512_and_si512(_mm512_sllv_epi64(hb, up), pair));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), low),
+                                           _mm512_and_si512(_mm512_srlv_epi64(hb, down), pair));
+        const __m128i s8 = _mm_loadl_epi64((const __m128i*)(st + k * 8));
+        const __m512i sl = _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(_mm_cvtepi8_epi32(s8)));
+        const __m512i sh = _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(_mm_cvtepi8_epi32(_mm_srli_si128(s8, 4))));
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = x + r * K + k * QK;
+            const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xr));
+            const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xr + 16)));
+            const __m512i zero = _mm512_setzero_si512();
+            const __m512i il = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, lo, xl), _mm512_dpbusd_epi32(zero, c32, xl));
+            const __m512i ih = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, hi, xh), _mm512_dpbusd_epi32(zero, c32, xh));
+            const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(il, sl), _mm512_mullo_epi32(ih, sh));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d16, _mm512_set1_ps(dx[r * blocks + k])),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(lanes[r], acc[r]);
+}
+#else
+static inline __attribute__((always_inline)) void q6_tile_rows(const int R, const uint8_t* wt, const int8_t* st,
+                                                               const float* dt, const int8_t* x, const float* dx,
+                                                               int64_t K, int64_t blocks, float (*lanes)[16]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i first = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), second = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+    const __m256i up = _mm256_set_epi64x(2, 4, 2, 4), down = _mm256_set_epi64x(2, 0, 2, 0);
+    __m256 acc01[Q4_ROWS], acc23[Q4_ROWS], d01 = _mm256_setzero_ps(), d23 = d01;
+    for (int r = 0; r < R; r++) acc01[r] = acc23[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const uint8_t* wb = wt + k * Q6_BLOCK;
+        _mm_prefetch((const char*)(wb + 8 * Q6_BLOCK), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + 8 * Q6_BLOCK + 64), _MM_HINT_T0);
+        if (k % 8 == 0) {
+            const __m256 d8 = _mm256_castps128_ps256(_mm_loadu_ps(dt + k / 8 * 4));
+            d01 = _mm256_permutevar8x32_ps(d8, first), d23 = _mm256_permutevar8x32_ps(d8, second);
+        }
+        const __m256i w01 = _mm256_loadu_si256((const __m256i*)wb), w23 = _mm256_loadu_si256((const __m256i*)(wb + 32));
+        const __m256i h01 = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(wb + 64))), 0x50);
+        const __m256i h23 = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(wb + 80))), 0x50);
+        const __m256i lo01 = _mm256_or_si256(_mm256_and_si256(w01, low), _mm256_and_si256(_mm256_sllv_epi64(h01, up), pair));
+        const __m256i hi01 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w01, 4), low),
+                                             _mm256_and_si256(_mm256_srlv_epi64(h01, down), pair));
+        const __m256i lo23 = _mm256_or_si256(_mm256_and_si256(w23, low), _mm256_and_si256(_mm256_sllv_epi64(h23, up), pair));
+        const __m256i hi23 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w23, 4), low),
+                                             _mm256_and_si256(_mm256_srlv_epi64(h23, down), pair));
+        const __m128i s8 = _mm_loadl_epi64((const __m128i*)(st + k * 8));
+        const __m256i sl = _mm256_castsi128_si256(_mm_cvtepi8_epi32(s8));
+        const __m256i sh = _mm256_castsi128_si256(_mm_cvtepi8_epi32(_mm_srli_si128(s8, 4)));
+        const __m256i sl01 = _mm256_permutevar8x32_epi32(sl, first), sl23 = _mm256_permutevar8x32_epi32(sl, second);
+        const __m256i sh01 = _mm256_permutevar8x32_epi32(sh, first), sh23 = _mm256_permutevar8x32_epi32(sh, second);
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = x + r * K + k * QK;
+            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xr));
+            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xr + 16)));
+            const __m256i ol = _mm256_madd_epi16(_mm256_maddubs_epi16(c32, xl), ones);
+            const __m256i oh = _mm256_madd_epi16(_mm256_maddubs_epi16(c32, xh), ones);
+#define Q6_HALF(W, X, O) _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones), O)
+            const __m256i i01 = _mm256_add_epi32(_mm256_mullo_epi32(Q6_HALF(lo01, xl, ol), sl01),
+                                                 _mm256_mullo_epi32(Q6_HALF(hi01, xh, oh), sh01));
+            const __m256i i23 = _mm256_add_epi32(_mm256_mullo_epi32(Q6_HALF(lo23, xl, ol), sl23),
+                                                 _mm256_mullo_epi32(Q6_HALF(hi23, xh, oh), sh23));
+#undef Q6_HALF
+            const __m256 dxv = _mm256_set1_ps(dx[r * blocks + k]);
+            acc01[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i01), _mm256_mul_ps(d01, dxv), acc01[r]);
+            acc23[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i23), _mm256_mul_ps(d23, dxv), acc23[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(lanes[r], acc01[r]), _mm256_storeu_ps(lanes[r] + 8, acc23[r]);
+}
+#endif
+
+/* The products of rounded rows (qx, dx) with a Q6_K weight; the tiles are shared among the enclosing parallel
+ * region's threads (an orphaned omp for). */
+static void q6_rows(const int8_t* qx, const float* dx_all, int64_t M, int64_t K, const uint8_t* bits,
+                    const int8_t* scales, const float* d, const float* bias, int64_t N, float* out) {
+    const int64_t blocks = K / QK, tiles = (N + 3) / 4;
+    if (M <= 0) return;
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t* wt = bits + t * blocks * Q6_BLOCK;
+        const int8_t* st = scales + t * blocks * 8;
+        const float* dt = d + t * (blocks / 8) * 4;
+        for (int64_t m = 0; m < M; m += Q4_ROWS) {
+            const int R = M - m < Q4_ROWS ? (int)(M - m) : Q4_ROWS;
+            float lanes[Q4_ROWS][16];
+            const int8_t* x = qx + m * K;
+            const float* dx = dx_all + m * blocks;
+            switch (R) { /* a constant row count each: the row loops unroll */
+                case 1: q6_tile_rows(1, wt, st, dt, x, dx, K, blocks, lanes); break;
+                case 2: q6_tile_rows(2, wt, st, dt, x, dx, K, blocks, lanes); break;
+#if Q4_ROWS > 2
+                case 3: q6_tile_rows(3, wt, st, dt, x, dx, K, blocks, lanes); break;
+                default: q6_tile_rows(4, wt, st, dt, x, dx, K, blocks, lanes); break;
+#endif
+            }
+            for (int r = 0; r < R; r++) q4_finish(lanes[r], 0, bias, t * 4, N, out + (m + r) * N);
+        }
+    }
+}
+
+/* ts_q4_matmul's fields for a Q6_K weight: nibbles -> the 96-byte blocks, scale -> the int8 scales, mins -> d. */
+void ts_q6k_gemm(const ts_q4_matmul* a) {
+    const int64_t K = a->in_features, blocks = K / QK;
+    _Pragma("omp parallel num_threads(a->threads)") {
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < a->rows; m++) ts_q8_quantize(a->x + m * K, K, a->q8_rows + m * K, a->q8_scales + m * blocks);
+        q6_rows(a->q8_rows, a->q8_scales, a->rows, K, a->nibbles, (const int8_t*)a->scale, (const float*)a->mins,
+                a->bias, a->out_features, a->out);
     }
 }
 
@@ -1863,6 +2011,7 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
 /* Row m of x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
 static inline int is_q8(int64_t kind) { return kind == K_Q8_ROW || kind == K_Q8_GROUPED; }
 static inline int is_q4(int64_t kind) { return kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q4_K; }
+static inline int rounds_rows(int64_t kind) { return is_q8(kind) || kind == K_Q6_K; } /* Q8_0 rows, no sums */
 
 /* The rounded rows (and, Q4, their sums) the integer products read: q8 and Q4 projections' scratch. */
 typedef struct {
@@ -1873,7 +2022,7 @@ typedef struct {
 } rounded_rows;
 
 static void prepare_row(int kind, const float* x, int64_t m, int64_t K, rounded_rows r) {
-    if (is_q8(kind)) ts_q8_quantize(x + m * K, K, r.qx + m * K, r.dx + m * (K / QK));
+    if (rounds_rows(kind)) ts_q8_quantize(x + m * K, K, r.qx + m * K, r.dx + m * (K / QK));
     if (is_q4(kind)) q4_round_row(x, m, K, r.qx, r.dx, r.sums, r.bsum);
 }
 
@@ -1886,6 +2035,8 @@ static void project(int kind, const float* x, rounded_rows r, uint16_t* xb, int6
     else if (is_q4(kind))
         q4_rows(r.qx, r.dx, r.sums, r.bsum, M, K, (const uint8_t*)w, ws, kind == K_Q4_0 ? 0 : mins,
                 kind == K_Q4_K, bias, N, out);
+    else if (kind == K_Q6_K)
+        q6_rows(r.qx, r.dx, M, K, (const uint8_t*)w, (const int8_t*)ws, (const float*)mins, bias, N, out);
     else
         q8_rows(r.qx, r.dx, M, K, (const int8_t*)w, ws, kind == K_Q8_GROUPED, bias, N, out);
 }
@@ -1940,8 +2091,21 @@ void ts_decode_layers(const ts_decode_step* step) {
             if (l > 0) add_rows(hidden + m * H, delta + m * H, H, act_bf16);
             norm(hidden + m * H, 1, H, p->input_norm, eps, x + m * H);
             prepare_row(p->qkv_kind, x, m, H, rr);
+            if (p->qkv_tail_rows) prepare_row(p->qkv_tail_kind, x, m, H, rr); /* the same rounded rows (and sums) */
         }
-        project(p->qkv_kind, x, rr, xb, M, H, p->qkv_weight, p->qkv_scale, p->qkv_mins, p->qkv_bias, qkv_n, qkv);
+        if (p->qkv_tail_rows) { /* each part into the gate/up area (not yet in use), then the rows joined */
+            const int64_t tail = p->qkv_tail_rows, head = qkv_n - tail;
+            float *first = gu, *second = gu + M * head;
+            project(p->qkv_kind, x, rr, xb, M, H, p->qkv_weight, p->qkv_scale, p->qkv_mins, p->qkv_bias, head, first);
+            project(p->qkv_tail_kind, x, rr, xb, M, H, p->qkv_tail_weight, p->qkv_tail_scale, p->qkv_tail_mins,
+                    p->qkv_tail_bias, tail, second);
+            _Pragma("omp for schedule(static)")
+            for (int64_t m = 0; m < M; m++) {
+                memcpy(qkv + m * qkv_n, first + m * head, head * sizeof(float));
+                memcpy(qkv + m * qkv_n + head, second + m * tail, tail * sizeof(float));
+            }
+        } else
+            project(p->qkv_kind, x, rr, xb, M, H, p->qkv_weight, p->qkv_scale, p->qkv_mins, p->qkv_bias, qkv_n, qkv);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             float* row = qkv + m * qkv_n;
@@ -2017,7 +2181,7 @@ void ts_decode_layers(const ts_decode_step* step) {
         }
         project(p->gate_up_kind, x, rr, xb, M, H, p->gate_up_weight, p->gate_up_scale, p->gate_up_mins, 0, 2 * I,
                 gu);
-        const int q8_down = is_q8(p->down_kind) || is_q4(p->down_kind), q4_down = is_q4(p->down_kind);
+        const int q8_down = rounds_rows(p->down_kind) || is_q4(p->down_kind), q4_down = is_q4(p->down_kind);
         _Pragma("omp for schedule(static)")
         for (int64_t j = 0; j < M * (I / QK); j++) { /* SiLU-mul of 32 columns, then their Q8_0 block rounded */
             const int64_t m = j / (I / QK), at = (j % (I / QK)) * QK;

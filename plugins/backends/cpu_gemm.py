@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tierserve.plugins.backends.cpu_gemm_abi import (
-    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q4_K, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
+    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q4_K, Q6_K, Q6_SUPER, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
 )
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, cpu_flags, object_name
 
@@ -304,9 +304,60 @@ class PackedQ4:
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}
 
 
+class PackedQ6K:
+    """A GGUF Q6_K weight in ``ts_q6k_gemm``'s layout (cpu_gemm.c: tiles of 4 rows; per block of 32 the rows'
+    nibbles and high bit pairs, 26.5 bytes per 32 weights against the file's 26.25); calls round the activations
+    to Q8_0 blocks and return float32 rows."""
+
+    __slots__ = ("bits", "scale", "d", "bias", "out_features", "in_features")
+    kind = "Q6_K"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """``q`` uint8 ``[out, in]`` 6-bit values, ``scales`` int8 ``[out, in / 16]``, ``d`` float32
+        ``[out, in / 256]`` (``linear.BlockQ6K.values``): weight ``i`` of a row is ``d * scales[i // 16] * (q - 32)``."""
+        if library() is None:
+            raise ValueError(f"PackedQ6K: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
+        self.out_features, self.in_features = q.shape
+        if self.in_features % (QK * Q6_SUPER):
+            raise ValueError(f"PackedQ6K: the width {self.in_features} is not whole super-blocks of {QK * Q6_SUPER}")
+        blocks = self.in_features // QK
+        q, scales, d = (_pad_rows(t.cpu()) for t in (q, scales, d))
+        tiles = q.shape[0] // TILE
+
+        def by_tile(part: torch.Tensor) -> torch.Tensor:  # [N, blocks * w] -> [N/4, blocks, 4, w]
+            return part.reshape(tiles, TILE, blocks, -1).permute(0, 2, 1, 3).contiguous()
+
+        q = q.reshape(-1, blocks, QK)
+        nibbles = (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)
+        high = q >> 4  # weights b, 8 + b, 16 + b, 24 + b of a block share byte b
+        pairs = high[..., 0:8] | (high[..., 8:16] << 2) | (high[..., 16:24] << 4) | (high[..., 24:32] << 6)
+        self.bits = torch.cat([by_tile(nibbles).reshape(tiles, blocks, -1), by_tile(pairs).reshape(tiles, blocks, -1)],
+                              -1).contiguous()  # fmt: skip
+        self.scale = by_tile(scales).transpose(2, 3).contiguous()  # [N/4, blocks, 2, 4]: first halves, then second
+        self.d = d.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()  # [N/4, in / 256, 4]
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def projection(self) -> Projection:
+        """This weight as ``ts_decode_layers`` takes it."""
+        return Projection(Q6_K, self.bits, self.scale, self.bias, self.d)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float().contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        library().q6k_matmul(self.bits, self.scale, self.d, self.bias, rows, out)
+        return out
+
+
 def supports_q4(in_features: int) -> bool:
     """Whether ``PackedQ4`` can run here (the kernels load; the input width is whole blocks of 32)."""
     return library() is not None and in_features % QK == 0
+
+
+def supports_blocks(kind: str, in_features: int) -> bool:
+    """Whether GGUF blocks of ``kind`` (Q4_0, Q4_1, Q4_K, Q6_K) run here at this input width."""
+    if kind == "Q6_K":
+        return library() is not None and in_features % (QK * Q6_SUPER) == 0
+    return supports_q4(in_features)
 
 
 def supports_float(weight: torch.Tensor) -> bool:

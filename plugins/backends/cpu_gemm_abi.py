@@ -12,7 +12,8 @@ argument, what it takes and what it got: the C code trusts every pointer.
       -> Kernels.matmul_weight(Projection)            the packed weight, checked once
       -> Kernels.matmul(weight, x, out, ...)          each call's tensors checked, a Matmul struct
         -> ts_q8_gemm(const ts_matmul*)               cpu_gemm.c
-      -> Kernels.q4_matmul(nibbles, scale, mins, ...) a GGUF Q4_0 / Q4_1 weight: ts_q4_gemm(const ts_q4_matmul*)
+      -> Kernels.q4_matmul(nibbles, scale, mins, ...) a GGUF Q4_0 / Q4_1 / Q4_K weight: ts_q4_gemm(const ts_q4_matmul*)
+      -> Kernels.q6k_matmul(bits, scales, d, ...)     a GGUF Q6_K weight: ts_q6k_gemm(const ts_q4_matmul*)
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows of a bfloat16 (AVX2 build) or q8 tile
 PANEL = 32  # output columns of a float32 or (AVX-512 build) bfloat16 panel
 MAX_GROUP = 16  # query heads per KV head the attention kernels take
-Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1, Q4_K = 0, 1, 2, 3, 4, 5, 6  # how a ts_layer projection computes (K_*)
+Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1, Q4_K, Q6_K = 0, 1, 2, 3, 4, 5, 6, 7  # how a ts_layer projection computes
+Q6_BLOCK = 96  # bytes of a Q6_K tile's block of 32 weights: 4 rows x (16 of nibbles + 8 of high bit pairs)
+Q6_SUPER = 8  # blocks of 32 per Q6_K super-block (one d per row)
 CONSTANTS = {"version": KERNEL_VERSION, "qk": QK, "tile": TILE, "panel": PANEL, "max_group": MAX_GROUP,
              "q8_row": Q8_ROW, "q8_grouped": Q8_GROUPED, "bf16": BF16, "f32": F32, "q4_0": Q4_0,
-             "q4_1": Q4_1, "q4_k": Q4_K}  # fmt: skip
+             "q4_1": Q4_1, "q4_k": Q4_K, "q6_k": Q6_K}  # fmt: skip
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 FLOAT32, FLOATS, INT8, INT16, INT64, UINT8 = (
@@ -81,7 +84,8 @@ class Layer(ctypes.Structure):
                 ("k_norm", _p), ("o_weight", _p), ("o_scale", _p), ("o_bias", _p), ("post_norm", _p),
                 ("gate_up_weight", _p), ("gate_up_scale", _p), ("down_weight", _p), ("down_scale", _p),
                 ("qkv_mins", _p), ("o_mins", _p), ("gate_up_mins", _p), ("down_mins", _p), ("k_cache", _p), ("v_cache", _p), ("keep", _p), ("qkv_kind", _i32), ("o_kind", _i32),
-                ("gate_up_kind", _i32), ("down_kind", _i32)]  # fmt: skip
+                ("gate_up_kind", _i32), ("down_kind", _i32), ("qkv_tail_weight", _p), ("qkv_tail_scale", _p),
+                ("qkv_tail_mins", _p), ("qkv_tail_bias", _p), ("qkv_tail_rows", _i64), ("qkv_tail_kind", _i32)]  # fmt: skip
 
 
 class DecodeStep(ctypes.Structure):
@@ -152,8 +156,9 @@ def _require(kernel: str, condition: bool, message: str) -> None:
 @dataclass(frozen=True, slots=True)
 class Projection:
     """A packed weight as the matmul kernels take it: its kind (``Q8_ROW``, ``Q8_GROUPED``, ``BF16``,
-    ``F32``, ``Q4_0``, ``Q4_1``), the packed weight, the q8 scales (Q4: float16 scales), the bias (float32, or
-    None) and, Q4_1, the float16 minimums."""
+    ``F32``, ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``), the packed weight, the q8 scales (Q4: float16 or float32
+    scales; Q6_K: int8 scales per 16), the bias (float32, or None) and, Q4_1 and Q4_K, the minimums (Q6_K: each
+    row's float32 d per super-block)."""
 
     kind: int
     weight: torch.Tensor
@@ -165,7 +170,8 @@ class Projection:
 @dataclass(frozen=True, slots=True)
 class DecoderLayer:
     """One layer of a decode stack: norm weights (float32; ``q_norm``/``k_norm`` None where the model has
-    none) and its four projections."""
+    none) and its four projections; ``qkv_tail``: the last rows of q/k/v where they are kept in another kind
+    (``qkv`` then holds the rows before them)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -175,6 +181,8 @@ class DecoderLayer:
     o: Projection
     gate_up: Projection
     down: Projection
+    qkv_tail: Projection | None = None
+    qkv_tail_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +214,7 @@ class DecodeShape:
 
 Q4_SCALE_DTYPES = {Q4_0: (torch.float16,), Q4_1: (torch.float16,), Q4_K: (torch.float32,)}
 WEIGHT_DTYPES = {Q8_ROW: torch.int8, Q8_GROUPED: torch.int8, BF16: torch.int16, F32: torch.float32,
-                 Q4_0: torch.uint8, Q4_1: torch.uint8, Q4_K: torch.uint8}  # fmt: skip
+                 Q4_0: torch.uint8, Q4_1: torch.uint8, Q4_K: torch.uint8, Q6_K: torch.uint8}  # fmt: skip
 
 
 def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Projection, n: int, k: int) -> tuple:
@@ -220,6 +228,9 @@ def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Pro
     scale = None
     if kind in (Q4_0, Q4_1, Q4_K):
         scale = _address(kernel, f"{label} scale", projection.scale, Q4_SCALE_DTYPES[kind], packed_shape[:3])
+    if kind == Q6_K:
+        _require(kernel, k % (QK * Q6_SUPER) == 0, f"{label}: Q6_K width {k} is not a multiple of {QK * Q6_SUPER}")
+        scale = _address(kernel, f"{label} scale", projection.scale, INT8, (*packed_shape[:2], 2, TILE))
     if kind in (Q8_ROW, Q8_GROUPED):
         scale_shape = kernels.q8_scale_shape(kind == Q8_GROUPED, n, k)
         scale = _address(kernel, f"{label} scale", projection.scale, FLOAT32, scale_shape)
@@ -260,7 +271,7 @@ class Kernels:
         self._check(lib)
         self.avx512 = bool(self._constants(lib)["avx512"])
         for name, struct in (("ts_f32_gemm", Matmul), ("ts_bf16_gemm", Matmul), ("ts_q8_gemm", Matmul),
-                             ("ts_q4_gemm", Q4Matmul),
+                             ("ts_q4_gemm", Q4Matmul), ("ts_q6k_gemm", Q4Matmul),
                              ("ts_decode_attention", Attention), ("ts_decode_layers", DecodeStep)):  # fmt: skip
             self._declare(name, [ctypes.POINTER(struct)])
         self._prefill = getattr(lib, "ts_prefill_attention", None)  # the AVX-512 build's
@@ -326,9 +337,9 @@ class Kernels:
             return (-(-n // PANEL), k, PANEL)
         if kind in (Q4_0, Q4_1, Q4_K):
             return (-(-n // TILE), k // QK, TILE, QK // 2)
-        raise KernelArgumentError(
-            f"unknown projection kind {kind!r}; allowed: {Q8_ROW}, {Q8_GROUPED}, {BF16}, {F32}, {Q4_0}, {Q4_1}, {Q4_K}"
-        )
+        if kind == Q6_K:
+            return (-(-n // TILE), k // QK, Q6_BLOCK)
+        raise KernelArgumentError(f"unknown projection kind {kind!r}; allowed: {sorted(WEIGHT_DTYPES)}")
 
     def q8_scale_shape(self, grouped: bool, out_features: int, in_features: int) -> tuple[int, ...]:
         """The shape of a q8 weight's scales: one per row, or per 32 columns in the weight's tiles."""
@@ -406,6 +417,36 @@ class Kernels:
                    dtype=torch.int32), torch.empty(rows, blocks)]  # fmt: skip
         args.q8_rows, args.q8_scales, args.q8_sums, args.q8_block_sums = (t.data_ptr() for t in scratch)
         self._lib.ts_q4_gemm(ctypes.byref(args))
+
+    def q6k_matmul(
+        self,
+        bits: torch.Tensor,
+        scales: torch.Tensor,
+        d: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q6_K weight in ``ts_q6k_gemm``'s layout: ``bits`` uint8
+        ``[ceil(N/4), K/32, 96]``, ``scales`` int8 ``[ceil(N/4), K/32, 2, 4]``, ``d`` float32
+        ``[ceil(N/4), K/256, 4]``; ``x`` and ``out`` float32. The activations' Q8_0 scratch is allocated here."""
+        kernel = "q6k_gemm"
+        tiles, blocks = _dims(kernel, "bits", bits, 3)[:2]
+        rows, k = _dims(kernel, "x", x, 2)
+        n = _dims(kernel, "out", out, 2)[1]
+        _require(kernel, k == blocks * QK and -(-n // TILE) == tiles and blocks % Q6_SUPER == 0,
+                 f"x {list(x.shape)} and out {list(out.shape)} do not fit a weight of {tiles} tiles of {TILE} rows "
+                 f"and {blocks} blocks of {QK} (whole super-blocks of {Q6_SUPER})")  # fmt: skip
+        args = Q4Matmul(rows=rows, in_features=k, out_features=n, threads=torch.get_num_threads())
+        args.nibbles = _address(kernel, "bits", bits, UINT8, (tiles, blocks, Q6_BLOCK))
+        args.scale = _address(kernel, "scales", scales, INT8, (tiles, blocks, 2, TILE))
+        args.mins = _address(kernel, "d", d, FLOAT32, (tiles, blocks // Q6_SUPER, TILE))
+        args.bias = _address(kernel, "bias", bias, FLOAT32, (n,), optional=True)
+        args.x = _address(kernel, "x", x, FLOAT32, (rows, k))
+        args.out = _address(kernel, "out", out, FLOAT32, (rows, n))
+        scratch = [torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, blocks)]
+        args.q8_rows, args.q8_scales = (t.data_ptr() for t in scratch)
+        self._lib.ts_q6k_gemm(ctypes.byref(args))
 
     def _attention(
         self,
@@ -576,23 +617,45 @@ class DecodeStack:
             entry.post_norm = self._hold(kernel, f"{where} post_norm", layer.post_norm, (s.hidden_size,))
             entry.q_norm = self._hold(kernel, f"{where} q_norm", layer.q_norm, (s.head_dim,), optional=True)
             entry.k_norm = self._hold(kernel, f"{where} k_norm", layer.k_norm, (s.head_dim,), optional=True)
+            tail = layer.qkv_tail
+            if tail is not None:
+                tail_rows = layer.qkv_tail_rows
+                # the parts are computed into the gate/up area, then joined
+                _require(kernel, 0 < tail_rows < qkv_size and qkv_size - tail_rows <= 2 * s.intermediate_size,
+                         f"{where} qkv_tail: {tail_rows} rows do not split {qkv_size} (parts of at most "
+                         f"{2 * s.intermediate_size})")  # fmt: skip
+                self._set_projection(kernels, entry, f"{where} qkv_tail", "qkv_tail", tail, tail_rows, s.hidden_size)
+                entry.qkv_tail_rows = tail_rows
             for name, (n, k) in projections.items():
+                if name == "qkv" and tail is not None:
+                    n -= entry.qkv_tail_rows
                 projection: Projection = getattr(layer, name)
-                label = f"{where} {name}"
                 # ts_decode_layers adds the bias of qkv and o only
-                _require(kernel, name in ("qkv", "o") or projection.bias is None, f"{label}: a bias it would not add")
-                weight, scale, bias = _check_projection(kernels, kernel, label, projection, n, k)
-                setattr(entry, f"{name}_weight", weight)
-                setattr(entry, f"{name}_scale", scale)
-                if name in ("qkv", "o"):
-                    setattr(entry, f"{name}_bias", bias)
-                setattr(entry, f"{name}_kind", projection.kind)
-                if projection.kind in (Q4_1, Q4_K):
-                    setattr(entry, f"{name}_mins", _address(kernel, f"{label} mins", projection.mins,
-                                                            Q4_SCALE_DTYPES[projection.kind],
-                                                            tuple(projection.scale.shape)))  # fmt: skip
-                self._held += [t for t in (projection.weight, projection.scale, projection.bias, projection.mins)
-                               if t is not None]  # fmt: skip
+                _require(kernel, name in ("qkv", "o") or projection.bias is None, f"{where} {name}: a bias it would "
+                         "not add")  # fmt: skip
+                self._set_projection(kernels, entry, f"{where} {name}", name, projection, n, k)
+
+    def _set_projection(self, kernels: Kernels, entry: Layer, label: str, name: str, projection: Projection, n: int,
+                        k: int) -> None:  # fmt: skip
+        """``entry``'s fields ``{name}_weight``, ``_scale``, ``_bias``, ``_kind`` and ``_mins`` for ``projection``
+        (an ``[n, k]`` weight), checked; the tensors held."""
+        kernel = "decode_stack"
+        weight, scale, bias = _check_projection(kernels, kernel, label, projection, n, k)
+        setattr(entry, f"{name}_weight", weight)
+        setattr(entry, f"{name}_scale", scale)
+        if name in ("qkv", "o", "qkv_tail"):
+            setattr(entry, f"{name}_bias", bias)
+        setattr(entry, f"{name}_kind", projection.kind)
+        if projection.kind in (Q4_1, Q4_K):
+            setattr(entry, f"{name}_mins", _address(kernel, f"{label} mins", projection.mins,
+                                                    Q4_SCALE_DTYPES[projection.kind],
+                                                    tuple(projection.scale.shape)))  # fmt: skip
+        if projection.kind == Q6_K:
+            tiles, blocks = projection.weight.shape[:2]
+            setattr(entry, f"{name}_mins", _address(kernel, f"{label} d", projection.mins, FLOAT32,
+                                                    (tiles, blocks // Q6_SUPER, TILE)))  # fmt: skip
+        self._held += [t for t in (projection.weight, projection.scale, projection.bias, projection.mins)
+                       if t is not None]  # fmt: skip
 
     def _hold(
         self, kernel: str, name: str, tensor: torch.Tensor | None, shape: tuple[int, ...], optional: bool = False

@@ -32,19 +32,23 @@ import torch
 
 from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.cpu_gemm_abi import (
-    BF16, F32, Q4_0, Q4_1, Q4_K, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape,
+    BF16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape,
 )
-from tierserve.plugins.backends.linear import SMALL_BATCH, Int8Linear, Linear, Q4Linear
+from tierserve.plugins.backends.linear import SMALL_BATCH, BlockLinear, Int8Linear, Linear, SplitLinear
 from tierserve.plugins.backends.paged_attention import PagedBatch
 
 if TYPE_CHECKING:
     from tierserve.plugins.backends.llama import LayerWeights, PagedLlama
 
 
-def _kind(linear: Linear | Int8Linear | Q4Linear, dtype: torch.dtype) -> int | None:
-    """How ts_decode_layers computes this projection, or None where it cannot (the layer loop runs)."""
-    if isinstance(linear, Q4Linear) and dtype == torch.float32:
-        return {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K}[linear.packed.kind]
+def _kind(linear: Linear | Int8Linear | BlockLinear | SplitLinear, dtype: torch.dtype) -> int | None:
+    """How ts_decode_layers computes this projection (a split one: its first part), or None where it cannot (the
+    layer loop runs)."""
+    if isinstance(linear, SplitLinear):  # two parts at most: ts_layer's qkv and qkv_tail
+        kinds = [_kind(part, dtype) for part in linear.parts]
+        return None if len(kinds) != 2 or None in kinds else kinds[0]
+    if isinstance(linear, BlockLinear) and dtype == torch.float32:
+        return {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}[linear.packed.kind]
     if isinstance(linear, Int8Linear) and linear.q8 is not None and dtype == torch.float32:
         return Q8_GROUPED if linear.q8.grouped else Q8_ROW
     if isinstance(linear, Linear) and linear.own is not None and dtype == torch.bfloat16:
@@ -69,13 +73,19 @@ class FusedDecode:
                                  config.intermediate_size)  # fmt: skip
         layers = []
         for layer in model.layers:
-            packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.packed if isinstance(linear, Q4Linear)
-                      else linear.own for linear in _projections(layer)]  # fmt: skip
+            qkv, tail, tail_rows = layer.qkv, None, 0
+            if isinstance(qkv, SplitLinear):  # q and k in one GGUF type, v in another
+                qkv, tail = qkv.parts
+                tail_rows = tail.out_features
+                tail = tail.packed.projection()
+            packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.packed if isinstance(linear, BlockLinear)
+                      else linear.own for linear in (qkv, *_projections(layer)[1:])]  # fmt: skip
             input_norm, q_norm, k_norm, post_norm = (
                 None if norm is None else norm.float().contiguous()
                 for norm in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)
             )
-            layers.append(DecoderLayer(input_norm, post_norm, q_norm, k_norm, *(p.projection() for p in packed)))
+            layers.append(DecoderLayer(input_norm, post_norm, q_norm, k_norm, *(p.projection() for p in packed),
+                                       qkv_tail=tail, qkv_tail_rows=tail_rows))  # fmt: skip
         self.stack = cpu_gemm.library().decode_stack(self.shape, layers, act_bf16=model.dtype == torch.bfloat16)
         self.arena_keys: list[torch.Tensor] | None = None  # the arena's key list the stack points into
         # a shared prefix runs the prefill attention kernel (the AVX-512 build's)
@@ -105,6 +115,8 @@ class FusedDecode:
             layer_kinds = [_kind(linear, model.dtype) for linear in _projections(layer)]
             if None in layer_kinds or layer.gate_up.bias is not None or layer.down.bias is not None:
                 return None
+            if isinstance(layer.qkv, SplitLinear) and layer.qkv.parts[0].out_features > 2 * model.config.intermediate_size:
+                return None  # the parts are computed into the gate/up area
             if (layer.q_norm is None) != (layer.k_norm is None) or (layer.q_norm is None) != (model.layers[0].q_norm is None):
                 return None  # run() checks the first layer's norms for every layer
             kinds.append(layer_kinds)

@@ -9,8 +9,9 @@ and nothing passes through float that need not:
     F32 / F16 / BF16          as they are (then the model's dtype)
     Q8_0, quantization int8   GroupedInt8: int8 values and one scale per 32, bytes copied
           or gguf
-    Q4_0 / Q4_1, quantization BlockQ4: the file's blocks, bytes copied (the token embedding table excepted:
-          gguf                it is read by row, so it goes to group-wise int8)
+    Q4_0 / Q4_1 / Q4_K,       BlockQ4: the file's blocks, bytes copied (Q4_K regrouped by 32, exact; the token
+          quantization gguf   embedding table excepted: it is read by row, so it goes to group-wise int8)
+    Q6_K, quantization gguf   BlockQ6K: the file's super-blocks, bytes copied (the embedding table as above)
     Q8_0, quantization none   dequantized to the model's dtype (logged)
     any other type            dequantized by the gguf package, then the model's dtype
                               or, with quantization int8 or gguf, group-wise int8 (logged)
@@ -26,7 +27,7 @@ import torch
 
 from tierserve.core.errors import ConfigError
 from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
-from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, GroupedInt8, quantize_groups
+from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, BlockQ6K, GroupedInt8, quantize_groups
 
 Q4_KINDS = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}  # bytes per 32 weights held (linear.BlockQ4)
 
@@ -47,7 +48,9 @@ def hf_name_map(config, architecture: str):
         return get_gguf_hf_weights_map(skeleton, processor), processor
 
 
-def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -> dict[str, torch.Tensor | GroupedInt8]:
+def load_gguf_state(
+    path: Path, config, dtype: torch.dtype, quantization: str
+) -> dict[str, torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K]:
     """Every tensor of the GGUF file ``path`` under its Hugging Face name (see the module docstring).
 
     Raises:
@@ -58,7 +61,7 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
     info = check_gguf(path)
     reader = open_reader(path)  # parsed once; tensor bytes memory-mapped
     names, processor = hf_name_map(config, info.architecture)
-    state: dict[str, torch.Tensor | GroupedInt8] = {}
+    state: dict[str, torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K] = {}
     converted: dict[str, str] = {}
     kept: set[str] = set()
     for tensor in reader.tensors:
@@ -78,6 +81,11 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
                 rows, -1, Q4_KINDS[kind.name])
             state[name] = BlockQ4(kind.name, torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None
                                                                                   else blocks)))  # fmt: skip
+            kept.add(kind.name)
+            continue
+        if kind.name == "Q6_K" and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
+            blocks = np.asarray(data).reshape(rows, -1, 210)
+            state[name] = BlockQ6K(torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None else blocks)))
             kept.add(kind.name)
             continue
         if kind.name == "BF16":
@@ -102,12 +110,12 @@ def load_gguf_state(path: Path, config, dtype: torch.dtype, quantization: str) -
             path=str(path),
             type=kind_name,
             to=target,
-            why="F32/F16/BF16 load as they are, Q8_0 as int8 (model.quantization = 'int8' or 'gguf'), Q4_0 and "
-            "Q4_1 as stored (model.quantization = 'gguf'); other types have no kernel of their own yet",
+            why="F32/F16/BF16 load as they are, Q8_0 as int8 (model.quantization = 'int8' or 'gguf'), Q4_0, Q4_1, "
+            "Q4_K and Q6_K as stored (model.quantization = 'gguf'); other types have no kernel of their own yet",
         )
     if kept:
         log.info("gguf_blocks_kept", path=str(path), types=sorted(kept | ({"Q8_0"} if "Q8_0" in info.tensor_types
-                                                                         else set())), kernel="q4 (cpu_gemm)")  # fmt: skip
+                                                                         else set())), kernels={t: "q6k" if t == "Q6_K" else "q8" if t == "Q8_0" else "q4" for t in kept | ({"Q8_0"} if "Q8_0" in info.tensor_types else set())})  # fmt: skip
     if not state:
         raise ConfigError(f"model.path {str(path)!r}: none of its tensors belongs to a {config.model_type} model")
     return state

@@ -146,17 +146,60 @@ class BlockQ4:
         return w.reshape(self.shape).to(dtype)
 
 
-class Q4Linear:
-    """``y = x @ W.T + bias`` with ``W`` a ``BlockQ4`` kept at 4 bits (``cpu_gemm.PackedQ4``: llama.cpp's Q4 x Q8_0
-    dot product, the activations rounded to Q8_0 blocks)."""
+@dataclass(slots=True)
+class BlockQ6K:
+    """A GGUF Q6_K matrix kept at 6.5625 bits a weight: per row, ``in / 256`` super-blocks of 210 bytes as the
+    file stores them (llama.cpp's block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
+    a float16 d); weight ``i`` is ``d * scales[i // 16] * (q[i] - 32)`` with ``q`` 6-bit."""
+
+    blocks: torch.Tensor  # uint8 [out, in // 256, 210]
+    kind = "Q6_K"
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * 256))
+
+    def to(self, device: torch.device) -> BlockQ6K:
+        return BlockQ6K(self.blocks.to(device))
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, scales, d)``: the 6-bit values uint8 ``[out, in]`` in weight order (llama.cpp's
+        dequantize_row_q6_K's), the int8 scales ``[out, in / 16]`` and d float32 ``[out, in / 256]``."""
+        rows, supers = self.blocks.shape[:2]
+        ql, qh = self.blocks[..., :128].to(torch.int16), self.blocks[..., 128:192].to(torch.int16)
+        parts = []
+        for half in range(2):  # 128 weights each: 64 bytes of nibbles, 32 of high pairs
+            low, high = ql[..., 64 * half : 64 * half + 64], qh[..., 32 * half : 32 * half + 32]
+            parts += [(low[..., :32] & 0xF) | ((high & 3) << 4), (low[..., 32:] & 0xF) | (((high >> 2) & 3) << 4),
+                      (low[..., :32] >> 4) | (((high >> 4) & 3) << 4), (low[..., 32:] >> 4) | (((high >> 6) & 3) << 4)]  # fmt: skip
+        q = torch.cat(parts, -1).to(torch.uint8).reshape(rows, supers * 256)
+        scales = self.blocks[..., 192:208].contiguous().view(torch.int8).reshape(rows, supers * 16)
+        d = self.blocks[..., 208:210].contiguous().view(torch.float16).float().reshape(rows, supers)
+        return q, scales, d
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix, computed in float32 as llama.cpp does (``d * scale``, then times ``q - 32``: exact),
+        then ``dtype``."""
+        q, scales, d = self.values()
+        step = (d.repeat_interleave(16, 1) * scales.float()).repeat_interleave(16, 1)
+        return (step * (q.float() - 32)).to(dtype)
+
+
+class BlockLinear:
+    """``y = x @ W.T + bias`` with ``W`` kept in its GGUF blocks: a ``BlockQ4`` (``cpu_gemm.PackedQ4``: llama.cpp's
+    Q4 x Q8_0 dot product) or a ``BlockQ6K`` (``cpu_gemm.PackedQ6K``), the activations rounded to Q8_0 blocks."""
 
     __slots__ = ("packed", "out_features", "dtype", "kernel")
 
-    def __init__(self, weight: BlockQ4, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.packed = cpu_gemm.PackedQ4(weight.kind, weight.blocks, bias)
+    def __init__(self, weight: BlockQ4 | BlockQ6K, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        if isinstance(weight, BlockQ6K):
+            self.packed = cpu_gemm.PackedQ6K(*weight.values(), bias)
+            self.kernel = "q6-k"
+        else:
+            self.packed = cpu_gemm.PackedQ4(weight.kind, weight.blocks, bias)
+            self.kernel = f"q4-{weight.kind.lower().replace('_', '')}"  # q4-q40, q4-q41, q4-q4k
         self.out_features = weight.shape[0]
         self.dtype = dtype
-        self.kernel = f"q4-{weight.kind.lower().replace('_', '')}"  # q4-q40, q4-q41
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -165,6 +208,37 @@ class Q4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return self.packed(rows).to(self.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class SplitLinear:
+    """A fused projection (q/k/v) whose parts are kept in different block types: each part runs its own
+    kernel and the outputs are joined, so no part is re-quantized to share one."""
+
+    __slots__ = ("parts", "out_features", "kernel")
+
+    def __init__(self, parts: list[BlockLinear]) -> None:
+        self.parts = parts
+        self.out_features = sum(part.out_features for part in parts)
+        self.kernel = "+".join(part.kernel for part in parts)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        biases = [part.bias for part in self.parts]
+        return None if any(b is None for b in biases) else torch.cat(biases)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], -1)
+
+
+@dataclass(slots=True)
+class RowParts:
+    """Matrices stacked along their output rows that stay apart (``cat_rows`` of different GGUF block types)."""
+
+    parts: list[BlockQ4 | BlockQ6K]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]))
 
 
 def quantize_groups(weight: torch.Tensor) -> GroupedInt8:
@@ -180,16 +254,30 @@ def quantize_groups(weight: torch.Tensor) -> GroupedInt8:
     return GroupedInt8(q.view(rows, columns), scale)
 
 
-def cat_rows(parts: list[torch.Tensor | GroupedInt8 | BlockQ4]) -> torch.Tensor | GroupedInt8 | BlockQ4:
-    """Stack matrices along their output rows (fused q/k/v, gate/up): Q4 blocks if every part is of one Q4 type,
-    else group-wise if any part is quantized (a Q4 part re-quantized to int8 groups, logged), else float."""
-    kinds = {part.kind for part in parts if isinstance(part, BlockQ4)}
-    if len(kinds) == 1 and all(isinstance(part, BlockQ4) for part in parts):
+def cat_rows(
+    parts: list[torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K],
+) -> torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K | RowParts:
+    """Stack matrices along their output rows (fused q/k/v, gate/up): GGUF blocks if every part is of one block
+    type, ``RowParts`` if every part is in blocks of several types (each keeps its kernel), else group-wise if any
+    part is quantized (a block part re-quantized to int8 groups, logged), else float."""
+    blocked = [part for part in parts if isinstance(part, (BlockQ4, BlockQ6K))]
+    kinds = {part.kind for part in blocked}
+    if len(blocked) == len(parts) and kinds == {"Q6_K"}:
+        return BlockQ6K(torch.cat([part.blocks for part in parts], 0).contiguous())
+    if len(blocked) == len(parts) and len(kinds) == 1:
         return BlockQ4(kinds.pop(), torch.cat([part.blocks for part in parts], 0).contiguous())
+    if len(blocked) == len(parts):
+        runs: list[BlockQ4 | BlockQ6K] = []  # consecutive parts of one type joined
+        for part in parts:
+            if runs and runs[-1].kind == part.kind:
+                runs[-1] = cat_rows([runs[-1], part])
+            else:
+                runs.append(part)
+        return RowParts(runs)
     if kinds:
-        log.warning("q4_requantized kinds=%s: a fused projection mixes block types, so it runs as int8 groups",
-                    sorted(kinds))  # fmt: skip
-        parts = [quantize_groups(part.dequantize()) if isinstance(part, BlockQ4) else part for part in parts]
+        log.warning("gguf_requantized kinds=%s: a fused projection mixes GGUF blocks with other weights, so it runs "
+                    "as int8 groups", sorted(kinds))  # fmt: skip
+        parts = [quantize_groups(part.dequantize()) if isinstance(part, (BlockQ4, BlockQ6K)) else part for part in parts]
     if not any(isinstance(part, GroupedInt8) for part in parts):
         return torch.cat(parts, 0).contiguous()
     grouped = [part if isinstance(part, GroupedInt8) else quantize_groups(part) for part in parts]
@@ -428,7 +516,8 @@ class LinearFactory:
             raise ValueError(f"model.quantization: got {quantization!r}, allowed: {', '.join(QUANTIZATIONS)}")
         self.dtype = dtype
         self.quantization = quantization
-        self.grouped_kernel = self.q4_kernel = ""
+        self.grouped_kernel = ""
+        self.block_kernels: set[str] = set()  # "q4", "q6k": the GGUF block kernels the layers built so far run
         self.device = device
         if quantization in ("int8", "gguf"):
             if kernel == "onednn":
@@ -467,18 +556,25 @@ class LinearFactory:
             self.own, self.wide_prefill, self.kernel = True, False, "bf16-panels"
 
     def __call__(
-        self, weight: torch.Tensor | GroupedInt8 | BlockQ4, bias: torch.Tensor | None = None
-    ) -> Linear | Int8Linear | Q4Linear:
-        """A layer for ``weight``: Q4 blocks stay so where ``cpu_gemm`` runs (else int8 groups, logged), group-wise
+        self, weight: torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K | RowParts, bias: torch.Tensor | None = None
+    ) -> Linear | Int8Linear | BlockLinear | SplitLinear:
+        """A layer for ``weight``: GGUF blocks stay so where ``cpu_gemm`` runs (else int8 groups, logged), group-wise
         int8 stays so (``int8-g32``), float follows the factory's choice."""
-        if isinstance(weight, BlockQ4):
+        if isinstance(weight, RowParts):
+            sizes = [part.shape[0] for part in weight.parts]
+            biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+            layers = [self(part, part_bias) for part, part_bias in zip(weight.parts, biases)]
+            if all(isinstance(layer, BlockLinear) for layer in layers):
+                return SplitLinear(layers)
+            weight = quantize_groups(torch.cat([part.dequantize() for part in weight.parts]))  # the parts' fallback
+        if isinstance(weight, (BlockQ4, BlockQ6K)):
             if self.quantization != "gguf":
-                raise ValueError("Q4 blocks load with model.quantization = 'gguf' only")
-            if self.device.type == "cpu" and cpu_gemm.supports_q4(weight.shape[1]):
-                layer = Q4Linear(weight, bias, self.dtype)
-                self.q4_kernel = "q4"
+                raise ValueError("GGUF blocks load with model.quantization = 'gguf' only")
+            if self.device.type == "cpu" and cpu_gemm.supports_blocks(weight.kind, weight.shape[1]):
+                layer = BlockLinear(weight, bias, self.dtype)
+                self.block_kernels.add("q4" if isinstance(weight, BlockQ4) else "q6k")
                 return layer
-            log.warning("q4_requantized kind=%s: tierserve's CPU kernels do not run here (%s); int8 groups instead",
+            log.warning("gguf_requantized kind=%s: tierserve's CPU kernels do not run here (%s); int8 groups instead",
                         weight.kind, cpu_gemm.unavailable_reason() or self.device)  # fmt: skip
             weight = quantize_groups(weight.dequantize())
         if isinstance(weight, GroupedInt8):
@@ -495,8 +591,8 @@ class LinearFactory:
     @property
     def kernels(self) -> str:
         """What runs the layers built so far, in words: ``kernel``, plus ``int8-g32`` (``int8-g32-q8``) when
-        group-wise layers run and ``q4`` when Q4 blocks do."""
-        return "+".join(part for part in (self.kernel, self.grouped_kernel, self.q4_kernel) if part)
+        group-wise layers run, ``q4`` and ``q6k`` when GGUF Q4 and Q6_K blocks do."""
+        return "+".join(part for part in (self.kernel, self.grouped_kernel, *sorted(self.block_kernels)) if part)
 
 
 class KernelLinear(nn.Module):

@@ -25,6 +25,7 @@ from tierserve.plugins.backends.linear import (
     Linear,
     LinearFactory,
     BlockQ4,
+    BlockQ6K,
     cat_rows,
     quantize_rows,
 )
@@ -149,7 +150,7 @@ class PagedLlama:
                 if required:
                     raise ValueError(f"checkpoint is missing weight {name!r}")
                 return None
-            if isinstance(tensor, (GroupedInt8, BlockQ4)):
+            if isinstance(tensor, (GroupedInt8, BlockQ4, BlockQ6K)):
                 return tensor.to(device)
             return tensor.to(device=device, dtype=dtype)
 
