@@ -63,9 +63,9 @@ def _gguf_kept_bytes(path: Path) -> int:
     """Bytes a GGUF file's tensors take with ``model.quantization = "gguf"``."""
     from tierserve.models.gguf import check_gguf
 
-    # bytes a weight (GGML type numbers): Q4_0, Q4_1, Q4_K (regrouped by 32), Q6_K (repacked by tiles), Q8_0; floats
+    # bytes a weight (GGML type numbers): Q4_0, Q4_1, Q4_K, Q6_K (repacked by tiles: cpu_gemm.c), Q8_0; floats
     # widened; any other type is held as int8 groups
-    kept = {2: 18 / 32, 3: 20 / 32, 12: 24 / 32, 14: 26.5 / 32, 8: 1.125, 0: 4.0, 1: 4.0, 30: 4.0}
+    kept = {2: 18 / 32, 3: 20 / 32, 12: 19 / 32, 14: 26.5 / 32, 8: 1.125, 0: 4.0, 1: 4.0, 30: 4.0}
     # the token embedding table is read by row: a Q4 or Q6_K one is held as int8 groups
     return int(sum(
         t.n_elements * (1.125 if t.name == "token_embd.weight" and t.tensor_type in (2, 3, 12, 14) else

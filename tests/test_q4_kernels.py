@@ -13,7 +13,6 @@ from tierserve.plugins.backends import cpu_gemm
 from tests.gguf_helpers import random_q4_k, random_q6_k
 from tierserve.plugins.backends.cpu_gemm_abi import Kernels
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, cpu_flags, object_name
-from tierserve.plugins.backends.gguf_weights import q4_k_sub_blocks
 from tierserve.plugins.backends.linear import BlockQ4, BlockQ6K
 
 pytestmark = pytest.mark.unit
@@ -23,10 +22,10 @@ if cpu_gemm.library() is None:
 
 
 def random_blocks(kind: str, rows: int, groups: int, seed: int) -> torch.Tensor:
-    """uint8 ``[rows, groups, 18|20|24]`` blocks as ``BlockQ4`` holds them: float16 d (and m) and 16 bytes of
-    nibbles as llama.cpp writes Q4_0 / Q4_1; Q4_K super-blocks converted (``q4_k_sub_blocks``)."""
+    """uint8 blocks as ``BlockQ4`` holds them: ``[rows, groups, 18|20]``, float16 d (and m) and 16 bytes of
+    nibbles as llama.cpp writes Q4_0 / Q4_1, or Q4_K super-blocks ``[rows, groups / 8, 144]``."""
     if kind == "Q4_K":
-        return torch.from_numpy(q4_k_sub_blocks(random_q4_k(rows, groups * 32, seed), rows))
+        return torch.from_numpy(random_q4_k(rows, groups * 32, seed))
     gen = torch.Generator().manual_seed(seed)
     d = (torch.rand(rows, groups, 1, generator=gen) * 0.02 + 0.001).half()
     parts = [d.view(torch.uint8)]
@@ -113,12 +112,12 @@ def test_packing_refuses_what_is_not_q4_blocks():
         cpu_gemm.PackedQ4("Q5_0", torch.zeros(4, 2, 22, dtype=torch.uint8), None)
 
 
-def test_q4_k_sub_blocks_dequantize_as_llama_cpp_does():
-    """Q4_K's super-blocks regrouped into 32-weight blocks with float32 scales: gguf's (llama.cpp's reference)
-    dequantization of the file's bytes, to the bit."""
+def test_q4_k_dequantizes_as_llama_cpp_does():
+    """Q4_K's super-blocks read (6-bit scales and minimums unpacked, d * scale and -dmin * min per block of 32)
+    as gguf's (llama.cpp's reference) dequantization reads the file's bytes, to the bit."""
     sb = random_q4_k(6, 1024, seed=3)
     reference = gguf.quants.dequantize(sb.reshape(6, -1), gguf.GGMLQuantizationType.Q4_K)
-    ours = BlockQ4("Q4_K", torch.from_numpy(q4_k_sub_blocks(sb, 6))).dequantize().numpy()
+    ours = BlockQ4("Q4_K", torch.from_numpy(sb)).dequantize().numpy()
     assert np.array_equal(reference, ours)
 
 

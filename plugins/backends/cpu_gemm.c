@@ -91,9 +91,9 @@
     X(S, int64_t, rows)                                                                                   \
     X(S, int64_t, in_features)                                                                            \
     X(S, const uint8_t*, nibbles)    /* [N/4][K/32][4][16] */                                            \
-    X(S, const void*, scale)         /* float16 (f32_scales: float32) [N/4][K/32][4] */                  \
+    X(S, const void*, scale)         /* float16 [N/4][K/32][4]; Q4_K: super-block scales (below) */      \
     X(S, const void*, mins)          /* Q4_1, Q4_K: [N/4][K/32][4] as scale; Q4_0: NULL */               \
-    X(S, int32_t, f32_scales)        /* Q4_K: each 32's d * scale and -dmin * min, exact in float32 */  \
+    X(S, int32_t, k_scales)          /* Q4_K: scale, mins [N/4][K/256][48 bytes] (q4_k_scales) */        \
     X(S, const float*, bias)         /* [out_features] or NULL */                                        \
     X(S, int64_t, out_features)                                                                           \
     X(S, float*, out)                /* float32 rows */                                                  \
@@ -794,10 +794,22 @@ static inline void q4_finish(const float* lanes, const float* mins4, const float
     }
 }
 
-/* Block k's four rows' scales (or minimums): float16 widened, or float32 as stored (Q4_K). */
-static inline __m128 q4_scales(const void* p, int64_t k, int f32) {
-    return f32 ? _mm_loadu_ps((const float*)p + k * 4)
-               : _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)((const uint16_t*)p + k * 4)));
+/* Q4_K's scales and minimums as the file holds them, by tiles: per super-block of 256 columns, 48 bytes: the 4
+ * rows' 6-bit scale (or minimum) of each of its 8 blocks of 32 (32 bytes, block-major), then the 4 rows' d (or
+ * -dmin) as float32. A block's scale is d * scale (minimum: -dmin * min), exact in float32: 4.75 bits a weight
+ * in all, against the file's 4.5. */
+#define Q4K_SUPER 48
+static inline __m128 q4_k_scales(const void* p, int64_t k) {
+    const uint8_t* base = (const uint8_t*)p + (k / 8) * Q4K_SUPER;
+    int32_t packed;
+    memcpy(&packed, base + (k % 8) * 4, sizeof packed);
+    return _mm_mul_ps(_mm_loadu_ps((const float*)(base + 32)), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(packed))));
+}
+
+/* Block k's four rows' scales (or minimums): float16 widened, or Q4_K's (q4_k_scales). */
+static inline __m128 q4_scales(const void* p, int64_t k, int k_scales) {
+    return k_scales ? q4_k_scales(p, k)
+                    : _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)((const uint16_t*)p + k * 4)));
 }
 
 /* R activation rows (R <= Q4_ROWS) against one tile: the tile's nibbles and scales are decoded once per block
@@ -805,7 +817,7 @@ static inline __m128 q4_scales(const void* p, int64_t k, int f32) {
 #if TS_AVX512
 #define Q4_ROWS 4
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t* wt, const void* dt, const void* mt, int f32, const int8_t* x, const float* dx,
+    const int R, const uint8_t* wt, const void* dt, const void* mt, int ks, const int8_t* x, const float* dx,
     const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -817,8 +829,8 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
         const __m512i w = _mm512_loadu_si512((const void*)(wt + k * 64));
         const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
         const __m512 d16 = _mm512_permutexvar_ps(
-            spread, _mm512_castps128_ps512(q4_scales(dt, k, f32)));
-        const __m128 m4 = mt ? q4_scales(mt, k, f32) : _mm_setzero_ps();
+            spread, _mm512_castps128_ps512(q4_scales(dt, k, ks)));
+        const __m128 m4 = mt ? q4_scales(mt, k, ks) : _mm_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int8_t* xr = x + r * K + k * QK;
             const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xr));
@@ -838,7 +850,7 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 #else
 #define Q4_ROWS 2
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t* wt, const void* dt, const void* mt, int f32, const int8_t* x, const float* dx,
+    const int R, const uint8_t* wt, const void* dt, const void* mt, int ks, const int8_t* x, const float* dx,
     const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i first = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), second = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -851,9 +863,9 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
         const __m256i w23 = _mm256_loadu_si256((const __m256i*)(wt + k * 64 + 32));
         const __m256i lo01 = _mm256_and_si256(w01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low);
         const __m256i lo23 = _mm256_and_si256(w23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low);
-        const __m256 d8 = _mm256_castps128_ps256(q4_scales(dt, k, f32));
+        const __m256 d8 = _mm256_castps128_ps256(q4_scales(dt, k, ks));
         const __m256 d01 = _mm256_permutevar8x32_ps(d8, first), d23 = _mm256_permutevar8x32_ps(d8, second);
-        const __m128 m4 = mt ? q4_scales(mt, k, f32) : _mm_setzero_ps();
+        const __m128 m4 = mt ? q4_scales(mt, k, ks) : _mm_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int8_t* xr = x + r * K + k * QK;
             const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xr));
@@ -884,7 +896,7 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 /* The products of rounded rows (qx, dx and their sums) with a Q4 weight; the tiles are shared among the
  * enclosing parallel region's threads (an orphaned omp for). */
 static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_all, const float* bsum_all, int64_t M,
-                    int64_t K, const uint8_t* nibbles, const void* scale, const void* mins, int f32, const float* bias,
+                    int64_t K, const uint8_t* nibbles, const void* scale, const void* mins, int ks, const float* bias,
                     int64_t N, float* out) {
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
     if (M <= 0) return;
@@ -892,7 +904,7 @@ static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_a
         _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t* wt = nibbles + t * blocks * 64;
-            const int64_t skip = t * blocks * 4 * (f32 ? 4 : 2); /* bytes of the earlier tiles' scales */
+            const int64_t skip = ks ? t * (blocks / 8) * Q4K_SUPER : t * blocks * 4 * 2; /* the earlier tiles' scales */
             const void* dt = (const char*)scale + skip;
             const void* mt = mins ? (const char*)mins + skip : 0;
             for (int64_t m = 0; m < M; m += Q4_ROWS) {
@@ -902,11 +914,11 @@ static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_a
                 const float *dx = dx_all + m * blocks, *bsum = bsum_all + m * blocks;
                 const int32_t* sums = sums_all + m * blocks * 4;
                 switch (R) { /* a constant row count each: the row loops unroll */
-                    case 1: q4_tile_rows(1, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
-                    case 2: q4_tile_rows(2, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 1: q4_tile_rows(1, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 2: q4_tile_rows(2, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
 #if Q4_ROWS > 2
-                    case 3: q4_tile_rows(3, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
-                    default: q4_tile_rows(4, wt, dt, mt, f32, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    case 3: q4_tile_rows(3, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                    default: q4_tile_rows(4, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
 #endif
                 }
                 for (int r = 0; r < R; r++) q4_finish(lanes[r], mt ? mins4[r] : 0, bias, t * 4, N, out + (m + r) * N);
@@ -919,7 +931,7 @@ void ts_q4_gemm(const ts_q4_matmul* a) {
     _Pragma("omp parallel num_threads(a->threads)") {
         q4_round_rows(a->x, a->rows, a->in_features, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums);
         q4_rows(a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums, a->rows, a->in_features, a->nibbles,
-                a->scale, a->mins, a->f32_scales, a->bias, a->out_features, a->out);
+                a->scale, a->mins, a->k_scales, a->bias, a->out_features, a->out);
     }
 }
 

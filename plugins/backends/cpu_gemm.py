@@ -253,38 +253,55 @@ class PackedQ8:
         return out
 
 
+# llama.cpp's block_q4_0 / block_q4_1 (32 weights) and block_q4_K (256): as stored (linear.BlockQ4)
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+
+
 class PackedQ4:
-    """A GGUF Q4_0 or Q4_1 weight in ``ts_q4_gemm``'s layout: the file's blocks regrouped by tiles of 4 rows, the
-    same bytes (16 of nibbles, a float16 scale and, Q4_1, a float16 minimum per 32 weights); calls round the
-    activations to Q8_0 blocks (llama.cpp's vec_dot_q4_*) and return float32 rows."""
+    """A GGUF Q4_0, Q4_1 or Q4_K weight in ``ts_q4_gemm``'s layout: the file's blocks regrouped by tiles of 4 rows,
+    the same bytes (16 of nibbles, a float16 scale and, Q4_1, a float16 minimum per 32 weights; Q4_K: the nibbles,
+    each block's 6-bit scale and minimum and each super-block's d and -dmin as float32, 4.75 bits a weight against
+    the file's 4.5); calls round the activations to Q8_0 blocks (llama.cpp's vec_dot_q4_*) and return float32
+    rows."""
 
     __slots__ = ("nibbles", "scale", "mins", "bias", "out_features", "in_features", "kind")
 
     def __init__(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """``blocks``: uint8 ``[out_features, in_features / 32, 18 (Q4_0), 20 (Q4_1) or 24 (Q4_K)]``
-        (``linear.BlockQ4``'s layout)."""
+        """``blocks``: uint8 ``[out_features, in_features / 32, 18 (Q4_0) or 20 (Q4_1)]`` or
+        ``[out_features, in_features / 256, 144]`` (Q4_K), as the file stores them (``linear.BlockQ4``)."""
+        from tierserve.plugins.backends.linear import q4_k_parts
+
         if library() is None:
             raise ValueError(f"PackedQ4: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
         width = Q4_BLOCK_BYTES.get(kind)
         if width is None or blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != width:
-            raise ValueError(f"PackedQ4: {kind} blocks must be uint8 [out, in / 32, {width}]; got "
+            per = 256 if kind == "Q4_K" else QK
+            raise ValueError(f"PackedQ4: {kind} blocks must be uint8 [out, in / {per}, {width}]; got "
                              f"{blocks.dtype} {list(blocks.shape)}")  # fmt: skip
         self.kind = kind
-        self.out_features, groups = blocks.shape[:2]
-        self.in_features = groups * QK
+        self.out_features = blocks.shape[0]
         blocks = _pad_rows(blocks.cpu())
         tiles = blocks.shape[0] // TILE
 
         def by_tile(part: torch.Tensor) -> torch.Tensor:  # [N, groups, w] -> [N/4, groups, 4, w]
-            return part.reshape(tiles, TILE, groups, -1).permute(0, 2, 1, 3).contiguous()
+            return part.reshape(tiles, TILE, part.shape[1], -1).permute(0, 2, 1, 3).contiguous()
 
-        self.nibbles = by_tile(blocks[:, :, width - QK // 2 :])
-        if kind == "Q4_K":  # float32 scale and minimum of each 32 (linear.BlockQ4)
-            self.scale = by_tile(blocks[:, :, 0:4]).view(torch.float32)[..., 0].contiguous()
-            self.mins = by_tile(blocks[:, :, 4:8]).view(torch.float32)[..., 0].contiguous()
+        if kind == "Q4_K":
+            d, dmin, scales, mins, nibbles = q4_k_parts(blocks)
+            supers = d.shape[1]
+
+            def per_super(small: torch.Tensor, big: torch.Tensor) -> torch.Tensor:  # [tiles, supers, 48] bytes
+                small = small.reshape(tiles, TILE, supers, 8).permute(0, 2, 3, 1).reshape(tiles, supers, 32)
+                big = big.reshape(tiles, TILE, supers).transpose(1, 2).contiguous().view(torch.uint8)
+                return torch.cat([small, big], -1).contiguous()
+
+            self.nibbles = by_tile(nibbles)
+            self.scale, self.mins = per_super(scales, d), per_super(mins, -dmin)
         else:
+            self.nibbles = by_tile(blocks[:, :, width - QK // 2 :])
             self.scale = by_tile(blocks[:, :, 0:2]).view(torch.float16)[..., 0].contiguous()
             self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if kind == "Q4_1" else None
+        self.in_features = self.nibbles.shape[1] * QK
         self.bias = None if bias is None else bias.float().contiguous()
 
     def projection(self) -> Projection:
@@ -297,11 +314,6 @@ class PackedQ4:
         out = rows.new_empty(rows.shape[0], self.out_features)
         library().q4_matmul(self.nibbles, self.scale, self.mins, self.bias, rows, out)
         return out
-
-
-# llama.cpp's block_q4_0 / block_q4_1, and Q4_K's 32-weight sub-blocks with their scale and minimum widened to
-# float32 (linear.BlockQ4): 32 weights each
-Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}
 
 
 class PackedQ6K:

@@ -64,7 +64,7 @@ class Q4Matmul(ctypes.Structure):
     """``ts_q4_matmul``: the arguments of ``ts_q4_gemm`` (a GGUF Q4_0 / Q4_1 weight kept as stored)."""
 
     _fields_ = [("x", _p), ("rows", _i64), ("in_features", _i64), ("nibbles", _p), ("scale", _p), ("mins", _p),
-                ("f32_scales", _i32), ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
+                ("k_scales", _i32), ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
                 ("q8_sums", _p), ("q8_block_sums", _p), ("threads", _i32)]  # fmt: skip
 
 
@@ -156,8 +156,8 @@ def _require(kernel: str, condition: bool, message: str) -> None:
 @dataclass(frozen=True, slots=True)
 class Projection:
     """A packed weight as the matmul kernels take it: its kind (``Q8_ROW``, ``Q8_GROUPED``, ``BF16``,
-    ``F32``, ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``), the packed weight, the q8 scales (Q4: float16 or float32
-    scales; Q6_K: int8 scales per 16), the bias (float32, or None) and, Q4_1 and Q4_K, the minimums (Q6_K: each
+    ``F32``, ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``), the packed weight, the q8 scales (Q4: float16 scales, Q4_K
+    its super-block bytes; Q6_K: int8 scales per 16), the bias (float32, or None) and, Q4_1 and Q4_K, the minimums (Q6_K: each
     row's float32 d per super-block)."""
 
     kind: int
@@ -212,7 +212,14 @@ class DecodeShape:
         )  # fmt: skip
 
 
-Q4_SCALE_DTYPES = {Q4_0: (torch.float16,), Q4_1: (torch.float16,), Q4_K: (torch.float32,)}
+Q4_SCALE_DTYPES = {Q4_0: (torch.float16,), Q4_1: (torch.float16,), Q4_K: (torch.uint8,)}
+Q4K_SUPER = 48  # bytes of a Q4_K tile's super-block scales (or minimums): 8 blocks x 4 rows of 6 bits, 4 float32
+
+
+def q4_scale_shape(kind: int, tiles: int, blocks: int) -> tuple[int, ...]:
+    """The shape of a Q4 weight's scales (and minimums): float16 per tile row and block, or Q4_K's bytes per
+    super-block of 8 blocks (cpu_gemm.c's q4_k_scales)."""
+    return (tiles, blocks // 8, Q4K_SUPER) if kind == Q4_K else (tiles, blocks, TILE)
 WEIGHT_DTYPES = {Q8_ROW: torch.int8, Q8_GROUPED: torch.int8, BF16: torch.int16, F32: torch.float32,
                  Q4_0: torch.uint8, Q4_1: torch.uint8, Q4_K: torch.uint8, Q6_K: torch.uint8}  # fmt: skip
 
@@ -227,7 +234,9 @@ def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Pro
     weight = _address(kernel, f"{label} weight", projection.weight, (WEIGHT_DTYPES[kind],), packed_shape)
     scale = None
     if kind in (Q4_0, Q4_1, Q4_K):
-        scale = _address(kernel, f"{label} scale", projection.scale, Q4_SCALE_DTYPES[kind], packed_shape[:3])
+        _require(kernel, kind != Q4_K or k % (QK * 8) == 0, f"{label}: Q4_K width {k} is not a multiple of {QK * 8}")
+        scale = _address(kernel, f"{label} scale", projection.scale, Q4_SCALE_DTYPES[kind],
+                         q4_scale_shape(kind, *packed_shape[:2]))  # fmt: skip
     if kind == Q6_K:
         _require(kernel, k % (QK * Q6_SUPER) == 0, f"{label}: Q6_K width {k} is not a multiple of {QK * Q6_SUPER}")
         scale = _address(kernel, f"{label} scale", projection.scale, INT8, (*packed_shape[:2], 2, TILE))
@@ -397,7 +406,7 @@ class Kernels:
     ) -> None:
         """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q4_0 (``mins`` None), Q4_1 or Q4_K weight in
         ``ts_q4_gemm``'s layout: ``nibbles`` uint8 ``[ceil(N/4), K/32, 4, 16]``, ``scale`` and ``mins``
-        ``[ceil(N/4), K/32, 4]``, float16 (Q4_0, Q4_1) or float32 (Q4_K, each 32's scale and minimum widened);
+        ``[ceil(N/4), K/32, 4]`` float16 (Q4_0, Q4_1), or Q4_K's uint8 ``[ceil(N/4), K/256, 48]`` (cpu_gemm.c);
         ``x`` and ``out`` float32. The activations' Q8_0 scratch is allocated here."""
         kernel = "q4_gemm"
         tiles, blocks = _dims(kernel, "nibbles", nibbles, 4)[:2]
@@ -407,9 +416,11 @@ class Kernels:
                  f"do not fit a weight of {tiles} tiles of {TILE} rows and {blocks} blocks of {QK}")  # fmt: skip
         args = Q4Matmul(rows=rows, in_features=k, out_features=n, threads=torch.get_num_threads())
         args.nibbles = _address(kernel, "nibbles", nibbles, UINT8, (tiles, blocks, TILE, QK // 2))
-        args.f32_scales = int(scale.dtype == torch.float32)
-        args.scale = _address(kernel, "scale", scale, (torch.float16, torch.float32), (tiles, blocks, TILE))
-        args.mins = _address(kernel, "mins", mins, (scale.dtype,), (tiles, blocks, TILE), optional=True)
+        kind = Q4_K if scale.dtype == torch.uint8 else Q4_0
+        _require(kernel, kind != Q4_K or blocks % 8 == 0, f"Q4_K: {blocks} blocks are not whole super-blocks of 8")
+        args.k_scales = int(kind == Q4_K)
+        args.scale = _address(kernel, "scale", scale, (torch.float16, torch.uint8), q4_scale_shape(kind, tiles, blocks))
+        args.mins = _address(kernel, "mins", mins, (scale.dtype,), q4_scale_shape(kind, tiles, blocks), optional=True)
         args.bias = _address(kernel, "bias", bias, FLOAT32, (n,), optional=True)
         args.x = _address(kernel, "x", x, FLOAT32, (rows, k))
         args.out = _address(kernel, "out", out, FLOAT32, (rows, n))

@@ -9,8 +9,8 @@ and nothing passes through float that need not:
     F32 / F16 / BF16          as they are (then the model's dtype)
     Q8_0, quantization int8   GroupedInt8: int8 values and one scale per 32, bytes copied
           or gguf
-    Q4_0 / Q4_1 / Q4_K,       BlockQ4: the file's blocks, bytes copied (Q4_K regrouped by 32, exact; the token
-          quantization gguf   embedding table excepted: it is read by row, so it goes to group-wise int8)
+    Q4_0 / Q4_1 / Q4_K,       BlockQ4: the file's blocks, bytes copied (the token embedding table excepted: it
+          quantization gguf   is read by row, so it goes to group-wise int8)
     Q6_K, quantization gguf   BlockQ6K: the file's super-blocks, bytes copied (the embedding table as above)
     Q8_0, quantization none   dequantized to the model's dtype (logged)
     any other type            dequantized by the gguf package, then the model's dtype
@@ -29,7 +29,8 @@ from tierserve.core.errors import ConfigError
 from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
 from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, BlockQ6K, GroupedInt8, quantize_groups
 
-Q4_KINDS = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}  # bytes per 32 weights held (linear.BlockQ4)
+# bytes per block as stored (Q4_K, Q6_K: super-blocks of 256), for the types kept so (linear.BlockQ4, BlockQ6K)
+KEPT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
 
 log = structlog.get_logger(__name__)
 
@@ -76,16 +77,10 @@ def load_gguf_state(
         if kind == GGMLQuantizationType.Q8_0 and quantization in ("int8", "gguf") and rows:
             state[name] = _q8_0(data, rows, order)
             continue
-        if kind.name in Q4_KINDS and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
-            blocks = q4_k_sub_blocks(data, rows) if kind.name == "Q4_K" else np.asarray(data).reshape(
-                rows, -1, Q4_KINDS[kind.name])
-            state[name] = BlockQ4(kind.name, torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None
-                                                                                  else blocks)))  # fmt: skip
-            kept.add(kind.name)
-            continue
-        if kind.name == "Q6_K" and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
-            blocks = np.asarray(data).reshape(rows, -1, 210)
-            state[name] = BlockQ6K(torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None else blocks)))
+        if kind.name in KEPT_BLOCK_BYTES and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
+            blocks = np.asarray(data).reshape(rows, -1, KEPT_BLOCK_BYTES[kind.name])
+            blocks = torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None else blocks))
+            state[name] = BlockQ6K(blocks) if kind.name == "Q6_K" else BlockQ4(kind.name, blocks)
             kept.add(kind.name)
             continue
         if kind.name == "BF16":
@@ -119,34 +114,6 @@ def load_gguf_state(
     if not state:
         raise ConfigError(f"model.path {str(path)!r}: none of its tensors belongs to a {config.model_type} model")
     return state
-
-
-def q4_k_sub_blocks(data: np.ndarray, rows: int) -> np.ndarray:
-    """Q4_K super-blocks (144 bytes per 256 weights: float16 d and dmin, 12 bytes of 6-bit scales and minimums,
-    128 of nibbles) as ``BlockQ4``'s 24-byte blocks of 32: each sub-block's d * scale and -dmin * min as float32
-    (exact: a float16 times a 6-bit integer), then its 32 nibbles in Q4_0's order. ``d * nibble + m`` is
-    llama.cpp's dequantize_row_q4_K, to the bit."""
-    sb = np.asarray(data).reshape(rows, -1, 144)
-    n = sb.shape[1]
-    d = np.ascontiguousarray(sb[..., 0:2]).view(np.float16).astype(np.float32)  # [rows, n, 1]
-    dmin = np.ascontiguousarray(sb[..., 2:4]).view(np.float16).astype(np.float32)
-    packed = sb[..., 4:16].astype(np.int32)
-    scales = np.empty((rows, n, 8), np.float32)
-    mins = np.empty((rows, n, 8), np.float32)
-    for j in range(4):  # llama.cpp's get_scale_min_k4
-        scales[..., j] = packed[..., j] & 63
-        mins[..., j] = packed[..., j + 4] & 63
-        scales[..., j + 4] = (packed[..., j + 8] & 0xF) | ((packed[..., j] >> 6) << 4)
-        mins[..., j + 4] = (packed[..., j + 8] >> 4) | ((packed[..., j + 4] >> 6) << 4)
-    d_sub = (d * scales).astype(np.float32)  # [rows, n, 8]
-    m_sub = (-(dmin * mins)).astype(np.float32)
-    q = sb[..., 16:144].reshape(rows, n, 4, 32)  # chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high
-    values = np.stack([q & 0xF, q >> 4], axis=3).reshape(rows, n, 8, 32)
-    nibbles = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)
-    out = np.concatenate(
-        [d_sub[..., None].view(np.uint8), m_sub[..., None].view(np.uint8), nibbles], axis=-1
-    )  # [rows, n, 8, 24]
-    return np.ascontiguousarray(out.reshape(rows, n * 8, 24))
 
 
 def _q8_0(data: np.ndarray, rows: int, order: np.ndarray | None) -> GroupedInt8:

@@ -114,36 +114,60 @@ class GroupedInt8:
 
 @dataclass(slots=True)
 class BlockQ4:
-    """A GGUF Q4_0, Q4_1 or Q4_K matrix kept at 4 bits: per row, ``in / 32`` blocks of 18 (Q4_0: a float16 scale
-    d, 16 bytes of nibbles) or 20 bytes (Q4_1: d, a float16 minimum m, the nibbles), as the file stores them, or
-    24 (Q4_K: each 32-weight sub-block of a 256-weight super-block with its scale d * sc and minimum -dmin * m
-    as float32, exact, then its nibbles: 0.75 bytes a weight against the file's 0.5625); weight i of a block is
-    the low nibble of byte i (i < 16) or the high nibble of byte i - 16, and w = d * (nibble - 8) (Q4_0) or
-    d * nibble + m (Q4_1, Q4_K)."""
+    """A GGUF Q4_0, Q4_1 or Q4_K matrix kept as the file stores it: per row, ``in / 32`` blocks of 18 (Q4_0: a
+    float16 scale d, 16 bytes of nibbles) or 20 bytes (Q4_1: d, a float16 minimum m, the nibbles), or ``in / 256``
+    super-blocks of 144 (Q4_K: float16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles); weight
+    i of a 32-weight block is the low nibble of byte i (i < 16) or the high nibble of byte i - 16, and
+    w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1; Q4_K: d * scale and -dmin * min per block of 32)."""
 
     kind: str  # "Q4_0", "Q4_1" or "Q4_K"
-    blocks: torch.Tensor  # uint8 [out, in // 32, 18, 20 or 24]
+    blocks: torch.Tensor  # uint8 [out, in // 32, 18 or 20] or (Q4_K) [out, in // 256, 144]
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * GROUP_SIZE))
+        per_block = 256 if self.kind == "Q4_K" else GROUP_SIZE
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * per_block))
 
     def to(self, device: torch.device) -> BlockQ4:
         return BlockQ4(self.kind, self.blocks.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float matrix, computed in float32 (each weight exactly: d and m are float16), then ``dtype``."""
+        """The float matrix, computed in float32 (each weight exactly: d and m are float16, Q4_K's products of a
+        float16 and a 6-bit integer), then ``dtype``."""
+        if self.kind == "Q4_K":
+            d, dmin, scales, mins, qs = q4_k_parts(self.blocks)
+            step = (d[..., None] * scales.float()).flatten(1)[..., None]  # [out, in / 32, 1]
+            low = (-(dmin[..., None] * mins.float())).flatten(1)[..., None]
+            nibbles = torch.cat([qs & 0xF, qs >> 4], -1).float()
+            return (step * nibbles + low).reshape(self.shape).to(dtype)
         qs = self.blocks[..., -16:].to(torch.int16)
         nibbles = torch.cat([qs & 0xF, qs >> 4], -1).float()
-        if self.kind == "Q4_K":
-            d = self.blocks[..., 0:4].contiguous().view(torch.float32)
-            return (d * nibbles + self.blocks[..., 4:8].contiguous().view(torch.float32)).reshape(self.shape).to(dtype)
         d = self.blocks[..., 0:2].contiguous().view(torch.float16).float()
         if self.kind == "Q4_0":
             w = d * (nibbles - 8)
         else:
             w = d * nibbles + self.blocks[..., 2:4].contiguous().view(torch.float16).float()
         return w.reshape(self.shape).to(dtype)
+
+
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks uint8 ``[rows, n, 144]`` as ``(d, dmin, scales, mins, nibbles)``: d and dmin float32
+    ``[rows, n]``, each block of 32's 6-bit scale and minimum uint8 ``[rows, n, 8]`` (llama.cpp's
+    get_scale_min_k4), and each block's 32 nibbles uint8 ``[rows, n * 8, 16]`` in Q4_0's order (weight i < 16:
+    the low nibble of byte i)."""
+    rows, n = blocks.shape[:2]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    packed = blocks[..., 4:16].to(torch.int32)
+    scales = torch.empty(rows, n, 8, dtype=torch.int32)
+    mins = torch.empty(rows, n, 8, dtype=torch.int32)
+    scales[..., :4], mins[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
+    scales[..., 4:] = (packed[..., 8:12] & 0xF) | ((packed[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    q = blocks[..., 16:144].reshape(rows, n, 4, 32)  # chunk c: block 2c in the low nibbles, 2c + 1 in the high
+    values = torch.stack([q & 0xF, q >> 4], 3).reshape(rows, n, 8, 32)
+    nibbles = (values[..., :16] | (values[..., 16:] << 4)).reshape(rows, n * 8, 16)
+    return d, dmin, scales.to(torch.uint8), mins.to(torch.uint8), nibbles.contiguous()
 
 
 @dataclass(slots=True)
