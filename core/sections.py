@@ -98,12 +98,14 @@ class ModelSettings(Section):
         "transformers-unpaged (no prefix cache); or name one",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "gguf"] = Field(
+    quantization: Literal["none", "int8", "gguf", "q4_0", "q4_1", "q8_0"] = Field(
         "none",
         description="int8: every weight matrix stored as int8 with one scale per output row, computed at load "
         "(about 1 byte per weight; the native backend's fastest int8 kernel here runs it); gguf (a GGUF file on "
-        "the native backend): Q4_0, Q4_1 and Q8_0 tensors kept as the file stores them (0.56-1.1 bytes per "
-        "weight, tierserve's q4 and q8 kernels), any other type as int8 does",
+        "the native backend): Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 tensors kept as the file stores them (0.56-1.1 "
+        "bytes per weight, tierserve's q4, q6k and q8 kernels), any other type as int8 does; q4_0, q4_1, q8_0 (a "
+        "Hugging Face directory on the native backend): every weight matrix rounded at load to that GGUF block "
+        "type by llama.cpp's reference quantizer, then run as a GGUF file of that type is",
     )
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)

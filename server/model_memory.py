@@ -74,6 +74,7 @@ def _gguf_kept_bytes(path: Path) -> int:
     ))  # fmt: skip
 
 
+_BLOCK_BYTES_PER_WEIGHT = {"q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 1.125}  # model.quantization on a directory
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -136,6 +137,9 @@ def estimate_memory(settings: Settings) -> MemoryEstimate:
         per_weight = 1.125 if gguf else _per_row_int8_bytes(settings, device)
     # bfloat16 weights: one copy each (linear.bf16_copies)
     weight_bytes = int(elements * per_weight) if elements else stored
+    if model.quantization in _BLOCK_BYTES_PER_WEIGHT and not gguf:
+        # every weight matrix rounded at load to GGUF blocks (the embedding table as int8 rows: about the same)
+        weight_bytes = int(elements * _BLOCK_BYTES_PER_WEIGHT[model.quantization])
     if model.quantization == "gguf" and gguf:
         # Q4_0 / Q4_1 / Q8_0 kept as stored (Q8_0's scales widened to float32: 1.125 bytes a weight, not 1.0625),
         # any other type at int8's 1.125 bytes

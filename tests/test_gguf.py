@@ -316,10 +316,9 @@ def test_q4_weights_stay_at_their_bits_and_the_estimate_counts_them(files, outty
 def test_gguf_quantization_is_for_gguf_files_on_the_native_backend(files):
     checkpoint, gguf = files["llama"]
     with pytest.raises(ConfigError, match=r"model.quantization = 'gguf' keeps a GGUF file's blocks as stored, but "
-                                          r"model.path .* is a Hugging Face directory; use model.quantization = 'int8'"):
+                                          r"model.path .* is a Hugging Face directory; use model.quantization = 'q4_0', 'q4_1', 'q8_0' or 'int8'"):
         make_engine(checkpoint, model__quantization="gguf")
-    with pytest.raises(ConfigError, match=r"model.quantization = 'gguf' keeps a GGUF file's Q4/Q8 blocks on the "
-                                          r"native backend only"):
+    with pytest.raises(ConfigError, match=r"model.quantization = 'gguf' keeps GGUF blocks on the native backend only"):
         make_engine(gguf["q4_0"], model__quantization="gguf", model__backend="transformers")
 
 
@@ -421,3 +420,60 @@ def test_gguf_file_needs_a_directory(files):
     _, gguf = files["llama"]
     with pytest.raises(ConfigError, match=r"model.gguf_file = 'x.gguf' names a file inside the directory model.path"):
         make_engine(gguf["f32"], model__gguf_file="x.gguf")
+
+
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="GGUF blocks run on tierserve's kernels")
+@pytest.mark.parametrize("quantization", ["q4_0", "q4_1", "q8_0"])
+def test_a_directory_quantized_at_load_holds_the_blocks_llama_cpp_writes(files, quantization):
+    """``model.quantization = "q4_0"`` (``q4_1``, ``q8_0``) on a Hugging Face directory: each weight matrix holds
+    the very bytes the GGUF file of that type has for it (llama.cpp's reference quantizer), the layers run the
+    block kernels, and the model's logits stay within Q8_0 activation rounding of transformers' model of those
+    dequantized weights; the engine serves it under a fingerprint of its own per type."""
+    from tierserve.plugins.backends.block_quantize import quantize_state
+    from tierserve.plugins.backends.native import load_safetensors
+
+    checkpoint, gguf = files["llama"]
+    ours = quantize_state(load_safetensors(checkpoint), quantization)
+    theirs = load_gguf_state(gguf[quantization], load_config(gguf[quantization]), torch.float32, "gguf")
+    name = "model.layers.1.mlp.down_proj.weight"  # rows in the same order in both (no RoPE permutation)
+    if quantization == "q8_0":
+        assert torch.equal(ours[name].q, theirs[name].q) and torch.equal(ours[name].scale, theirs[name].scale)
+    else:
+        assert ours[name].kind == quantization.upper() and torch.equal(ours[name].blocks, theirs[name].blocks)
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers' model of the weights as rounded
+        for key, tensor in ours.items():
+            if not isinstance(tensor, torch.Tensor):
+                dequantized = tensor.dequantize(torch.float32)
+                reference.get_parameter(key).copy_(dequantized)
+    tokenizer = load_tokenizer(checkpoint)
+    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    with torch.inference_mode():
+        expected = [reference(torch.tensor([seq])).logits[0] for seq in ids]
+    model = PagedLlama(load_config(checkpoint), ours, torch.device("cpu"), torch.float32, quantization=quantization)
+    kernel = "q4" if quantization != "q8_0" else "int8-g32"
+    assert kernel in model.linear_kernel, model.linear_kernel
+    found = closeness(expected, teacher_forced_logits(model, ids))
+    print(f"llama {quantization} at load vs its dequantized weights: {found}")
+    assert found.greedy_agreement >= Q8_AGREEMENT and found.mean_kl <= Q8_KL, found
+
+    engine = make_engine(checkpoint, model__quantization=quantization)
+    try:
+        fingerprint = engine.info.fingerprint
+        assert engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finally:
+        engine.close()
+    other = make_engine(checkpoint, model__quantization="q4_1" if quantization == "q4_0" else "q4_0")
+    try:
+        assert other.info.fingerprint != fingerprint
+    finally:
+        other.close()
+
+
+def test_quantizing_at_load_is_for_directories_on_the_native_backend(files):
+    checkpoint, gguf = files["llama"]
+    with pytest.raises(ConfigError, match="is a GGUF file: use model.quantization = 'gguf'"):
+        make_engine(gguf["q4_0"], model__quantization="q4_0")
+    with pytest.raises(ConfigError, match="keeps GGUF blocks on the native backend only"):
+        make_engine(checkpoint, "transformers", model__quantization="q4_1")

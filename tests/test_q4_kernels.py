@@ -164,3 +164,21 @@ def test_q6_k_refuses_a_width_of_partial_super_blocks():
     q = torch.zeros(4, 288, dtype=torch.uint8)
     with pytest.raises(ValueError, match="not whole super-blocks of 256"):
         cpu_gemm.PackedQ6K(q, torch.zeros(4, 18, dtype=torch.int8), torch.zeros(4, 1), None)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q6_K"])
+def test_a_long_prefill_gives_each_row_its_own_bits(builds, kind):
+    """Past 64 rows the kernels run blocks of rows against panels of tiles: each row still gets the bits it gets
+    alone, in both builds."""
+    if kind == "Q6_K":
+        weight = BlockQ6K(torch.from_numpy(random_q6_k(70, 512, seed=5)))
+        packed = cpu_gemm.PackedQ6K(*weight.values(), None)
+        call = run_q6
+    else:
+        packed = cpu_gemm.PackedQ4(kind, random_blocks(kind, 70, 16, seed=5), None)
+        call = run
+    x = torch.randn(150, 512)
+    for kernels in builds.values():
+        batch = call(kernels, packed, x)
+        for i in (0, 63, 64, 101, 149):
+            assert torch.equal(call(kernels, packed, x[i : i + 1].contiguous())[0], batch[i])

@@ -82,7 +82,8 @@ from tierserve.plugins.backends import cpu_gemm
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "onednn", "torch")
-QUANTIZATIONS = ("none", "int8", "gguf")
+QUANTIZATIONS = ("none", "int8", "gguf", "q4_0", "q4_1", "q8_0")
+BLOCK_MODES = ("gguf", "q4_0", "q4_1", "q8_0")  # GGUF blocks run as stored: read from a file, or rounded at load
 GROUP_SIZE = 32  # llama.cpp's Q8_0 block
 GROUPED_KERNEL = "int8-g32"
 SMALL_BATCH = 4  # rows up to which ``auto`` int8 runs the q8 kernel instead of fbgemm
@@ -539,11 +540,12 @@ class LinearFactory:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"model.quantization: got {quantization!r}, allowed: {', '.join(QUANTIZATIONS)}")
         self.dtype = dtype
-        self.quantization = quantization
+        # blocks rounded at load (q4_0, q4_1, q8_0) run as a GGUF file's: float matrices left over go to int8
+        self.quantization = "gguf" if quantization in BLOCK_MODES else quantization
         self.grouped_kernel = ""
         self.block_kernels: set[str] = set()  # "q4", "q6k": the GGUF block kernels the layers built so far run
         self.device = device
-        if quantization in ("int8", "gguf"):
+        if self.quantization in ("int8", "gguf"):
             if kernel == "onednn":
                 raise ValueError(
                     f"{setting}: 'onednn' runs float weights; with model.quantization = {quantization!r} "

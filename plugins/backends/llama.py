@@ -26,6 +26,7 @@ from tierserve.plugins.backends.linear import (
     LinearFactory,
     BlockQ4,
     BlockQ6K,
+    BLOCK_MODES,
     cat_rows,
     quantize_rows,
 )
@@ -163,7 +164,7 @@ class PagedLlama:
         if tied and isinstance(embed, GroupedInt8) and isinstance(head, Int8Linear) and head.kernel.startswith("grouped"):
             self.embed = Embedding.of_grouped_head(head, dtype)  # one int8 table for both, in the head's layout
         else:
-            self.embed = Embedding(embed, dtype, quantized=quantization in ("int8", "gguf"))
+            self.embed = Embedding(embed, dtype, quantized=quantization in ("int8", *BLOCK_MODES))
         del embed, lm_head
 
         layer_types = getattr(config, "layer_types", None)

@@ -113,6 +113,8 @@ class NativeBackend(ModelBackend):
             from tierserve.plugins.backends.cpu_gemm import fingerprint_tag
 
             kernels += fingerprint_tag(self.device, self.dtype, kv_dtype)
+        if model.quantization not in ("none", "int8", "gguf"):  # blocks rounded at load: q4_0 and q4_1 differ
+            kernels += f"+{model.quantization}"
         self.fingerprint = checkpoint_fingerprint(self.path, str(self.dtype), kernels)
         self.block_size = settings.kv_cache.block_size
         self.max_lora_rank = model.max_lora_rank
@@ -121,15 +123,23 @@ class NativeBackend(ModelBackend):
     def _weights(self, quantization: str) -> dict[str, object]:
         from tierserve.models.gguf import is_gguf
 
+        from tierserve.core.errors import ConfigError
+        from tierserve.plugins.backends.block_quantize import BLOCK_QUANTIZATIONS, quantize_state
+
         if not is_gguf(self.path):
             if quantization == "gguf":
-                from tierserve.core.errors import ConfigError
-
                 raise ConfigError(
                     f"model.quantization = 'gguf' keeps a GGUF file's blocks as stored, but model.path "
-                    f"{str(self.path)!r} is a Hugging Face directory; use model.quantization = 'int8' (or 'none')"
+                    f"{str(self.path)!r} is a Hugging Face directory; use model.quantization = 'q4_0', 'q4_1', "
+                    "'q8_0' or 'int8' (or 'none')"
                 )
-            return load_safetensors(self.path)
+            state = load_safetensors(self.path)
+            return quantize_state(state, quantization) if quantization in BLOCK_QUANTIZATIONS else state
+        if quantization in BLOCK_QUANTIZATIONS:
+            raise ConfigError(
+                f"model.quantization = {quantization!r} quantizes a Hugging Face directory's float weights at load; "
+                f"model.path {str(self.path)!r} is a GGUF file: use model.quantization = 'gguf' to keep its blocks"
+            )
         from tierserve.plugins.backends.gguf_weights import load_gguf_state
 
         return load_gguf_state(self.path, self.config, self.dtype, quantization)

@@ -181,11 +181,11 @@ class PagedTransformersBackend(ModelBackend):
         )
         self.config = self.model.config
         options = settings.plugin_options("transformers", TransformersSettings)
-        if model.quantization == "gguf":
+        if model.quantization in ("gguf", "q4_0", "q4_1", "q8_0"):
             raise ConfigError(
-                "model.quantization = 'gguf' keeps a GGUF file's Q4/Q8 blocks on the native backend only (this "
-                "backend loads transformers' dequantized weights); set model.backend = \"native\" for a Llama, "
-                "Mistral or Qwen file, or model.quantization = \"int8\""
+                f"model.quantization = {model.quantization!r} keeps GGUF blocks on the native backend only (this "
+                "backend runs transformers' float modules); set model.backend = \"native\" for a Llama, "
+                "Mistral or Qwen checkpoint, or model.quantization = \"int8\""
             )
         try:
             factory = LinearFactory(options.linear_kernel, self.device, self.dtype, model.quantization,
