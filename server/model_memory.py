@@ -63,14 +63,19 @@ def _gguf_kept_bytes(path: Path) -> int:
     """Bytes a GGUF file's tensors take with ``model.quantization = "gguf"``."""
     from tierserve.models.gguf import check_gguf
 
-    # bytes a weight (GGML type numbers): Q4_0, Q4_1, Q4_K, Q6_K (repacked by tiles: cpu_gemm.c), Q8_0; floats
+    # bytes a weight (GGML type numbers): Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (repacked by tiles: cpu_gemm.c),
+    # Q8_0; floats
     # widened; any other type is held as int8 groups
-    kept = {2: 18 / 32, 3: 20 / 32, 12: 19 / 32, 14: 26.5 / 32, 8: 1.125, 0: 4.0, 1: 4.0, 30: 4.0}
-    # the token embedding table is read by row: a Q4 or Q6_K one is held as int8 groups
+    kept = {2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32, 12: 19 / 32, 13: 23 / 32, 14: 26.5 / 32, 8: 1.125,
+            0: 4.0, 1: 4.0, 30: 4.0}  # fmt: skip
+    # the token embedding table is held as the file stores it (its rows dequantized as read); a tied one twice (the
+    # head's tiles too)
+    tensors = check_gguf(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
     return int(sum(
-        t.n_elements * (1.125 if t.name == "token_embd.weight" and t.tensor_type in (2, 3, 12, 14) else
-                        kept.get(t.tensor_type, 1.125))
-        for t in check_gguf(path).tensors
+        t.n_elements * (t.n_bytes / t.n_elements + (kept.get(t.tensor_type, 1.125) if tied else 0)
+                        if t.name == "token_embd.weight" and t.tensor_type in kept else kept.get(t.tensor_type, 1.125))
+        for t in tensors
     ))  # fmt: skip
 
 

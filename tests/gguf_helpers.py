@@ -22,11 +22,13 @@ from safetensors.torch import load_file
 OUTTYPES = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16,
             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
             "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-            "q4_k_m": gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
+            "q4_k_m": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+            "q5_1": gguf.GGMLQuantizationType.Q5_1}  # fmt: skip
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
               "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
-              "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}  # fmt: skip
+              "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+              "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1}  # fmt: skip
 # llama-quantize's Q4_K_M keeps these in Q6_K (the rest Q4_K): v and down (in most layers) and the output head
 Q6_K_TENSORS = ("attn_v", "ffn_down", "output")
 
@@ -74,6 +76,17 @@ def random_q4_k(rows: int, columns: int, seed: int) -> np.ndarray:
     return sb
 
 
+def random_q5_k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """uint8 ``[rows, columns / 256, 176]`` Q5_K super-blocks: small float16 d and dmin, random 6-bit scales and
+    minimums, fifth bits and nibbles."""
+    rng = np.random.default_rng(seed)
+    sb = rng.integers(0, 256, (rows, columns // 256, 176), dtype=np.uint8)
+    for at in (0, 2):
+        halves = (rng.random((rows, columns // 256, 1)) * 0.001).astype(np.float16)
+        sb[..., at : at + 2] = halves.view(np.uint8).reshape(rows, columns // 256, 2)
+    return sb
+
+
 def random_q6_k(rows: int, columns: int, seed: int) -> np.ndarray:
     """uint8 ``[rows, columns / 256, 210]`` Q6_K super-blocks: random nibbles, high bit pairs and int8 scales
     (-128 included), a small float16 d."""
@@ -86,7 +99,7 @@ def random_q6_k(rows: int, columns: int, seed: int) -> np.ndarray:
 
 def write_gguf(checkpoint: Path, target: Path, outtype: str) -> Path:
     """``checkpoint`` (a llama, qwen2 or qwen3 directory) as a GGUF file at ``target`` in ``outtype`` (f32, bf16, q8_0,
-    q4_0, q4_1; q4_k: random super-blocks, for widths that are multiples of 256; q4_k_m: the same with random
+    q4_0, q4_1, q5_0, q5_1; q4_k: random super-blocks, for widths that are multiples of 256; q4_k_m: the same with random
     Q6_K super-blocks for ``Q6_K_TENSORS``, as llama-quantize mixes them)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = config["model_type"]

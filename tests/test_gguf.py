@@ -45,7 +45,7 @@ def files(tmp_path_factory):
     found = {}
     for name, (architecture, overrides) in ARCHITECTURES.items():
         checkpoint = build_checkpoint(root, name, architecture, **overrides)
-        outtypes = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
+        outtypes = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
         found[name] = (checkpoint, {t: write_gguf(checkpoint, root / f"{name}-{t}.gguf", t) for t in outtypes})
     return found
 
@@ -201,7 +201,7 @@ def test_memory_estimate_counts_q8_0_as_it_is_held(files, architecture):
 
 
 @pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
-@pytest.mark.parametrize("outtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("outtype", ["q4_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2's embeddings are tied
 def test_q4_runs_as_its_dequantized_weights(files, architecture, outtype):
     """``model.quantization = "gguf"``: the Q4 blocks kept, against transformers' float32 model of the
@@ -227,7 +227,7 @@ def test_q4_runs_as_its_dequantized_weights(files, architecture, outtype):
 
 
 @pytest.mark.skipif(cpu_gemm.library() is None, reason="Q4 blocks run on tierserve's kernels")
-@pytest.mark.parametrize("outtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("outtype", ["q4_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v biases and the tied Q4 table
 def test_q4_fused_decode_equals_the_layer_loop(files, architecture, outtype):
     """Q4 projections through the one-call decode (ts_decode_layers): the layer loop's logits to the bit."""
@@ -298,8 +298,9 @@ def test_q4_weights_stay_at_their_bits_and_the_estimate_counts_them(files, outty
     config = load_config(gguf[outtype])
     state = load_gguf_state(gguf[outtype], config, torch.float32, "gguf")
     blocks = [t for t in state.values() if isinstance(t, BlockQ4)]
-    assert len(blocks) == 7 * config.num_hidden_layers + 1  # every layer matrix and the untied output head
-    assert isinstance(state["model.embed_tokens.weight"], GroupedInt8)  # read by row: int8 groups
+    # every layer matrix, the untied output head and the embedding table (its rows dequantized as read)
+    assert len(blocks) == 7 * config.num_hidden_layers + 2
+    assert isinstance(state["model.embed_tokens.weight"], BlockQ4)
     model = PagedLlama(config, state, torch.device("cpu"), torch.float32, quantization="gguf")
     layers = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     packed = [layer.packed for layer in layers]
@@ -309,7 +310,7 @@ def test_q4_weights_stay_at_their_bits_and_the_estimate_counts_them(files, outty
     assert held == pytest.approx(weights * block_bytes / 32 + padding)  # the file's bytes, regrouped
     overrides = {("model", "path"): str(gguf[outtype]), ("model", "quantization"): "gguf", ("model", "device"): "cpu"}
     estimate = estimate_memory(load_settings(None, environ={}, overrides=overrides).settings).weight_bytes
-    held += model.embed.weight.nbytes + model.embed.scale.nbytes
+    held += model.embed.weight.nbytes  # the file's blocks
     assert 0.9 * held <= estimate <= 1.2 * held
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierserve.plugins.backends import cpu_gemm
-from tests.gguf_helpers import random_q4_k, random_q6_k
+from tests.gguf_helpers import random_q4_k, random_q5_k, random_q6_k
 from tierserve.plugins.backends.cpu_gemm_abi import Kernels
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, cpu_flags, object_name
 from tierserve.plugins.backends.linear import BlockQ4, BlockQ6K
@@ -22,32 +22,22 @@ if cpu_gemm.library() is None:
 
 
 def random_blocks(kind: str, rows: int, groups: int, seed: int) -> torch.Tensor:
-    """uint8 blocks as ``BlockQ4`` holds them: ``[rows, groups, 18|20]``, float16 d (and m) and 16 bytes of
-    nibbles as llama.cpp writes Q4_0 / Q4_1, or Q4_K super-blocks ``[rows, groups / 8, 144]``."""
+    """uint8 blocks as ``BlockQ4`` holds them (the file's layout): Q4_0, Q4_1, Q5_0 and Q5_1 from llama.cpp's
+    reference quantizer (the gguf package's) on random weights, Q4_K and Q5_K random super-blocks."""
     if kind == "Q4_K":
         return torch.from_numpy(random_q4_k(rows, groups * 32, seed))
-    gen = torch.Generator().manual_seed(seed)
-    d = (torch.rand(rows, groups, 1, generator=gen) * 0.02 + 0.001).half()
-    parts = [d.view(torch.uint8)]
-    if kind == "Q4_1":
-        m = ((torch.rand(rows, groups, 1, generator=gen) - 0.5) * 0.2).half()
-        parts.append(m.view(torch.uint8))
-    parts.append(torch.randint(0, 256, (rows, groups, 16), generator=gen, dtype=torch.uint8))
-    return torch.cat(parts, -1)
+    if kind == "Q5_K":
+        return torch.from_numpy(random_q5_k(rows, groups * 32, seed))
+    weights = np.random.default_rng(seed).standard_normal((rows, groups * 32)).astype(np.float32) * 0.05
+    data = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(data).reshape(rows, groups, -1))
 
 
 def dequantized(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """float64 ``[rows, groups * 32]``: w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1, Q4_K)."""
-    if kind == "Q4_K":
-        return BlockQ4(kind, blocks).dequantize().double()
-    d = blocks[..., 0:2].contiguous().view(torch.float16).double()
-    qs = blocks[..., -16:].long()
-    nibbles = torch.cat([qs & 0xF, qs >> 4], -1).double()  # weight i < 16: low nibble of byte i
-    if kind == "Q4_0":
-        w = d * (nibbles - 8)
-    else:
-        w = d * nibbles + blocks[..., 2:4].contiguous().view(torch.float16).double()
-    return w.reshape(blocks.shape[0], -1)
+    """float64 ``[rows, groups * 32]``: the blocks as llama.cpp dequantizes them (gguf's reference)."""
+    rows = blocks.shape[0]
+    values = gguf.quants.dequantize(blocks.numpy().reshape(rows, -1), gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(values).double().reshape(rows, -1)
 
 
 def q8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +66,7 @@ def run(kernels: Kernels, packed: cpu_gemm.PackedQ4, x: torch.Tensor) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize(("n", "k"), [(64, 512), (18, 1536), (7, 256)])
 def test_q4_matches_the_float64_reference_of_its_blocks(builds, kind, n, k):
     blocks = random_blocks(kind, n, k // 32, seed=n + k)
@@ -90,7 +80,7 @@ def test_q4_matches_the_float64_reference_of_its_blocks(builds, kind, n, k):
         assert (got - expected).abs().max().item() <= 2e-6 * scale + 1e-6, isa
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
 def test_both_builds_give_the_same_bits_at_every_batch_size(builds, kind):
     if len(builds) < 2:
         pytest.skip("this CPU runs one build only")
@@ -108,16 +98,19 @@ def test_both_builds_give_the_same_bits_at_every_batch_size(builds, kind):
 def test_packing_refuses_what_is_not_q4_blocks():
     with pytest.raises(ValueError, match=r"Q4_1 blocks must be uint8 \[out, in / 32, 20\]"):
         cpu_gemm.PackedQ4("Q4_1", torch.zeros(4, 2, 18, dtype=torch.uint8), None)
-    with pytest.raises(ValueError, match="Q5_0 blocks"):
-        cpu_gemm.PackedQ4("Q5_0", torch.zeros(4, 2, 22, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match=r"Q5_K blocks must be uint8 \[out, in / 256, 176\]"):
+        cpu_gemm.PackedQ4("Q5_K", torch.zeros(4, 2, 144, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="Q2_K blocks"):
+        cpu_gemm.PackedQ4("Q2_K", torch.zeros(4, 2, 84, dtype=torch.uint8), None)
 
 
-def test_q4_k_dequantizes_as_llama_cpp_does():
-    """Q4_K's super-blocks read (6-bit scales and minimums unpacked, d * scale and -dmin * min per block of 32)
-    as gguf's (llama.cpp's reference) dequantization reads the file's bytes, to the bit."""
-    sb = random_q4_k(6, 1024, seed=3)
-    reference = gguf.quants.dequantize(sb.reshape(6, -1), gguf.GGMLQuantizationType.Q4_K)
-    ours = BlockQ4("Q4_K", torch.from_numpy(sb)).dequantize().numpy()
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_blocks_dequantize_as_llama_cpp_does(kind):
+    """The file's blocks read (nibbles, fifth bits, the K types' 6-bit scales and minimums: d * scale and
+    -dmin * min per block of 32) as gguf's (llama.cpp's reference) dequantization reads them, to the bit."""
+    blocks = random_blocks(kind, 6, 32, seed=3)
+    reference = gguf.quants.dequantize(blocks.numpy().reshape(6, -1), gguf.GGMLQuantizationType[kind])
+    ours = BlockQ4(kind, blocks).dequantize().numpy()
     assert np.array_equal(reference, ours)
 
 
@@ -166,7 +159,7 @@ def test_q6_k_refuses_a_width_of_partial_super_blocks():
         cpu_gemm.PackedQ6K(q, torch.zeros(4, 18, dtype=torch.int8), torch.zeros(4, 1), None)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_a_long_prefill_gives_each_row_its_own_bits(builds, kind):
     """Past 64 rows the kernels run blocks of rows against panels of tiles: each row still gets the bits it gets
     alone, in both builds."""
@@ -175,7 +168,7 @@ def test_a_long_prefill_gives_each_row_its_own_bits(builds, kind):
         packed = cpu_gemm.PackedQ6K(*weight.values(), None)
         call = run_q6
     else:
-        packed = cpu_gemm.PackedQ4(kind, random_blocks(kind, 70, 16, seed=5), None)
+        packed = cpu_gemm.PackedQ4(kind, random_blocks(kind, 70, 16, seed=5), None)  # 512 columns
         call = run
     x = torch.randn(150, 512)
     for kernels in builds.values():

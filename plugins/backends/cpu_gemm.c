@@ -93,7 +93,8 @@
     X(S, const uint8_t*, nibbles)    /* [N/4][K/32][4][16] */                                            \
     X(S, const void*, scale)         /* float16 [N/4][K/32][4]; Q4_K: super-block scales (below) */      \
     X(S, const void*, mins)          /* Q4_1, Q4_K: [N/4][K/32][4] as scale; Q4_0: NULL */               \
-    X(S, int32_t, k_scales)          /* Q4_K: scale, mins [N/4][K/256][48 bytes] (q4_k_scales) */        \
+    X(S, int32_t, k_scales)          /* Q4_K, Q5_K: scale, mins [N/4][K/256][48 bytes] (q4_k_scales) */  \
+    X(S, int32_t, high_bits)         /* Q5_0, Q5_1, Q5_K: each tile block's 64 nibble bytes then 16 of high bits */ \
     X(S, const float*, bias)         /* [out_features] or NULL */                                        \
     X(S, int64_t, out_features)                                                                           \
     X(S, float*, out)                /* float32 rows */                                                  \
@@ -160,7 +161,7 @@
     X(S, const float*, qkv_tail_bias)                                                                     \
     X(S, int64_t, qkv_tail_rows)   /* 0: qkv is one projection */                                        \
     X(S, int32_t, qkv_tail_kind)
-enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1, K_Q4_K, K_Q6_K };
+enum { K_Q8_ROW, K_Q8_GROUPED, K_BF16, K_F32, K_Q4_0, K_Q4_1, K_Q4_K, K_Q6_K, K_Q5_0, K_Q5_1, K_Q5_K };
 
 /* A decode step through every layer (ts_decode_layers) */
 #define TS_DECODE_STEP(X, S)                                                                              \
@@ -237,6 +238,7 @@ const ts_number* ts_constants(int64_t* count) {
         {"version", TS_KERNEL_VERSION}, {"avx512", TS_AVX512}, {"qk", QK}, {"tile", TILE}, {"panel", PANEL},
         {"max_group", MAX_GROUP}, {"q8_row", K_Q8_ROW}, {"q8_grouped", K_Q8_GROUPED}, {"bf16", K_BF16},
         {"f32", K_F32}, {"q4_0", K_Q4_0}, {"q4_1", K_Q4_1}, {"q4_k", K_Q4_K}, {"q6_k", K_Q6_K},
+        {"q5_0", K_Q5_0}, {"q5_1", K_Q5_1}, {"q5_k", K_Q5_K},
     };
     *count = (int64_t)(sizeof(numbers) / sizeof(numbers[0]));
     return numbers;
@@ -799,6 +801,10 @@ static inline void q4_finish(const float* lanes, const float* mins4, const float
  * -dmin) as float32. A block's scale is d * scale (minimum: -dmin * min), exact in float32: 4.75 bits a weight
  * in all, against the file's 4.5. */
 #define Q4K_SUPER 48
+/* Q5_0, Q5_1, Q5_K: the Q4 layout plus each weight's fifth bit, per tile block after its 64 bytes of nibbles: 16
+ * bytes, the 64 bits of lo (row r's weights 0-15 at bits 16r..16r+15) then the 64 of hi (weights 16-31). A Q5_0
+ * weight is d * (q - 16), Q5_1's d * q + m, Q5_K's as Q4_K's with q of 5 bits. */
+#define Q5_BLOCK 80
 static inline __m128 q4_k_scales(const void* p, int64_t k) {
     const uint8_t* base = (const uint8_t*)p + (k / 8) * Q4K_SUPER;
     int32_t packed;
@@ -817,17 +823,26 @@ static inline __m128 q4_scales(const void* p, int64_t k, int k_scales) {
 #if TS_AVX512
 #define Q4_ROWS 4
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t* wt, const void* dt, const void* mt, int ks, const int8_t* x, const float* dx,
-    const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int R, const int hb, const uint8_t* wt, const void* dt, const void* mt, int ks, const int8_t* x,
+    const float* dx, const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16],
+    float (*mins4)[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+    const int64_t stride = hb ? Q5_BLOCK : 64;
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc[Q4_ROWS];
     __m128 macc[Q4_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
-        _mm_prefetch((const char*)(wt + (k + 8) * 64), _MM_HINT_T0);
-        const __m512i w = _mm512_loadu_si512((const void*)(wt + k * 64));
-        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        _mm_prefetch((const char*)(wt + (k + 8) * stride), _MM_HINT_T0);
+        if (hb) _mm_prefetch((const char*)(wt + (k + 8) * stride + 64), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512((const void*)(wt + k * stride));
+        __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        if (hb) { /* the fifth bits: one mask bit per byte of lo, then of hi */
+            uint64_t bits[2];
+            memcpy(bits, wt + k * stride + 64, sizeof bits);
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits[0]), sixteen));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits[1]), sixteen));
+        }
         const __m512 d16 = _mm512_permutexvar_ps(
             spread, _mm512_castps128_ps512(q4_scales(dt, k, ks)));
         const __m128 m4 = mt ? q4_scales(mt, k, ks) : _mm_setzero_ps();
@@ -837,7 +852,7 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
             const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xr + 16)));
             __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
             if (!mt) {
-                const __m128i s = _mm_slli_epi32(_mm_loadu_si128((const __m128i*)(sums + (r * blocks + k) * 4)), 3);
+                const __m128i s = _mm_slli_epi32(_mm_loadu_si128((const __m128i*)(sums + (r * blocks + k) * 4)), hb ? 4 : 3);
                 isum = _mm512_sub_epi32(isum, _mm512_broadcast_i32x4(s));
             }
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d16, _mm512_set1_ps(dx[r * blocks + k])),
@@ -849,20 +864,39 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 }
 #else
 #define Q4_ROWS 2
+/* 32 mask bits as bytes: 16 where the bit is set, 0 elsewhere (byte j: bit j). */
+static inline __m256i fifth_bits(const uint8_t* p) {
+    int32_t m;
+    memcpy(&m, p, sizeof m);
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                           3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), which), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
 static inline __attribute__((always_inline)) void q4_tile_rows(
-    const int R, const uint8_t* wt, const void* dt, const void* mt, int ks, const int8_t* x, const float* dx,
-    const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16], float (*mins4)[4]) {
+    const int R, const int hb, const uint8_t* wt, const void* dt, const void* mt, int ks, const int8_t* x,
+    const float* dx, const int32_t* sums, const float* bsum, int64_t K, int64_t blocks, float (*lanes)[16],
+    float (*mins4)[4]) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t stride = hb ? Q5_BLOCK : 64;
     const __m256i first = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), second = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
     __m256 acc01[Q4_ROWS], acc23[Q4_ROWS];
     __m128 macc[Q4_ROWS];
     for (int r = 0; r < R; r++) acc01[r] = acc23[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
-        _mm_prefetch((const char*)(wt + (k + 8) * 64), _MM_HINT_T0);
-        const __m256i w01 = _mm256_loadu_si256((const __m256i*)(wt + k * 64));
-        const __m256i w23 = _mm256_loadu_si256((const __m256i*)(wt + k * 64 + 32));
-        const __m256i lo01 = _mm256_and_si256(w01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low);
-        const __m256i lo23 = _mm256_and_si256(w23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low);
+        _mm_prefetch((const char*)(wt + (k + 8) * stride), _MM_HINT_T0);
+        if (hb) _mm_prefetch((const char*)(wt + (k + 8) * stride + 64), _MM_HINT_T0);
+        const uint8_t* wb = wt + k * stride;
+        const __m256i w01 = _mm256_loadu_si256((const __m256i*)wb);
+        const __m256i w23 = _mm256_loadu_si256((const __m256i*)(wb + 32));
+        __m256i lo01 = _mm256_and_si256(w01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(w01, 4), low);
+        __m256i lo23 = _mm256_and_si256(w23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(w23, 4), low);
+        if (hb) { /* the fifth bits: lo's rows 0-1, 2-3, then hi's */
+            lo01 = _mm256_or_si256(lo01, fifth_bits(wb + 64)), lo23 = _mm256_or_si256(lo23, fifth_bits(wb + 68));
+            hi01 = _mm256_or_si256(hi01, fifth_bits(wb + 72)), hi23 = _mm256_or_si256(hi23, fifth_bits(wb + 76));
+        }
         const __m256 d8 = _mm256_castps128_ps256(q4_scales(dt, k, ks));
         const __m256 d01 = _mm256_permutevar8x32_ps(d8, first), d23 = _mm256_permutevar8x32_ps(d8, second);
         const __m128 m4 = mt ? q4_scales(mt, k, ks) : _mm_setzero_ps();
@@ -876,7 +910,7 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
                                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi23, xh), ones));
             if (!mt) {
                 const __m256i s = _mm256_broadcastsi128_si256(
-                    _mm_slli_epi32(_mm_loadu_si128((const __m128i*)(sums + (r * blocks + k) * 4)), 3));
+                    _mm_slli_epi32(_mm_loadu_si128((const __m128i*)(sums + (r * blocks + k) * 4)), hb ? 4 : 3));
                 i01 = _mm256_sub_epi32(i01, s), i23 = _mm256_sub_epi32(i23, s);
             }
             const __m256 dxv = _mm256_set1_ps(dx[r * blocks + k]);
@@ -903,8 +937,8 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
 /* The products of rounded rows (qx, dx and their sums) with a Q4 weight; the panels are shared among the
  * enclosing parallel region's threads (an orphaned omp for). */
 static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_all, const float* bsum_all, int64_t M,
-                    int64_t K, const uint8_t* nibbles, const void* scale, const void* mins, int ks, const float* bias,
-                    int64_t N, float* out) {
+                    int64_t K, const uint8_t* nibbles, const void* scale, const void* mins, int ks, int hb,
+                    const float* bias, int64_t N, float* out) {
     const int64_t blocks = K / QK, tiles = (N + 3) / 4;
     const int64_t per = M > BLOCK_ROWS ? PANEL_TILES : 1, panels = (tiles + per - 1) / per; /* a few rows: by tile */
     if (M <= 0) return;
@@ -914,7 +948,7 @@ static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_a
         for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
             const int64_t m_end = m0 + BLOCK_ROWS < M ? m0 + BLOCK_ROWS : M;
             for (int64_t t = p * per; t < t_end; t++) {
-                const uint8_t* wt = nibbles + t * blocks * 64;
+                const uint8_t* wt = nibbles + t * blocks * (hb ? Q5_BLOCK : 64);
                 const int64_t skip = ks ? t * (blocks / 8) * Q4K_SUPER : t * blocks * 4 * 2; /* earlier tiles' scales */
                 const void* dt = (const char*)scale + skip;
                 const void* mt = mins ? (const char*)mins + skip : 0;
@@ -924,14 +958,20 @@ static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_a
                     const int8_t* x = qx + m * K;
                     const float *dx = dx_all + m * blocks, *bsum = bsum_all + m * blocks;
                     const int32_t* sums = sums_all + m * blocks * 4;
-                    switch (R) { /* a constant row count each: the row loops unroll */
-                        case 1: q4_tile_rows(1, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
-                        case 2: q4_tile_rows(2, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+#define Q4_TILE(N, HB) q4_tile_rows(N, HB, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4)
+                    switch (R + 8 * hb) { /* constant row counts and planes: the row loops unroll */
+                        case 1: Q4_TILE(1, 0); break;
+                        case 2: Q4_TILE(2, 0); break;
+                        case 9: Q4_TILE(1, 1); break;
+                        case 10: Q4_TILE(2, 1); break;
 #if Q4_ROWS > 2
-                        case 3: q4_tile_rows(3, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
-                        default: q4_tile_rows(4, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4); break;
+                        case 3: Q4_TILE(3, 0); break;
+                        case 4: Q4_TILE(4, 0); break;
+                        case 11: Q4_TILE(3, 1); break;
+                        default: Q4_TILE(4, 1); break;
 #endif
                     }
+#undef Q4_TILE
                     for (int r = 0; r < R; r++)
                         q4_finish(lanes[r], mt ? mins4[r] : 0, bias, t * 4, N, out + (m + r) * N);
                 }
@@ -944,7 +984,7 @@ void ts_q4_gemm(const ts_q4_matmul* a) {
     _Pragma("omp parallel num_threads(a->threads)") {
         q4_round_rows(a->x, a->rows, a->in_features, a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums);
         q4_rows(a->q8_rows, a->q8_scales, a->q8_sums, a->q8_block_sums, a->rows, a->in_features, a->nibbles,
-                a->scale, a->mins, a->k_scales, a->bias, a->out_features, a->out);
+                a->scale, a->mins, a->k_scales, a->high_bits, a->bias, a->out_features, a->out);
     }
 }
 
@@ -2042,7 +2082,8 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
 
 /* Row m of x [M, K] rounded to Q8_0 blocks where the projection is q8 (its products read qx, dx). */
 static inline int is_q8(int64_t kind) { return kind == K_Q8_ROW || kind == K_Q8_GROUPED; }
-static inline int is_q4(int64_t kind) { return kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q4_K; }
+static inline int is_q5(int64_t kind) { return kind == K_Q5_0 || kind == K_Q5_1 || kind == K_Q5_K; }
+static inline int is_q4(int64_t kind) { return kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q4_K || is_q5(kind); }
 static inline int rounds_rows(int64_t kind) { return is_q8(kind) || kind == K_Q6_K; } /* Q8_0 rows, no sums */
 
 /* The rounded rows (and, Q4, their sums) the integer products read: q8 and Q4 projections' scratch. */
@@ -2065,8 +2106,8 @@ static void project(int kind, const float* x, rounded_rows r, uint16_t* xb, int6
     else if (kind == K_F32)
         ts_f32_gemm_rows(x, M, K, (const float*)w, bias, N, out);
     else if (is_q4(kind))
-        q4_rows(r.qx, r.dx, r.sums, r.bsum, M, K, (const uint8_t*)w, ws, kind == K_Q4_0 ? 0 : mins,
-                kind == K_Q4_K, bias, N, out);
+        q4_rows(r.qx, r.dx, r.sums, r.bsum, M, K, (const uint8_t*)w, ws, kind == K_Q4_0 || kind == K_Q5_0 ? 0 : mins,
+                kind == K_Q4_K || kind == K_Q5_K, is_q5(kind), bias, N, out);
     else if (kind == K_Q6_K)
         q6_rows(r.qx, r.dx, M, K, (const uint8_t*)w, (const int8_t*)ws, (const float*)mins, bias, N, out);
     else

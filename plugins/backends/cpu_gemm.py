@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tierserve.plugins.backends.cpu_gemm_abi import (
-    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q4_K, Q6_K, Q6_SUPER, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
+    BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q6_SUPER, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
 )
 from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, cpu_flags, object_name
 
@@ -253,31 +253,26 @@ class PackedQ8:
         return out
 
 
-# llama.cpp's block_q4_0 / block_q4_1 (32 weights) and block_q4_K (256): as stored (linear.BlockQ4)
-Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
-
-
 class PackedQ4:
-    """A GGUF Q4_0, Q4_1 or Q4_K weight in ``ts_q4_gemm``'s layout: the file's blocks regrouped by tiles of 4 rows,
-    the same bytes (16 of nibbles, a float16 scale and, Q4_1, a float16 minimum per 32 weights; Q4_K: the nibbles,
-    each block's 6-bit scale and minimum and each super-block's d and -dmin as float32, 4.75 bits a weight against
-    the file's 4.5); calls round the activations to Q8_0 blocks (llama.cpp's vec_dot_q4_*) and return float32
-    rows."""
+    """A GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weight in ``ts_q4_gemm``'s layout (cpu_gemm.c): the file's
+    blocks regrouped by tiles of 4 rows, the same bytes (16 of nibbles per 32 weights, the Q5 types' fifth bits
+    after them, float16 scales and minimums; the K types' 6-bit block scales and minimums with each super-block's
+    d and -dmin as float32: 4.75 and 5.75 bits a weight against the files' 4.5 and 5.5); calls round the
+    activations to Q8_0 blocks (llama.cpp's vec_dot_q4_*) and return float32 rows."""
 
     __slots__ = ("nibbles", "scale", "mins", "bias", "out_features", "in_features", "kind")
 
     def __init__(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """``blocks``: uint8 ``[out_features, in_features / 32, 18 (Q4_0) or 20 (Q4_1)]`` or
-        ``[out_features, in_features / 256, 144]`` (Q4_K), as the file stores them (``linear.BlockQ4``)."""
-        from tierserve.plugins.backends.linear import q4_k_parts
+        """``blocks``: uint8 ``[out_features, in_features / weights a block, bytes a block]`` as the file stores
+        them (``linear.BLOCK_LAYOUTS``, ``linear.BlockQ4``)."""
+        from tierserve.plugins.backends.linear import BLOCK_LAYOUTS, block_nibbles, fifth_bits, k_scales
 
         if library() is None:
             raise ValueError(f"PackedQ4: tierserve's CPU kernels are unavailable: {unavailable_reason()}")
-        width = Q4_BLOCK_BYTES.get(kind)
+        width, per = BLOCK_LAYOUTS.get(kind, (None, QK))
         if width is None or blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != width:
-            per = 256 if kind == "Q4_K" else QK
-            raise ValueError(f"PackedQ4: {kind} blocks must be uint8 [out, in / {per}, {width}]; got "
-                             f"{blocks.dtype} {list(blocks.shape)}")  # fmt: skip
+            raise ValueError(f"PackedQ4: {kind} blocks must be uint8 [out, in / {per}, {width}] (of "
+                             f"{', '.join(BLOCK_LAYOUTS)}); got {blocks.dtype} {list(blocks.shape)}")  # fmt: skip
         self.kind = kind
         self.out_features = blocks.shape[0]
         blocks = _pad_rows(blocks.cpu())
@@ -286,8 +281,17 @@ class PackedQ4:
         def by_tile(part: torch.Tensor) -> torch.Tensor:  # [N, groups, w] -> [N/4, groups, 4, w]
             return part.reshape(tiles, TILE, part.shape[1], -1).permute(0, 2, 1, 3).contiguous()
 
-        if kind == "Q4_K":
-            d, dmin, scales, mins, nibbles = q4_k_parts(blocks)
+        nibbles = by_tile(block_nibbles(kind, blocks))  # [N/4, groups, 4, 16]
+        if kind in ("Q5_0", "Q5_1", "Q5_K"):  # per tile block: the 4 rows' bits of weights 0-15, then of 16-31
+            high = fifth_bits(kind, blocks)  # [N, groups]
+            halves = torch.stack([high & 0xFFFF, high >> 16], -1).to(torch.int32).to(torch.int16)  # [N, groups, 2]
+            halves = halves.reshape(tiles, TILE, -1, 2).permute(0, 2, 3, 1).contiguous()  # [N/4, groups, 2, 4]
+            groups = nibbles.shape[1]
+            nibbles = torch.cat([nibbles.reshape(tiles, groups, -1), halves.view(torch.uint8).reshape(tiles, groups, -1)],
+                                -1).contiguous()  # fmt: skip
+        self.nibbles = nibbles
+        if kind in ("Q4_K", "Q5_K"):
+            d, dmin, scales, mins = k_scales(blocks)
             supers = d.shape[1]
 
             def per_super(small: torch.Tensor, big: torch.Tensor) -> torch.Tensor:  # [tiles, supers, 48] bytes
@@ -295,25 +299,26 @@ class PackedQ4:
                 big = big.reshape(tiles, TILE, supers).transpose(1, 2).contiguous().view(torch.uint8)
                 return torch.cat([small, big], -1).contiguous()
 
-            self.nibbles = by_tile(nibbles)
             self.scale, self.mins = per_super(scales, d), per_super(mins, -dmin)
         else:
-            self.nibbles = by_tile(blocks[:, :, width - QK // 2 :])
             self.scale = by_tile(blocks[:, :, 0:2]).view(torch.float16)[..., 0].contiguous()
-            self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if kind == "Q4_1" else None
+            with_min = kind in ("Q4_1", "Q5_1")
+            self.mins = by_tile(blocks[:, :, 2:4]).view(torch.float16)[..., 0].contiguous() if with_min else None
         self.in_features = self.nibbles.shape[1] * QK
         self.bias = None if bias is None else bias.float().contiguous()
 
     def projection(self) -> Projection:
         """This weight as ``ts_decode_layers`` takes it."""
-        return Projection({"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K}[self.kind], self.nibbles, self.scale, self.bias,
-                          self.mins)  # fmt: skip
+        return Projection(Q4_KINDS[self.kind], self.nibbles, self.scale, self.bias, self.mins)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)
         library().q4_matmul(self.nibbles, self.scale, self.mins, self.bias, rows, out)
         return out
+
+
+Q4_KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K}
 
 
 class PackedQ6K:
@@ -366,8 +371,8 @@ def supports_q4(in_features: int) -> bool:
 
 
 def supports_blocks(kind: str, in_features: int) -> bool:
-    """Whether GGUF blocks of ``kind`` (Q4_0, Q4_1, Q4_K, Q6_K) run here at this input width."""
-    if kind == "Q6_K":
+    """Whether GGUF blocks of ``kind`` (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) run here at this input width."""
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
         return library() is not None and in_features % (QK * Q6_SUPER) == 0
     return supports_q4(in_features)
 

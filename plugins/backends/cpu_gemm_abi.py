@@ -12,7 +12,7 @@ argument, what it takes and what it got: the C code trusts every pointer.
       -> Kernels.matmul_weight(Projection)            the packed weight, checked once
       -> Kernels.matmul(weight, x, out, ...)          each call's tensors checked, a Matmul struct
         -> ts_q8_gemm(const ts_matmul*)               cpu_gemm.c
-      -> Kernels.q4_matmul(nibbles, scale, mins, ...) a GGUF Q4_0 / Q4_1 / Q4_K weight: ts_q4_gemm(const ts_q4_matmul*)
+      -> Kernels.q4_matmul(nibbles, scale, mins, ...) a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K weight: ts_q4_gemm
       -> Kernels.q6k_matmul(bits, scales, d, ...)     a GGUF Q6_K weight: ts_q6k_gemm(const ts_q4_matmul*)
 """
 
@@ -31,12 +31,13 @@ QK = 32  # q8 block: llama.cpp's Q8_0
 TILE = 4  # output rows of a bfloat16 (AVX2 build) or q8 tile
 PANEL = 32  # output columns of a float32 or (AVX-512 build) bfloat16 panel
 MAX_GROUP = 16  # query heads per KV head the attention kernels take
-Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1, Q4_K, Q6_K = 0, 1, 2, 3, 4, 5, 6, 7  # how a ts_layer projection computes
+Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K = range(11)  # a ts_layer projection's K_*
+Q5_BLOCK = 80  # bytes of a Q5 tile's block of 32 weights: 4 rows x 16 of nibbles, then 16 of fifth bits
 Q6_BLOCK = 96  # bytes of a Q6_K tile's block of 32 weights: 4 rows x (16 of nibbles + 8 of high bit pairs)
 Q6_SUPER = 8  # blocks of 32 per Q6_K super-block (one d per row)
 CONSTANTS = {"version": KERNEL_VERSION, "qk": QK, "tile": TILE, "panel": PANEL, "max_group": MAX_GROUP,
              "q8_row": Q8_ROW, "q8_grouped": Q8_GROUPED, "bf16": BF16, "f32": F32, "q4_0": Q4_0,
-             "q4_1": Q4_1, "q4_k": Q4_K, "q6_k": Q6_K}  # fmt: skip
+             "q4_1": Q4_1, "q4_k": Q4_K, "q6_k": Q6_K, "q5_0": Q5_0, "q5_1": Q5_1, "q5_k": Q5_K}  # fmt: skip
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 FLOAT32, FLOATS, INT8, INT16, INT64, UINT8 = (
@@ -64,7 +65,7 @@ class Q4Matmul(ctypes.Structure):
     """``ts_q4_matmul``: the arguments of ``ts_q4_gemm`` (a GGUF Q4_0 / Q4_1 weight kept as stored)."""
 
     _fields_ = [("x", _p), ("rows", _i64), ("in_features", _i64), ("nibbles", _p), ("scale", _p), ("mins", _p),
-                ("k_scales", _i32), ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
+                ("k_scales", _i32), ("high_bits", _i32), ("bias", _p), ("out_features", _i64), ("out", _p), ("q8_rows", _p), ("q8_scales", _p),
                 ("q8_sums", _p), ("q8_block_sums", _p), ("threads", _i32)]  # fmt: skip
 
 
@@ -156,7 +157,8 @@ def _require(kernel: str, condition: bool, message: str) -> None:
 @dataclass(frozen=True, slots=True)
 class Projection:
     """A packed weight as the matmul kernels take it: its kind (``Q8_ROW``, ``Q8_GROUPED``, ``BF16``,
-    ``F32``, ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q6_K``), the packed weight, the q8 scales (Q4: float16 scales, Q4_K
+    ``F32``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``), the packed weight, the q8
+    scales (Q4/Q5: float16 scales, Q4_K and Q5_K
     its super-block bytes; Q6_K: int8 scales per 16), the bias (float32, or None) and, Q4_1 and Q4_K, the minimums (Q6_K: each
     row's float32 d per super-block)."""
 
@@ -212,16 +214,19 @@ class DecodeShape:
         )  # fmt: skip
 
 
-Q4_SCALE_DTYPES = {Q4_0: (torch.float16,), Q4_1: (torch.float16,), Q4_K: (torch.uint8,)}
+Q4_SCALE_DTYPES = {Q4_0: (torch.float16,), Q4_1: (torch.float16,), Q4_K: (torch.uint8,), Q5_0: (torch.float16,),
+                   Q5_1: (torch.float16,), Q5_K: (torch.uint8,)}  # fmt: skip
+WITH_MINS = (Q4_1, Q4_K, Q5_1, Q5_K)
 Q4K_SUPER = 48  # bytes of a Q4_K tile's super-block scales (or minimums): 8 blocks x 4 rows of 6 bits, 4 float32
 
 
 def q4_scale_shape(kind: int, tiles: int, blocks: int) -> tuple[int, ...]:
     """The shape of a Q4 weight's scales (and minimums): float16 per tile row and block, or Q4_K's bytes per
     super-block of 8 blocks (cpu_gemm.c's q4_k_scales)."""
-    return (tiles, blocks // 8, Q4K_SUPER) if kind == Q4_K else (tiles, blocks, TILE)
+    return (tiles, blocks // 8, Q4K_SUPER) if kind in (Q4_K, Q5_K) else (tiles, blocks, TILE)
 WEIGHT_DTYPES = {Q8_ROW: torch.int8, Q8_GROUPED: torch.int8, BF16: torch.int16, F32: torch.float32,
-                 Q4_0: torch.uint8, Q4_1: torch.uint8, Q4_K: torch.uint8, Q6_K: torch.uint8}  # fmt: skip
+                 Q4_0: torch.uint8, Q4_1: torch.uint8, Q4_K: torch.uint8, Q6_K: torch.uint8, Q5_0: torch.uint8,
+                 Q5_1: torch.uint8, Q5_K: torch.uint8}  # fmt: skip
 
 
 def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Projection, n: int, k: int) -> tuple:
@@ -233,8 +238,9 @@ def _check_projection(kernels: Kernels, kernel: str, label: str, projection: Pro
     packed_shape = kernels.packed_shape(kind, n, k)
     weight = _address(kernel, f"{label} weight", projection.weight, (WEIGHT_DTYPES[kind],), packed_shape)
     scale = None
-    if kind in (Q4_0, Q4_1, Q4_K):
-        _require(kernel, kind != Q4_K or k % (QK * 8) == 0, f"{label}: Q4_K width {k} is not a multiple of {QK * 8}")
+    if kind in Q4_SCALE_DTYPES:
+        _require(kernel, kind not in (Q4_K, Q5_K) or k % (QK * 8) == 0, f"{label}: K-type width {k} is not a "
+                 f"multiple of {QK * 8}")  # fmt: skip
         scale = _address(kernel, f"{label} scale", projection.scale, Q4_SCALE_DTYPES[kind],
                          q4_scale_shape(kind, *packed_shape[:2]))  # fmt: skip
     if kind == Q6_K:
@@ -346,6 +352,8 @@ class Kernels:
             return (-(-n // PANEL), k, PANEL)
         if kind in (Q4_0, Q4_1, Q4_K):
             return (-(-n // TILE), k // QK, TILE, QK // 2)
+        if kind in (Q5_0, Q5_1, Q5_K):
+            return (-(-n // TILE), k // QK, Q5_BLOCK)
         if kind == Q6_K:
             return (-(-n // TILE), k // QK, Q6_BLOCK)
         raise KernelArgumentError(f"unknown projection kind {kind!r}; allowed: {sorted(WEIGHT_DTYPES)}")
@@ -404,21 +412,24 @@ class Kernels:
         x: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q4_0 (``mins`` None), Q4_1 or Q4_K weight in
-        ``ts_q4_gemm``'s layout: ``nibbles`` uint8 ``[ceil(N/4), K/32, 4, 16]``, ``scale`` and ``mins``
-        ``[ceil(N/4), K/32, 4]`` float16 (Q4_0, Q4_1), or Q4_K's uint8 ``[ceil(N/4), K/256, 48]`` (cpu_gemm.c);
+        """``out [M, N] = x [M, K] @ W.T (+ bias)`` for a Q4_0 or Q5_0 (``mins`` None), Q4_1, Q5_1, Q4_K or Q5_K
+        weight in ``ts_q4_gemm``'s layout: ``nibbles`` uint8 ``[ceil(N/4), K/32, 4, 16]`` (Q5 types:
+        ``[ceil(N/4), K/32, 80]``, the fifth bits after each block's nibbles), ``scale`` and ``mins``
+        ``[ceil(N/4), K/32, 4]`` float16, or the K types' uint8 ``[ceil(N/4), K/256, 48]`` (cpu_gemm.c);
         ``x`` and ``out`` float32. The activations' Q8_0 scratch is allocated here."""
         kernel = "q4_gemm"
-        tiles, blocks = _dims(kernel, "nibbles", nibbles, 4)[:2]
+        high = nibbles.dim() == 3  # the Q5 types' tiles: 64 bytes of nibbles then 16 of fifth bits a block
+        tiles, blocks = _dims(kernel, "nibbles", nibbles, 3 if high else 4)[:2]
         rows, k = _dims(kernel, "x", x, 2)
         n = _dims(kernel, "out", out, 2)[1]
         _require(kernel, k == blocks * QK and -(-n // TILE) == tiles, f"x {list(x.shape)} and out {list(out.shape)} "
                  f"do not fit a weight of {tiles} tiles of {TILE} rows and {blocks} blocks of {QK}")  # fmt: skip
         args = Q4Matmul(rows=rows, in_features=k, out_features=n, threads=torch.get_num_threads())
-        args.nibbles = _address(kernel, "nibbles", nibbles, UINT8, (tiles, blocks, TILE, QK // 2))
+        shape = (tiles, blocks, Q5_BLOCK) if high else (tiles, blocks, TILE, QK // 2)
+        args.nibbles = _address(kernel, "nibbles", nibbles, UINT8, shape)
         kind = Q4_K if scale.dtype == torch.uint8 else Q4_0
         _require(kernel, kind != Q4_K or blocks % 8 == 0, f"Q4_K: {blocks} blocks are not whole super-blocks of 8")
-        args.k_scales = int(kind == Q4_K)
+        args.k_scales, args.high_bits = int(kind == Q4_K), int(high)
         args.scale = _address(kernel, "scale", scale, (torch.float16, torch.uint8), q4_scale_shape(kind, tiles, blocks))
         args.mins = _address(kernel, "mins", mins, (scale.dtype,), q4_scale_shape(kind, tiles, blocks), optional=True)
         args.bias = _address(kernel, "bias", bias, FLOAT32, (n,), optional=True)
@@ -657,7 +668,7 @@ class DecodeStack:
         if name in ("qkv", "o", "qkv_tail"):
             setattr(entry, f"{name}_bias", bias)
         setattr(entry, f"{name}_kind", projection.kind)
-        if projection.kind in (Q4_1, Q4_K):
+        if projection.kind in WITH_MINS:
             setattr(entry, f"{name}_mins", _address(kernel, f"{label} mins", projection.mins,
                                                     Q4_SCALE_DTYPES[projection.kind],
                                                     tuple(projection.scale.shape)))  # fmt: skip

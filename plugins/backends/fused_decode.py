@@ -32,7 +32,7 @@ import torch
 
 from tierserve.plugins.backends import cpu_gemm
 from tierserve.plugins.backends.cpu_gemm_abi import (
-    BF16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape,
+    BF16, F32, Q6_K, Q8_GROUPED, Q8_ROW, DecoderLayer, DecodeShape,
 )
 from tierserve.plugins.backends.linear import SMALL_BATCH, BlockLinear, Int8Linear, Linear, SplitLinear
 from tierserve.plugins.backends.paged_attention import PagedBatch
@@ -48,7 +48,7 @@ def _kind(linear: Linear | Int8Linear | BlockLinear | SplitLinear, dtype: torch.
         kinds = [_kind(part, dtype) for part in linear.parts]
         return None if len(kinds) != 2 or None in kinds else kinds[0]
     if isinstance(linear, BlockLinear) and dtype == torch.float32:
-        return {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}[linear.packed.kind]
+        return Q6_K if linear.packed.kind == "Q6_K" else cpu_gemm.Q4_KINDS[linear.packed.kind]
     if isinstance(linear, Int8Linear) and linear.q8 is not None and dtype == torch.float32:
         return Q8_GROUPED if linear.q8.grouped else Q8_ROW
     if isinstance(linear, Linear) and linear.own is not None and dtype == torch.bfloat16:
@@ -56,6 +56,13 @@ def _kind(linear: Linear | Int8Linear | BlockLinear | SplitLinear, dtype: torch.
     if isinstance(linear, Linear) and linear.own is not None and dtype == torch.float32:
         return F32 if linear.own.weight.dtype == torch.float32 else None  # f32-panels (the AVX-512 build)
     return None
+
+
+def _packed(linear: Linear | Int8Linear | BlockLinear):
+    """The packed weight ``ts_decode_layers`` reads (``_kind`` said it can)."""
+    if isinstance(linear, Int8Linear):
+        return linear.q8
+    return linear.packed if isinstance(linear, BlockLinear) else linear.own
 
 
 def _projections(layer: LayerWeights) -> tuple:
@@ -77,9 +84,8 @@ class FusedDecode:
             if isinstance(qkv, SplitLinear):  # q and k in one GGUF type, v in another
                 qkv, tail = qkv.parts
                 tail_rows = tail.out_features
-                tail = tail.packed.projection()
-            packed = [linear.q8 if isinstance(linear, Int8Linear) else linear.packed if isinstance(linear, BlockLinear)
-                      else linear.own for linear in (qkv, *_projections(layer)[1:])]  # fmt: skip
+                tail = _packed(tail).projection()
+            packed = [_packed(linear) for linear in (qkv, *_projections(layer)[1:])]
             input_norm, q_norm, k_norm, post_norm = (
                 None if norm is None else norm.float().contiguous()
                 for norm in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm)

@@ -9,9 +9,10 @@ and nothing passes through float that need not:
     F32 / F16 / BF16          as they are (then the model's dtype)
     Q8_0, quantization int8   GroupedInt8: int8 values and one scale per 32, bytes copied
           or gguf
-    Q4_0 / Q4_1 / Q4_K,       BlockQ4: the file's blocks, bytes copied (the token embedding table excepted: it
-          quantization gguf   is read by row, so it goes to group-wise int8)
-    Q6_K, quantization gguf   BlockQ6K: the file's super-blocks, bytes copied (the embedding table as above)
+    Q4_0 / Q4_1 / Q5_0 /      BlockQ4: the file's blocks, bytes copied (the token embedding table too: the rows
+    Q5_1 / Q4_K / Q5_K,       a step reads are dequantized exactly)
+          quantization gguf
+    Q6_K, quantization gguf   BlockQ6K: the file's super-blocks, bytes copied
     Q8_0, quantization none   dequantized to the model's dtype (logged)
     any other type            dequantized by the gguf package, then the model's dtype
                               or, with quantization int8 or gguf, group-wise int8 (logged)
@@ -30,7 +31,7 @@ from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
 from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, BlockQ6K, GroupedInt8, quantize_groups
 
 # bytes per block as stored (Q4_K, Q6_K: super-blocks of 256), for the types kept so (linear.BlockQ4, BlockQ6K)
-KEPT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+KEPT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +78,7 @@ def load_gguf_state(
         if kind == GGMLQuantizationType.Q8_0 and quantization in ("int8", "gguf") and rows:
             state[name] = _q8_0(data, rows, order)
             continue
-        if kind.name in KEPT_BLOCK_BYTES and quantization == "gguf" and rows and name != "model.embed_tokens.weight":
+        if kind.name in KEPT_BLOCK_BYTES and quantization == "gguf" and rows:
             blocks = np.asarray(data).reshape(rows, -1, KEPT_BLOCK_BYTES[kind.name])
             blocks = torch.from_numpy(np.ascontiguousarray(blocks[order] if order is not None else blocks))
             state[name] = BlockQ6K(blocks) if kind.name == "Q6_K" else BlockQ4(kind.name, blocks)
@@ -106,7 +107,8 @@ def load_gguf_state(
             type=kind_name,
             to=target,
             why="F32/F16/BF16 load as they are, Q8_0 as int8 (model.quantization = 'int8' or 'gguf'), Q4_0, Q4_1, "
-            "Q4_K and Q6_K as stored (model.quantization = 'gguf'); other types have no kernel of their own yet",
+            "Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as stored (model.quantization = 'gguf'); other types have no kernel of "
+            "their own",
         )
     if kept:
         log.info("gguf_blocks_kept", path=str(path), types=sorted(kept | ({"Q8_0"} if "Q8_0" in info.tensor_types

@@ -113,49 +113,76 @@ class GroupedInt8:
         return (q.view(q.shape[0], -1, GROUP_SIZE) * self.scale[rows, :, None]).view(q.shape).to(dtype)
 
 
+# bytes of a block as a GGUF file stores it, and the weights it holds
+BLOCK_LAYOUTS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q4_K": (144, 256),
+                 "Q5_K": (176, 256)}  # fmt: skip
+
+
 @dataclass(slots=True)
 class BlockQ4:
-    """A GGUF Q4_0, Q4_1 or Q4_K matrix kept as the file stores it: per row, ``in / 32`` blocks of 18 (Q4_0: a
-    float16 scale d, 16 bytes of nibbles) or 20 bytes (Q4_1: d, a float16 minimum m, the nibbles), or ``in / 256``
-    super-blocks of 144 (Q4_K: float16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles); weight
-    i of a 32-weight block is the low nibble of byte i (i < 16) or the high nibble of byte i - 16, and
-    w = d * (nibble - 8) (Q4_0) or d * nibble + m (Q4_1; Q4_K: d * scale and -dmin * min per block of 32)."""
+    """A GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K matrix kept as the file stores it (llama.cpp's block_q4_0 ...
+    block_q5_K, ``BLOCK_LAYOUTS`` bytes each). Weight i of a block of 32 is the low nibble of byte i (i < 16) or
+    the high nibble of byte i - 16, plus (Q5 types) 16 times its fifth bit; w = d * (q - 8) (Q4_0), d * (q - 16)
+    (Q5_0), d * q + m (Q4_1, Q5_1), or, in the super-blocks of 256 of Q4_K and Q5_K, d * scale * q - dmin * min
+    with a 6-bit scale and minimum per block of 32."""
 
-    kind: str  # "Q4_0", "Q4_1" or "Q4_K"
-    blocks: torch.Tensor  # uint8 [out, in // 32, 18 or 20] or (Q4_K) [out, in // 256, 144]
+    kind: str  # a key of BLOCK_LAYOUTS
+    blocks: torch.Tensor  # uint8 [out, in // weights a block, bytes a block]
 
     @property
     def shape(self) -> torch.Size:
-        per_block = 256 if self.kind == "Q4_K" else GROUP_SIZE
-        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * per_block))
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * BLOCK_LAYOUTS[self.kind][1]))
 
     def to(self, device: torch.device) -> BlockQ4:
         return BlockQ4(self.kind, self.blocks.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float matrix, computed in float32 (each weight exactly: d and m are float16, Q4_K's products of a
-        float16 and a 6-bit integer), then ``dtype``."""
-        if self.kind == "Q4_K":
-            d, dmin, scales, mins, qs = q4_k_parts(self.blocks)
+        """The float matrix, computed in float32 (each weight exactly: d and m are float16, the K types' block
+        scales products of a float16 and a 6-bit integer), then ``dtype``."""
+        nibbles = block_nibbles(self.kind, self.blocks).to(torch.int16)
+        q = torch.cat([nibbles & 0xF, nibbles >> 4], -1)  # [out, in / 32, 32]
+        if self.kind in ("Q5_0", "Q5_1", "Q5_K"):
+            high = fifth_bits(self.kind, self.blocks)  # [out, in / 32] bit i: weight i
+            q = q + (((high[..., None] >> torch.arange(32)) & 1) << 4).to(torch.int16)
+        q = q.float()
+        if self.kind in ("Q4_K", "Q5_K"):
+            d, dmin, scales, mins = k_scales(self.blocks)
             step = (d[..., None] * scales.float()).flatten(1)[..., None]  # [out, in / 32, 1]
             low = (-(dmin[..., None] * mins.float())).flatten(1)[..., None]
-            nibbles = torch.cat([qs & 0xF, qs >> 4], -1).float()
-            return (step * nibbles + low).reshape(self.shape).to(dtype)
-        qs = self.blocks[..., -16:].to(torch.int16)
-        nibbles = torch.cat([qs & 0xF, qs >> 4], -1).float()
+            return (step * q + low).reshape(self.shape).to(dtype)
         d = self.blocks[..., 0:2].contiguous().view(torch.float16).float()
-        if self.kind == "Q4_0":
-            w = d * (nibbles - 8)
+        if self.kind in ("Q4_0", "Q5_0"):
+            w = d * (q - (8 if self.kind == "Q4_0" else 16))
         else:
-            w = d * nibbles + self.blocks[..., 2:4].contiguous().view(torch.float16).float()
+            w = d * q + self.blocks[..., 2:4].contiguous().view(torch.float16).float()
         return w.reshape(self.shape).to(dtype)
 
 
-def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks uint8 ``[rows, n, 144]`` as ``(d, dmin, scales, mins, nibbles)``: d and dmin float32
-    ``[rows, n]``, each block of 32's 6-bit scale and minimum uint8 ``[rows, n, 8]`` (llama.cpp's
-    get_scale_min_k4), and each block's 32 nibbles uint8 ``[rows, n * 8, 16]`` in Q4_0's order (weight i < 16:
-    the low nibble of byte i)."""
+def block_nibbles(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Each block of 32's 16 bytes of nibbles, uint8 ``[rows, in / 32, 16]`` in Q4_0's order (weight i < 16: the
+    low nibble of byte i); the K types' super-blocks hold theirs by 64 (block 2c in the low nibbles)."""
+    rows = blocks.shape[0]
+    if kind not in ("Q4_K", "Q5_K"):
+        return blocks[..., -16:]
+    q = blocks[..., -128:].reshape(rows, -1, 4, 32)  # chunk c: block 2c in the low nibbles, 2c + 1 in the high
+    values = torch.stack([q & 0xF, q >> 4], 3).reshape(rows, -1, 32)
+    return (values[..., :16] | (values[..., 16:] << 4)).contiguous()
+
+
+def fifth_bits(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The Q5 types' fifth bits, int64 ``[rows, in / 32]``: bit i of a block's value is its weight i's."""
+    rows = blocks.shape[0]
+    if kind == "Q5_K":  # bit s of byte l of the 32: weight l of block s of the super-block
+        qh = blocks[..., 16:48].to(torch.int64)  # [rows, n, 32]
+        bits = (qh[..., None, :] >> torch.arange(8)[:, None]) & 1  # [rows, n, 8, 32]
+        return (bits << torch.arange(32)).sum(-1).reshape(rows, -1)
+    at = 2 if kind == "Q5_0" else 4
+    return blocks[..., at : at + 4].contiguous().view(torch.int32)[..., 0].to(torch.int64) & 0xFFFFFFFF
+
+
+def k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K or Q5_K super-block's ``(d, dmin, scales, mins)``: d and dmin float32 ``[rows, n]``, each block of
+    32's 6-bit scale and minimum uint8 ``[rows, n, 8]`` (llama.cpp's get_scale_min_k4)."""
     rows, n = blocks.shape[:2]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
@@ -165,10 +192,7 @@ def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scales[..., :4], mins[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
     scales[..., 4:] = (packed[..., 8:12] & 0xF) | ((packed[..., 0:4] >> 6) << 4)
     mins[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
-    q = blocks[..., 16:144].reshape(rows, n, 4, 32)  # chunk c: block 2c in the low nibbles, 2c + 1 in the high
-    values = torch.stack([q & 0xF, q >> 4], 3).reshape(rows, n, 8, 32)
-    nibbles = (values[..., :16] | (values[..., 16:] << 4)).reshape(rows, n * 8, 16)
-    return d, dmin, scales.to(torch.uint8), mins.to(torch.uint8), nibbles.contiguous()
+    return d, dmin, scales.to(torch.uint8), mins.to(torch.uint8)
 
 
 @dataclass(slots=True)
@@ -241,7 +265,7 @@ class SplitLinear:
 
     __slots__ = ("parts", "out_features", "kernel")
 
-    def __init__(self, parts: list[BlockLinear]) -> None:
+    def __init__(self, parts: list[BlockLinear | Int8Linear]) -> None:
         self.parts = parts
         self.out_features = sum(part.out_features for part in parts)
         self.kernel = "+".join(part.kernel for part in parts)
@@ -259,7 +283,7 @@ class SplitLinear:
 class RowParts:
     """Matrices stacked along their output rows that stay apart (``cat_rows`` of different GGUF block types)."""
 
-    parts: list[BlockQ4 | BlockQ6K]
+    parts: list[BlockQ4 | BlockQ6K | GroupedInt8]
 
     @property
     def shape(self) -> torch.Size:
@@ -279,29 +303,38 @@ def quantize_groups(weight: torch.Tensor) -> GroupedInt8:
     return GroupedInt8(q.view(rows, columns), scale)
 
 
+def _kept_kind(part: object) -> str | None:
+    """The GGUF type a matrix is kept in (Q8_0 as int8 groups), or None for float."""
+    if isinstance(part, (BlockQ4, BlockQ6K)):
+        return part.kind
+    return "Q8_0" if isinstance(part, GroupedInt8) else None
+
+
 def cat_rows(
     parts: list[torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K],
 ) -> torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K | RowParts:
-    """Stack matrices along their output rows (fused q/k/v, gate/up): GGUF blocks if every part is of one block
-    type, ``RowParts`` if every part is in blocks of several types (each keeps its kernel), else group-wise if any
-    part is quantized (a block part re-quantized to int8 groups, logged), else float."""
-    blocked = [part for part in parts if isinstance(part, (BlockQ4, BlockQ6K))]
-    kinds = {part.kind for part in blocked}
-    if len(blocked) == len(parts) and kinds == {"Q6_K"}:
-        return BlockQ6K(torch.cat([part.blocks for part in parts], 0).contiguous())
-    if len(blocked) == len(parts) and len(kinds) == 1:
-        return BlockQ4(kinds.pop(), torch.cat([part.blocks for part in parts], 0).contiguous())
-    if len(blocked) == len(parts):
-        runs: list[BlockQ4 | BlockQ6K] = []  # consecutive parts of one type joined
-        for part in parts:
-            if runs and runs[-1].kind == part.kind:
+    """Stack matrices along their output rows (fused q/k/v, gate/up): one kept type (GGUF blocks of one type, or
+    int8 groups) stays that type; GGUF blocks of several types (Q8_0 as int8 groups among them) give ``RowParts``
+    (each keeps its kernel); blocks among float parts are re-quantized to int8 groups (logged); float stays float."""
+    kinds = [_kept_kind(part) for part in parts]
+    if None not in kinds and len(set(kinds)) == 1:
+        if kinds[0] == "Q6_K":
+            return BlockQ6K(torch.cat([part.blocks for part in parts], 0).contiguous())
+        if kinds[0] == "Q8_0":
+            return GroupedInt8(torch.cat([p.q for p in parts], 0), torch.cat([p.scale for p in parts], 0))
+        return BlockQ4(kinds[0], torch.cat([part.blocks for part in parts], 0).contiguous())
+    if None not in kinds:
+        runs: list = []  # consecutive parts of one type joined
+        for part, kind in zip(parts, kinds):
+            if runs and _kept_kind(runs[-1]) == kind:
                 runs[-1] = cat_rows([runs[-1], part])
             else:
                 runs.append(part)
         return RowParts(runs)
-    if kinds:
-        log.warning("gguf_requantized kinds=%s: a fused projection mixes GGUF blocks with other weights, so it runs "
-                    "as int8 groups", sorted(kinds))  # fmt: skip
+    blocked = {kind for kind in kinds if kind not in (None, "Q8_0")}
+    if blocked:
+        log.warning("gguf_requantized kinds=%s: a fused projection mixes GGUF blocks with float weights, so it runs "
+                    "as int8 groups", sorted(blocked))  # fmt: skip
         parts = [quantize_groups(part.dequantize()) if isinstance(part, (BlockQ4, BlockQ6K)) else part for part in parts]
     if not any(isinstance(part, GroupedInt8) for part in parts):
         return torch.cat(parts, 0).contiguous()
@@ -590,7 +623,7 @@ class LinearFactory:
             sizes = [part.shape[0] for part in weight.parts]
             biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
             layers = [self(part, part_bias) for part, part_bias in zip(weight.parts, biases)]
-            if all(isinstance(layer, BlockLinear) for layer in layers):
+            if all(isinstance(layer, (BlockLinear, Int8Linear)) for layer in layers):
                 return SplitLinear(layers)
             weight = quantize_groups(torch.cat([part.dequantize() for part in weight.parts]))  # the parts' fallback
         if isinstance(weight, (BlockQ4, BlockQ6K)):

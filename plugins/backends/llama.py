@@ -69,15 +69,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, own: bool = Fals
 
 class Embedding:
     """The token embedding table: float, int8 rows with one scale each (``model.quantization``),
-    or int8 with one scale per 32 columns (a GGUF Q8_0 table)."""
+    int8 with one scale per 32 columns (a GGUF Q8_0 table), or a GGUF file's Q4/Q5/Q6_K blocks as stored (the
+    rows a step reads dequantized exactly)."""
 
-    __slots__ = ("weight", "scale", "dtype", "by_column", "packed")
+    __slots__ = ("weight", "scale", "dtype", "by_column", "packed", "blocks")
 
-    def __init__(self, weight: torch.Tensor | GroupedInt8, dtype: torch.dtype, quantized: bool) -> None:
+    def __init__(self, weight: torch.Tensor | GroupedInt8 | BlockQ4 | BlockQ6K, dtype: torch.dtype,
+                 quantized: bool) -> None:  # fmt: skip
         self.dtype = dtype
         self.by_column = False
-        self.packed = None
-        if isinstance(weight, GroupedInt8):
+        self.packed = self.blocks = None
+        if isinstance(weight, (BlockQ4, BlockQ6K)):
+            self.blocks, self.weight, self.scale = weight, weight.blocks, None
+        elif isinstance(weight, GroupedInt8):
             self.weight, self.scale = weight.q, weight.scale
         elif quantized:
             q, scale = quantize_rows(weight)
@@ -90,12 +94,16 @@ class Embedding:
         """The table of a tied group-wise int8 output head, read in its ``[groups, 32, vocab]`` layout: a
         tied Q8_0 model holds its embedding once."""
         table = cls.__new__(cls)
-        table.dtype, table.by_column = dtype, head.kernel == "grouped"
+        table.dtype, table.by_column, table.blocks = dtype, head.kernel == "grouped", None
         table.packed = head.q8 if head.kernel == "grouped-q8" else None  # cpu_gemm's tiles of 4 rows
         table.weight, table.scale = head.weight, head.scale  # grouped: [groups, 32, vocab], [groups, vocab]
         return table
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:  # each row's weights exactly (float32), then the model's dtype
+            rows = self.blocks.blocks[token_ids]
+            kept = BlockQ6K(rows) if isinstance(self.blocks, BlockQ6K) else BlockQ4(self.blocks.kind, rows)
+            return kept.dequantize(torch.float32).to(self.dtype)
         if self.packed is not None:  # the same float32 products as the row layout below
             q, scale = self.packed.rows(token_ids)
             return (q.view(q.shape[0], -1, GROUP_SIZE) * scale[:, :, None]).view(q.shape).to(self.dtype)
