@@ -1,4 +1,4 @@
-"""The ``tierserve`` command line: plugins, config show, serve, fleet, pull, cache, models, top."""
+"""The ``tierserve`` command line: plugins, config show, serve, fleet, pull, quantize, cache, models, top."""
 
 from __future__ import annotations
 
@@ -359,9 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_commands(commands, _add_server_arguments, _call_server)
     from tierserve.cli.pull import add_pull_commands
+    from tierserve.cli.quantize import add_quantize_command
     from tierserve.cli.top import add_top_command
 
     add_pull_commands(commands)
+    add_quantize_command(commands)
 
     add_top_command(commands, _add_server_arguments, _call_server)
     return parser

@@ -65,11 +65,12 @@ def _tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, config: dict) -> None:
         writer.add_chat_template(template.read_text())
 
 
-def random_q4_k(rows: int, columns: int, seed: int) -> np.ndarray:
-    """uint8 ``[rows, columns / 256, 144]`` Q4_K super-blocks: small float16 d and dmin, random 6-bit scales and
-    minimums and nibbles (what a file's bytes may hold; every loader must read them as llama.cpp does)."""
+def random_q4_k(rows: int, columns: int, seed: int, width: int = 144) -> np.ndarray:
+    """uint8 ``[rows, columns / 256, width]`` Q4_K super-blocks (``width`` 176: Q5_K's, with fifth bits): small
+    float16 d and dmin, random 6-bit scales and minimums and nibbles (what a file's bytes may hold; every loader
+    must read them as llama.cpp does)."""
     rng = np.random.default_rng(seed)
-    sb = rng.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
+    sb = rng.integers(0, 256, (rows, columns // 256, width), dtype=np.uint8)
     for at in (0, 2):
         halves = (rng.random((rows, columns // 256, 1)) * 0.002).astype(np.float16)
         sb[..., at : at + 2] = halves.view(np.uint8).reshape(rows, columns // 256, 2)
@@ -77,14 +78,8 @@ def random_q4_k(rows: int, columns: int, seed: int) -> np.ndarray:
 
 
 def random_q5_k(rows: int, columns: int, seed: int) -> np.ndarray:
-    """uint8 ``[rows, columns / 256, 176]`` Q5_K super-blocks: small float16 d and dmin, random 6-bit scales and
-    minimums, fifth bits and nibbles."""
-    rng = np.random.default_rng(seed)
-    sb = rng.integers(0, 256, (rows, columns // 256, 176), dtype=np.uint8)
-    for at in (0, 2):
-        halves = (rng.random((rows, columns // 256, 1)) * 0.001).astype(np.float16)
-        sb[..., at : at + 2] = halves.view(np.uint8).reshape(rows, columns // 256, 2)
-    return sb
+    """uint8 ``[rows, columns / 256, 176]`` Q5_K super-blocks, as ``random_q4_k``'s."""
+    return random_q4_k(rows, columns, seed, width=176)
 
 
 def random_q6_k(rows: int, columns: int, seed: int) -> np.ndarray:

@@ -13,6 +13,7 @@ blocks, as llama.cpp does, so its tolerance is that rounding's (``Q8_AGREEMENT``
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -478,3 +479,31 @@ def test_quantizing_at_load_is_for_directories_on_the_native_backend(files):
         make_engine(gguf["q4_0"], model__quantization="q4_0")
     with pytest.raises(ConfigError, match="keeps GGUF blocks on the native backend only"):
         make_engine(checkpoint, "transformers", model__quantization="q4_1")
+
+
+def test_tierserve_quantize_writes_the_file_llama_cpp_s_quantizer_writes(files, tmp_path, capsys):
+    """``tierserve quantize F32.gguf OUT.gguf --type q4_0``: every metadata key copied, each weight matrix in the
+    blocks llama.cpp's reference quantizer writes (byte for byte those of a file quantized from the checkpoint),
+    norms kept; tierserve loads it and generates what it generates from that file."""
+    import gguf as gguf_package
+
+    from tierserve.cli.main import main
+
+    _, gguf = files["llama"]
+    target = tmp_path / "requantized-q4_0.gguf"
+    assert main(["quantize", str(gguf["f32"]), str(target), "--type", "q4_0"]) == 0
+    assert "tensors in Q4_0" in capsys.readouterr().out
+    ours, theirs = gguf_package.GGUFReader(target), gguf_package.GGUFReader(gguf["q4_0"])
+    assert {f.name for f in ours.fields.values()} == {f.name for f in theirs.fields.values()}
+    assert ours.get_field("general.file_type").contents() == gguf_package.LlamaFileType.MOSTLY_Q4_0
+    by_name = {t.name: t for t in theirs.tensors}
+    for tensor in ours.tensors:
+        assert tensor.tensor_type == by_name[tensor.name].tensor_type, tensor.name
+        assert np.array_equal(np.asarray(tensor.data), np.asarray(by_name[tensor.name].data)), tensor.name
+
+    assert main(["quantize", str(gguf["f32"]), str(target), "--type", "q8_0"]) == 2
+    assert "exists: give a new file name" in capsys.readouterr().err
+    assert main(["quantize", str(gguf["q4_1"]), str(tmp_path / "again.gguf"), "--type", "q4_0"]) == 2
+    assert "holds Q4_1 weights" in capsys.readouterr().err and not (tmp_path / "again.gguf").exists()
+    with pytest.raises(SystemExit):
+        main(["quantize", str(gguf["f32"]), str(tmp_path / "k.gguf"), "--type", "q4_k_m"])

@@ -933,49 +933,50 @@ static inline __attribute__((always_inline)) void q4_tile_rows(
  * instead of every row being read again from L3 for each tile. Each row's sums are the same whatever the order. */
 #define PANEL_TILES 16
 #define BLOCK_ROWS 64 /* a multiple of Q4_ROWS: rows group as they would unblocked */
+/* The loop over (tile t, rows [m0, m_end)) of an [M, N] product: panels shared among the enclosing parallel
+ * region's threads (an orphaned omp for), M <= BLOCK_ROWS tile by tile. The statement after it is the body. */
+#define FOR_TILE_ROWS(M, N)                                                                                  \
+    const int64_t tiles = ((N) + 3) / 4, per = (M) > BLOCK_ROWS ? PANEL_TILES : 1;                           \
+    _Pragma("omp for schedule(static)")                                                                      \
+    for (int64_t p = 0; p < (tiles + per - 1) / per; p++)                                                    \
+        for (int64_t m0 = 0; m0 < (M); m0 += BLOCK_ROWS)                                                     \
+            for (int64_t t = p * per, m_end = m0 + BLOCK_ROWS < (M) ? m0 + BLOCK_ROWS : (M);                 \
+                 t < ((p + 1) * per < tiles ? (p + 1) * per : tiles); t++)
 
 /* The products of rounded rows (qx, dx and their sums) with a Q4 weight; the panels are shared among the
  * enclosing parallel region's threads (an orphaned omp for). */
 static void q4_rows(const int8_t* qx, const float* dx_all, const int32_t* sums_all, const float* bsum_all, int64_t M,
                     int64_t K, const uint8_t* nibbles, const void* scale, const void* mins, int ks, int hb,
                     const float* bias, int64_t N, float* out) {
-    const int64_t blocks = K / QK, tiles = (N + 3) / 4;
-    const int64_t per = M > BLOCK_ROWS ? PANEL_TILES : 1, panels = (tiles + per - 1) / per; /* a few rows: by tile */
+    const int64_t blocks = K / QK;
     if (M <= 0) return;
-    _Pragma("omp for schedule(static)")
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t t_end = (p + 1) * per < tiles ? (p + 1) * per : tiles;
-        for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
-            const int64_t m_end = m0 + BLOCK_ROWS < M ? m0 + BLOCK_ROWS : M;
-            for (int64_t t = p * per; t < t_end; t++) {
-                const uint8_t* wt = nibbles + t * blocks * (hb ? Q5_BLOCK : 64);
-                const int64_t skip = ks ? t * (blocks / 8) * Q4K_SUPER : t * blocks * 4 * 2; /* earlier tiles' scales */
-                const void* dt = (const char*)scale + skip;
-                const void* mt = mins ? (const char*)mins + skip : 0;
-                for (int64_t m = m0; m < m_end; m += Q4_ROWS) {
-                    const int R = m_end - m < Q4_ROWS ? (int)(m_end - m) : Q4_ROWS;
-                    float lanes[Q4_ROWS][16], mins4[Q4_ROWS][4];
-                    const int8_t* x = qx + m * K;
-                    const float *dx = dx_all + m * blocks, *bsum = bsum_all + m * blocks;
-                    const int32_t* sums = sums_all + m * blocks * 4;
-#define Q4_TILE(N, HB) q4_tile_rows(N, HB, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4)
-                    switch (R + 8 * hb) { /* constant row counts and planes: the row loops unroll */
-                        case 1: Q4_TILE(1, 0); break;
-                        case 2: Q4_TILE(2, 0); break;
-                        case 9: Q4_TILE(1, 1); break;
-                        case 10: Q4_TILE(2, 1); break;
+    FOR_TILE_ROWS(M, N) {
+        const uint8_t* wt = nibbles + t * blocks * (hb ? Q5_BLOCK : 64);
+        const int64_t skip = ks ? t * (blocks / 8) * Q4K_SUPER : t * blocks * 4 * 2; /* earlier tiles' scales */
+        const void* dt = (const char*)scale + skip;
+        const void* mt = mins ? (const char*)mins + skip : 0;
+        for (int64_t m = m0; m < m_end; m += Q4_ROWS) {
+            const int R = m_end - m < Q4_ROWS ? (int)(m_end - m) : Q4_ROWS;
+            float lanes[Q4_ROWS][16], mins4[Q4_ROWS][4];
+            const int8_t* x = qx + m * K;
+            const float *dx = dx_all + m * blocks, *bsum = bsum_all + m * blocks;
+            const int32_t* sums = sums_all + m * blocks * 4;
+#define Q4_TILE(ROWS, HB) q4_tile_rows(ROWS, HB, wt, dt, mt, ks, x, dx, sums, bsum, K, blocks, lanes, mins4)
+            switch (R + 8 * hb) { /* constant row counts and planes: the row loops unroll */
+                case 1: Q4_TILE(1, 0); break;
+                case 2: Q4_TILE(2, 0); break;
+                case 9: Q4_TILE(1, 1); break;
+                case 10: Q4_TILE(2, 1); break;
 #if Q4_ROWS > 2
-                        case 3: Q4_TILE(3, 0); break;
-                        case 4: Q4_TILE(4, 0); break;
-                        case 11: Q4_TILE(3, 1); break;
-                        default: Q4_TILE(4, 1); break;
+                case 3: Q4_TILE(3, 0); break;
+                case 4: Q4_TILE(4, 0); break;
+                case 11: Q4_TILE(3, 1); break;
+                default: Q4_TILE(4, 1); break;
 #endif
-                    }
-#undef Q4_TILE
-                    for (int r = 0; r < R; r++)
-                        q4_finish(lanes[r], mt ? mins4[r] : 0, bias, t * 4, N, out + (m + r) * N);
-                }
             }
+#undef Q4_TILE
+            for (int r = 0; r < R; r++)
+                q4_finish(lanes[r], mt ? mins4[r] : 0, bias, t * 4, N, out + (m + r) * N);
         }
     }
 }
@@ -1094,34 +1095,26 @@ static inline __attribute__((always_inline)) void q6_tile_rows(const int R, cons
  * are shared among the enclosing parallel region's threads (an orphaned omp for). */
 static void q6_rows(const int8_t* qx, const float* dx_all, int64_t M, int64_t K, const uint8_t* bits,
                     const int8_t* scales, const float* d, const float* bias, int64_t N, float* out) {
-    const int64_t blocks = K / QK, tiles = (N + 3) / 4;
-    const int64_t per = M > BLOCK_ROWS ? PANEL_TILES : 1, panels = (tiles + per - 1) / per; /* a few rows: by tile */
+    const int64_t blocks = K / QK;
     if (M <= 0) return;
-    _Pragma("omp for schedule(static)")
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t t_end = (p + 1) * per < tiles ? (p + 1) * per : tiles;
-        for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
-            const int64_t m_end = m0 + BLOCK_ROWS < M ? m0 + BLOCK_ROWS : M;
-            for (int64_t t = p * per; t < t_end; t++) {
-                const uint8_t* wt = bits + t * blocks * Q6_BLOCK;
-                const int8_t* st = scales + t * blocks * 8;
-                const float* dt = d + t * (blocks / 8) * 4;
-                for (int64_t m = m0; m < m_end; m += Q4_ROWS) {
-                    const int R = m_end - m < Q4_ROWS ? (int)(m_end - m) : Q4_ROWS;
-                    float lanes[Q4_ROWS][16];
-                    const int8_t* x = qx + m * K;
-                    const float* dx = dx_all + m * blocks;
-                    switch (R) { /* a constant row count each: the row loops unroll */
-                        case 1: q6_tile_rows(1, wt, st, dt, x, dx, K, blocks, lanes); break;
-                        case 2: q6_tile_rows(2, wt, st, dt, x, dx, K, blocks, lanes); break;
+    FOR_TILE_ROWS(M, N) {
+        const uint8_t* wt = bits + t * blocks * Q6_BLOCK;
+        const int8_t* st = scales + t * blocks * 8;
+        const float* dt = d + t * (blocks / 8) * 4;
+        for (int64_t m = m0; m < m_end; m += Q4_ROWS) {
+            const int R = m_end - m < Q4_ROWS ? (int)(m_end - m) : Q4_ROWS;
+            float lanes[Q4_ROWS][16];
+            const int8_t* x = qx + m * K;
+            const float* dx = dx_all + m * blocks;
+            switch (R) { /* a constant row count each: the row loops unroll */
+                case 1: q6_tile_rows(1, wt, st, dt, x, dx, K, blocks, lanes); break;
+                case 2: q6_tile_rows(2, wt, st, dt, x, dx, K, blocks, lanes); break;
 #if Q4_ROWS > 2
-                        case 3: q6_tile_rows(3, wt, st, dt, x, dx, K, blocks, lanes); break;
-                        default: q6_tile_rows(4, wt, st, dt, x, dx, K, blocks, lanes); break;
+                case 3: q6_tile_rows(3, wt, st, dt, x, dx, K, blocks, lanes); break;
+                default: q6_tile_rows(4, wt, st, dt, x, dx, K, blocks, lanes); break;
 #endif
-                    }
-                    for (int r = 0; r < R; r++) q4_finish(lanes[r], 0, bias, t * 4, N, out + (m + r) * N);
-                }
             }
+            for (int r = 0; r < R; r++) q4_finish(lanes[r], 0, bias, t * 4, N, out + (m + r) * N);
         }
     }
 }

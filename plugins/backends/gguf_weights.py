@@ -101,18 +101,15 @@ def load_gguf_state(
             state[name] = values.to(dtype)
             converted[kind.name] = str(dtype).removeprefix("torch.")
     for kind_name, target in converted.items():
-        log.warning(
-            "gguf_dequantized",
-            path=str(path),
-            type=kind_name,
-            to=target,
-            why="F32/F16/BF16 load as they are, Q8_0 as int8 (model.quantization = 'int8' or 'gguf'), Q4_0, Q4_1, "
-            "Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as stored (model.quantization = 'gguf'); other types have no kernel of "
-            "their own",
-        )
-    if kept:
-        log.info("gguf_blocks_kept", path=str(path), types=sorted(kept | ({"Q8_0"} if "Q8_0" in info.tensor_types
-                                                                         else set())), kernels={t: "q6k" if t == "Q6_K" else "q8" if t == "Q8_0" else "q4" for t in kept | ({"Q8_0"} if "Q8_0" in info.tensor_types else set())})  # fmt: skip
+        if kind_name in KEPT_BLOCK_BYTES or kind_name == "Q8_0":
+            why = f"model.quantization = 'gguf' keeps {kind_name} as stored ({quantization!r} here)"
+        else:
+            why = f"{kind_name} has no kernel of its own (kept as stored: {', '.join([*KEPT_BLOCK_BYTES, 'Q8_0'])})"
+        log.warning("gguf_dequantized", path=str(path), type=kind_name, to=target, why=why)
+    kept_types = kept | ({"Q8_0"} if "Q8_0" in info.tensor_types and quantization in ("int8", "gguf") else set())
+    if kept_types:
+        kernels = {t: "q6k" if t == "Q6_K" else "q8" if t == "Q8_0" else "q4" for t in sorted(kept_types)}
+        log.info("gguf_blocks_kept", path=str(path), types=sorted(kept_types), kernels=kernels)
     if not state:
         raise ConfigError(f"model.path {str(path)!r}: none of its tensors belongs to a {config.model_type} model")
     return state
