@@ -96,6 +96,7 @@ class CacheTier(ABC):
     medium: str = "memory"  # where entries live: "memory", "disk" or "remote" (statistics group bytes by it)
     # Other processes write entries into a shared tier (a remote server), so the store asks it on a
     # lookup even for keys its own index does not hold; ``keys`` then lists only what this process knows.
+    # A shared tier is written through unless its [[kv_cache.tiers]] entry sets write_through = false.
     shared: bool = False
 
     def __init__(self) -> None:

@@ -272,7 +272,8 @@ class TierSettings(BaseModel):
         plugin: the ``cache_tiers`` registry name of the tier's plugin.
         eviction_policy: resolved (``kv_cache.eviction_policy`` unless set), canonical lower case.
         ttl_seconds: resolved (``kv_cache.ttl_seconds`` unless set); None or 0: never expire.
-        write_through: every newly computed block is also written to this tier.
+        write_through: every newly computed block is also written to this tier; None (unset): the tier's own
+            default, true for a tier shared by processes (``CacheTier.shared``: Redis), false otherwise.
         options: the plugin's own validated settings (an instance of the model it registered).
     """
 
@@ -282,7 +283,7 @@ class TierSettings(BaseModel):
     plugin: str = Field(min_length=1)
     eviction_policy: str
     ttl_seconds: float | None = Field(ge=0)
-    write_through: bool = False
+    write_through: bool | None = None
     options: SerializeAsAny[BaseModel] = Field(default_factory=TableOptions)
 
     @model_validator(mode="before")

@@ -135,7 +135,11 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
     tiers = []
     try:
         for tier in kv.tiers:
-            tiers.append(StoreTier(tier.name, build_tier(tier, plugins, backend.fingerprint), tier.write_through))
+            built = build_tier(tier, plugins, backend.fingerprint)
+            # a shared tier is written through unless its entry says otherwise: another process finds only what
+            # reaches it, and L1 evictions alone would leave it nearly empty
+            write_through = built.shared if tier.write_through is None else tier.write_through
+            tiers.append(StoreTier(tier.name, built, write_through))
         # a partial block is copied through read_blocks / write_blocks, which a paged plugin may lack; off a
         # CPU a few tokens more in a prefill chunk cost less than a block's trip through the host
         copies = type(backend).read_blocks is not ModelBackend.read_blocks

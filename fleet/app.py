@@ -66,11 +66,13 @@ def check_disaggregation(loaded: LoadedSettings) -> None:
         return
     registry = loaded.plugins.registry("cache_tiers")
     for tier in loaded.settings.kv_cache.tiers:
-        if tier.write_through and getattr(registry.get(tier.plugin).factory, "shared", False):
+        # a shared tier is written through unless its entry says write_through = false (engine.builder)
+        if getattr(registry.get(tier.plugin).factory, "shared", False) and tier.write_through is not False:
             return
     raise ConfigError(
         "fleet.prefill_replicas: prefill replicas hand their prompts to the decode replicas through a shared "
-        "cache tier; add a [[kv_cache.tiers]] entry with plugin = \"redis\" and write_through = true"
+        "cache tier written through; add a [[kv_cache.tiers]] entry with plugin = \"redis\" (write_through is "
+        "its default)"
     )
 
 

@@ -127,10 +127,16 @@ def resolve_tiers(settings: Settings, plugins: PluginManager, merged: Merged) ->
             component.settings or NoSettings, tier.options.model_dump(), path, source_of,
             owner=f"a {component.name!r} tier", extra_keys=TIER_KEYS,
         )  # fmt: skip
-        entry = tier.model_copy(update={"plugin": component.name, "eviction_policy": policy.name, "options": options})
+        update = {"plugin": component.name, "eviction_policy": policy.name, "options": options}
+        shared = bool(getattr(component.factory, "shared", False))
+        if tier.write_through is None:  # a shared tier publishes every computed block unless told not to
+            update["write_through"] = shared
+        entry = tier.model_copy(update=update)
         resolved.append(entry)
         for key in entry.as_table():
             merged.sources[(path, key)] = source_of(key)
+        if tier.write_through is None:
+            merged.sources[(path, "write_through")] = f"default ({'a shared' if shared else 'not a shared'} tier)"
         if server_evicts:
             merged.sources[(path, "eviction_policy")] += "; not used: the server evicts"
     kv.tiers = resolved

@@ -56,8 +56,8 @@ def redis_tier(server: RedisServer, **options):
 
 
 def redis_tiers(server: RedisServer, **options) -> dict:
-    """Engine settings with L1 only above a write-through redis tier."""
-    tier = {"name": "redis", "plugin": "redis", "url": server.url, "write_through": True, **options}
+    """Engine settings with L1 only above a redis tier (written through: a shared tier's default)."""
+    tier = {"name": "redis", "plugin": "redis", "url": server.url, **options}
     return {"kv_cache__block_size": 4, "kv_cache__tiers": [tier]}
 
 
@@ -148,6 +148,27 @@ def test_an_unreachable_server_means_misses_and_counted_errors_then_recovery(tmp
     finally:
         tier.close()
         down.stop()
+
+
+def test_a_shared_tier_is_written_through_unless_its_entry_says_not(server, checkpoint):
+    """A redis entry without ``write_through``: every computed block is published, so a second engine finds the
+    prompt; ``write_through = false``: only L1 evictions would reach it, and here none happen."""
+    path, expected = checkpoint
+    for write_through, shared in ((None, True), (False, False)):
+        options = {"key_prefix": f"default-{write_through}"} | ({} if write_through is None else
+                                                                 {"write_through": write_through})  # fmt: skip
+        first = make_engine(path, **redis_tiers(server, **options))
+        try:
+            first.generate([PROMPT], GREEDY)
+            assert (first.stats().cache.write_through > 0) is shared
+        finally:
+            first.close()
+        second = make_engine(path, **redis_tiers(server, **options))
+        try:
+            [again] = second.generate([PROMPT], GREEDY)
+            assert again.token_ids == expected and (again.cached_tokens > 0) is shared
+        finally:
+            second.close()
 
 
 def test_two_processes_share_a_prefix_through_redis_with_the_cold_output(server, checkpoint, tmp_path):
