@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 import urllib.parse
 from collections.abc import Sequence
@@ -107,6 +108,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Stopped(Exception):
+    """SIGTERM, raised again by uvicorn once its graceful shutdown is done."""
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     flags = {
         ("server", "host"): args.host,
@@ -131,9 +140,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     server = uvicorn.Server(server_config(loaded, on_load_failure=stop))
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again for the caller: with
+    # this handler as the caller's, a stop that was asked for ends with status 0 (not "killed by SIGTERM")
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again for the caller
+    except (KeyboardInterrupt, _Stopped):
         pass
     if failures:
         print(f"tierserve serve: the model failed to load: {failures[0]}", file=sys.stderr)

@@ -45,6 +45,7 @@ log = structlog.get_logger(__name__)
 IDLE_POLL_SECONDS = 0.5
 PARENT_POLL_SECONDS = 0.2
 STARTUP_TIMEOUT_SECONDS = 600.0
+PARENT_SHUTDOWN_SECONDS = 10.0  # after the grace period, the server's own shutdown before it sends Shutdown
 
 
 class EngineProcessError(RuntimeError):
@@ -59,7 +60,7 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
     from tierserve.core.plugins import load_plugins
     from tierserve.settings.secrets import settings_secrets
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
+    stop = StopSignals(settings.server.shutdown_grace_seconds)
     configure_logging(settings.logging, secrets=settings_secrets(settings))
     watch_parent(os.getppid())
     try:
@@ -84,10 +85,16 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
             except EOFError:  # the server process died without saying goodbye: end as it did
                 log.error("engine_core_orphaned", reason="the server process closed its pipe")
                 os._exit(1)
-        if any(isinstance(message, Shutdown) for message in messages):
+        asked = any(isinstance(message, Shutdown) for message in messages)
+        if asked or stop.overdue():
+            # abort what is left, then close: every tier's write queue drains before the process ends
             loop.run_once([m for m in messages if not isinstance(m, Shutdown)] + [Abort(list(core.requests))])
             core.close()
-            conn.send(Shutdown())
+            if asked:
+                conn.send(Shutdown())
+            else:
+                log.warning("engine_core_stopped", reason="a signal, and no word from the server process in time",
+                            grace_seconds=stop.grace)  # fmt: skip
             return
         if not messages and idle:
             loop.publish_if_stale()
@@ -96,6 +103,31 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
             loop.run_once(messages)
         except Exception:  # the loop keeps serving the other requests
             log.exception("engine_loop_failed")
+
+
+class StopSignals:
+    """SIGTERM and SIGINT in the core process. A signal sent to the server's whole process group (systemd's
+    ``KillMode=control-group``, ``kill -TERM -PGID``, Ctrl-C in a terminal) reaches both processes: the server
+    process stops taking requests, lets those in flight finish (``server.shutdown_grace_seconds``), then sends
+    ``Shutdown``; the core keeps serving until then and drains its tiers' writes before it exits. A core that
+    hears nothing from the server within the grace period (a signal sent to it alone) stops by itself the same
+    way. A second signal ends the core at once."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.deadline: float | None = None
+        signal.signal(signal.SIGTERM, self._received)
+        signal.signal(signal.SIGINT, self._received)
+
+    def _received(self, signum: int, frame: Any) -> None:
+        if self.deadline is not None:
+            os._exit(128 + signum)
+        self.deadline = time.monotonic() + self.grace + PARENT_SHUTDOWN_SECONDS
+        log.info("engine_core_stopping", signal=signal.Signals(signum).name, grace_seconds=self.grace)
+
+    def overdue(self) -> bool:
+        """A signal came and the grace period (plus the server's own shutdown time) is over."""
+        return self.deadline is not None and time.monotonic() > self.deadline
 
 
 def watch_parent(parent: int) -> None:
