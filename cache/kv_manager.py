@@ -2,6 +2,7 @@
 
 The scheduler owns one ``KVCacheManager`` and asks it for everything KV:
 
+    can_admit(seq, budget)   whether a waiting sequence's admission would find its blocks (nothing touched)
     match_prefix(seq)        a new or preempted sequence starts from its longest cached prefix
     allocate_slots(seq, n)   grow the table to cover positions [0, n) (lookahead slots for drafts included)
     cache_computed(seq)      publish newly completed blocks to the prefix cache
@@ -124,6 +125,32 @@ class KVCacheManager:
         if needed:
             seq.block_table.extend(self.pool.allocate(needed))
         return True
+
+    def can_admit(self, seq: Sequence, budget: int) -> bool:
+        """Whether admitting ``seq`` now (its L1 prefix shared, then up to ``budget`` tokens computed) finds the
+        free blocks it needs, judged without a side effect: a prompt that waits for memory is not looked up
+        (no statistics, no policy touched, no tier read) until it can run. A prompt whose cached prefix lies
+        below L1 may still fall short once matched (more of it is cached, so its chunk reaches further); its
+        shortfall is remembered (``seq.blocks_wanted``) so it is not matched again before that many are free."""
+        if seq.block_table or seq.num_computed_tokens:
+            return True
+        free = self.pool.num_free_blocks
+        if free < seq.blocks_wanted:
+            return False
+        shared = revived = 0
+        if self.store is not None and seq.use_prefix_cache:
+            shared, revived = self.store.l1_prefix(seq)
+        cached = shared * self.block_size
+        total = self.blocks_needed(cached + min(seq.num_tokens - cached, budget), 0)
+        return total - shared <= free - revived
+
+    def missed_admission(self, seq: Sequence, num_tokens: int) -> None:
+        """A matched sequence that could not get its blocks: give them back (they stay cached) and remember how
+        many free blocks it needs before it is matched again."""
+        short, before = self.blocks_needed(num_tokens, len(seq.block_table)), self.pool.num_free_blocks
+        self.reset(seq)
+        # its matched blocks just became free: the next match takes them again, so count them on top
+        seq.blocks_wanted = short + self.pool.num_free_blocks - before
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch | None:
         """Start a sequence that holds no blocks from its longest cached prefix, and record the

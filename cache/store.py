@@ -110,6 +110,26 @@ class TieredStore:
         """The hash every prompt's first block chains from, for this model and tenant."""
         return root_hash(self.fingerprint, self.block_size, cache_salt)
 
+    def l1_prefix(self, seq: Sequence) -> tuple[int, int]:
+        """``(blocks, revived)``: how many leading full blocks of ``seq``'s prompt L1 holds, and how many of them no
+        sequence holds now (sharing takes them off the free count). Nothing is touched: no policy, no statistics,
+        no tier asked; only ``seq.block_hashes`` is extended (a cache of the prompt's hashes)."""
+        if not seq.use_prefix_cache:
+            return 0, 0
+        bs = self.block_size
+        usable = (seq.num_tokens - 1) // bs
+        extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, usable * bs)
+        found = revived = 0
+        pool = self.pool
+        for index in range(usable):
+            block_id = pool.lookup(seq.block_hashes[index], tuple(seq.token_ids[index * bs : (index + 1) * bs]))
+            if block_id is None:
+                break
+            found += 1
+            block = pool.blocks[block_id]
+            revived += block.ref_count == 0 and block.block_hash not in pool.pinned
+        return found, revived
+
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Give a new (or preempted) sequence the longest cached prefix of its tokens.
 

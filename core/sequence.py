@@ -79,6 +79,7 @@ class Sequence:
     windows_slid: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
+    blocks_wanted: int = 0  # free blocks its last admission lacked (a waiting prompt is not looked up before)
 
     @property
     def num_tokens(self) -> int:

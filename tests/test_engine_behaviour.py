@@ -177,3 +177,46 @@ def test_chat_messages_use_the_checkpoint_template(engine):
     ids = engine.encode_prompt(messages=messages)
     text = engine.decode(ids)
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_prompt_waiting_for_blocks_is_looked_up_once_when_it_runs(tiny):
+    """A prompt that cannot get its blocks waits without being looked up (no lookups, hits or cached tokens
+    counted, no eviction order touched each step); when blocks free up it is matched once and reuses its
+    cached prefix."""
+    engine = make_engine(tiny, kv_cache__block_size=4, kv_cache__l1_capacity=20, kv_cache__tiers=[],
+                         scheduler__max_num_batched_tokens=256)  # fmt: skip
+    try:
+        shared = list(range(3, 35))  # 8 blocks
+        warm = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        engine.submit(shared + [40], warm)
+        while engine.has_work():
+            engine.step()
+        before = engine.stats().cache
+        hog = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        engine.submit(list(range(100, 140)), hog)  # 10 blocks growing to 12: with the 8 cached, the pool is full
+        engine.step()
+        _, waiting = engine.submit(shared + [41, 42, 43, 44, 45, 46, 47, 48, 49], warm)
+        steps = 0
+        while engine.has_work() and steps < 5:
+            engine.step()
+            steps += 1
+        during = engine.stats().cache
+        assert during.lookups == before.lookups + 1  # the hog's own lookup; the waiting prompt asked nothing
+        assert during.tiers["l1"].hits == before.tiers["l1"].hits
+        assert during.cached_tokens == before.cached_tokens
+        while engine.has_work():
+            engine.step()
+        after = engine.stats().cache
+        assert after.lookups == before.lookups + 2
+        assert after.tiers["l1"].hits == before.tiers["l1"].hits + 8  # its prefix, counted once
+        assert after.cached_tokens == before.cached_tokens + 32
+        tokens = []
+        while True:
+            out = waiting.get(timeout=1)
+            tokens += out.token_ids
+            if out.finished:
+                break
+        assert len(tokens) == 1
+        assert_pool_released(engine)
+    finally:
+        engine.close()

@@ -126,11 +126,14 @@ class FCFSScheduler(Scheduler):
                 # judged on the whole prompt, before the cache is asked: a deferred prompt is looked up once
                 if group_limit and group_tokens and group_tokens + min(seq.num_uncomputed_tokens, budget) > group_limit:
                     break
+                if not self.kv.can_admit(seq, budget):  # short of blocks: not looked up, nothing counted
+                    break
                 self.kv.match_prefix(seq)  # cached prefix blocks are shared, not recomputed
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if not self.kv.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
-                    self.kv.reset(seq)  # the matched blocks stay cached for the next try
+                    self.kv.missed_admission(seq, seq.num_computed_tokens + num_tokens)
                     break
+                seq.blocks_wanted = 0
                 group_tokens += num_tokens
                 heapq.heappop(self._waiting)
                 seq.status = SequenceStatus.RUNNING
