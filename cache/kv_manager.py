@@ -3,6 +3,7 @@
 The scheduler owns one ``KVCacheManager`` and asks it for everything KV:
 
     can_admit(seq, budget)   whether a waiting sequence's admission would find its blocks (nothing touched)
+    prefix_loaded(seq)       its prefix below L1 read off the step thread (started on the first call)
     match_prefix(seq)        a new or preempted sequence starts from its longest cached prefix
     allocate_slots(seq, n)   grow the table to cover positions [0, n) (lookahead slots for drafts included)
     cache_computed(seq)      publish newly completed blocks to the prefix cache
@@ -18,14 +19,18 @@ reads a placeholder's content unmasked.
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.lookup_info import RequestCacheInfo
 
+READ_HERE = "read at the match"  # seq.kv_load of a prompt with nothing to read off host memory
+
 if TYPE_CHECKING:
     from tierserve.cache.stats import PrefixMatch
+    from tierserve.cache.store import PrefixLoad
     from tierserve.cache.store import TieredStore
     from tierserve.core.sequence import Sequence
 
@@ -100,6 +105,7 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.window_stats = WindowStats()
         self.sharing = SharingStats()
+        self._loads: list[tuple[Sequence, PrefixLoad]] = []  # prefix reads started for waiting prompts
 
     @property
     def num_blocks(self) -> int:
@@ -144,6 +150,28 @@ class KVCacheManager:
         total = self.blocks_needed(cached + min(seq.num_tokens - cached, budget), 0)
         return total - shared <= free - revived
 
+    def prefix_loaded(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can be matched now. The first call starts reading, on the store's loader thread, the
+        blocks of its prompt that sit below L1 (``TieredStore.start_load``); until they are read (or the read
+        fails or runs late) it waits and the scheduler admits others. Nothing to read off host memory: at once
+        (the match reads a memory tier itself)."""
+        if self.store is None or seq.block_table or seq.num_computed_tokens or not seq.use_prefix_cache:
+            return True
+        if seq.kv_load is None:
+            load = self.store.start_load(seq)
+            seq.kv_load = READ_HERE if load is None else load
+            if load is not None:
+                self._loads.append((seq, load))
+        return seq.kv_load is READ_HERE or seq.kv_load.settled
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for the first unsettled prefix read: a step with nothing to run
+        but prompts whose prefixes are being read sleeps here instead of spinning."""
+        self._loads = [(seq, load) for seq, load in self._loads if seq.kv_load is load and not seq.is_finished]
+        pending = [load.future for _, load in self._loads if not load.settled]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
     def missed_admission(self, seq: Sequence, num_tokens: int) -> None:
         """A matched sequence that could not get its blocks: give them back (they stay cached) and remember how
         many free blocks it needs before it is matched again."""
@@ -160,7 +188,11 @@ class KVCacheManager:
             return None
         match = None
         if self.store is not None and seq.use_prefix_cache:
-            match = self.store.match_prefix(seq)
+            load, seq.kv_load = seq.kv_load, None  # a later admission (after preemption) reads again
+            # not read in the background (a memory tier, or not through the scheduler: a warm): the store asks
+            # the tiers itself
+            loaded = None if load is None or load is READ_HERE else load.entries(self.store.stats)
+            match = self.store.match_prefix(seq, loaded)
             info = RequestCacheInfo(match.lookup_blocks, dict(match.hits), seq.num_cached_tokens, match.seconds)
             blocks = self.pool.blocks  # a promoted block is new (one holder); an L1 hit may have others
             self.sharing.sharing_hits += sum(1 for b in seq.block_table if blocks[b].ref_count > 1)

@@ -58,6 +58,9 @@ class StoreStats:
     computed_tokens: int = 0
     token_mismatches: int = 0
     lookup_seconds: float = 0.0
+    loads: int = 0  # prompts whose prefix below L1 was read off the step (``TieredStore.start_load``)
+    load_timeouts: int = 0  # of those, read too late: the prompt computed those tokens instead
+    load_failures: int = 0  # of those, failed (an error in a tier): computed instead
 
     @classmethod
     def for_tiers(cls, lower_tiers: Sequence[str]) -> StoreStats:
@@ -221,6 +224,9 @@ class CacheSnapshot:
     token_mismatches: int
     lookup_seconds: float
     partial_block_tokens: int = 0
+    loads: int = 0
+    load_timeouts: int = 0
+    load_failures: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """Plain data for JSON and Prometheus (times rounded to microseconds)."""
@@ -237,4 +243,7 @@ class CacheSnapshot:
             "computed_tokens": self.computed_tokens,
             "token_mismatches": self.token_mismatches,
             "lookup_seconds": round(self.lookup_seconds, 6),
+            "loads": self.loads,
+            "load_timeouts": self.load_timeouts,
+            "load_failures": self.load_failures,
         }

@@ -2,6 +2,8 @@
 
     request prefix ─► match_prefix ─► L1 hit: share the block
                                    └► hit below (first tier in order): load into free L1 blocks (promotion)
+    waiting prompt ─► start_load ─► loader thread reads its blocks below L1 ─► match_prefix(loaded) promotes them
+                      (the scheduler runs others meanwhile; a load past ``load_timeout`` is computed instead)
     full block computed ─► register in L1 (+ write through to every write-through tier)
     L1 block evicted for reuse ─► demote to the first tier below ─► its evictions go to the next tier
         ─► ... ─► the last tier drops leaves first
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -42,6 +46,34 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 RESERVED_NAMES = ("l1", "all")
+LOAD_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(slots=True)
+class PrefixLoad:
+    """A waiting prompt's blocks below L1, read on the store's loader thread (``TieredStore.start_load``):
+    ``(position, entry)`` per block, in prompt order, up to the first one no tier had."""
+
+    future: Future
+    deadline: float
+
+    @property
+    def settled(self) -> bool:
+        """Read, failed, or past its deadline: the prompt can be matched now."""
+        return self.future.done() or time.monotonic() >= self.deadline
+
+    def entries(self, stats: StoreStats) -> list[tuple[int, CacheEntry]]:
+        """What was read (none when the read failed or is late: those tokens are computed, and counted)."""
+        if not self.future.done():
+            stats.load_timeouts += 1
+            self.future.cancel()
+            return []
+        try:
+            return self.future.result()
+        except Exception as exc:  # a tier's error: the prompt computes what it would have read
+            stats.load_failures += 1
+            log.warning("prefix_load_failed", error=f"{type(exc).__name__}: {exc}")
+            return []
 
 
 class TieredStore:
@@ -74,6 +106,7 @@ class TieredStore:
         block_bytes: int = 0,
         reuse_partial_blocks: bool = True,
         partial_min_tokens: int = 1,
+        load_timeout: float = LOAD_TIMEOUT_SECONDS,
     ) -> None:
         names = [t.name for t in tiers]
         for name in names:
@@ -99,6 +132,8 @@ class TieredStore:
         self.stats = StoreStats.for_tiers(names)
         self.l1_stats = TierStats()
         self._write_through = [position for position, t in enumerate(self.tiers, 1) if t.write_through]
+        self.load_timeout = load_timeout
+        self._loader: ThreadPoolExecutor | None = None  # one thread: reads below L1 for waiting prompts
         pool.on_evict = self._demote_from_l1
         for position, store_tier in enumerate(self.tiers, 1):  # what survived a restart (persistent tiers)
             for key in store_tier.tier.keys():
@@ -130,12 +165,66 @@ class TieredStore:
             revived += block.ref_count == 0 and block.block_hash not in pool.pinned
         return found, revived
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+    def start_load(self, seq: Sequence) -> PrefixLoad | None:
+        """Read, on the loader thread, the blocks of ``seq``'s prompt that follow its L1 prefix and may sit below
+        (the index says a tier holds them, or a tier is shared by processes), when one of them would come from
+        a tier off host memory (disk, a remote server); None otherwise: reading host memory takes microseconds,
+        so ``match_prefix`` reads such blocks itself. The step thread meanwhile runs other sequences;
+        ``match_prefix(seq, loaded)`` then promotes what was read without asking a tier. Nothing but the tiers'
+        own reads happens off the step thread."""
+        if not self.tiers or not seq.use_prefix_cache:
+            return None
+        self.placement.sync_removed()
+        bs, pool = self.block_size, self.pool
+        usable = (seq.num_tokens - 1) // bs
+        extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, usable * bs)
+        shared = any(store_tier.tier.shared for store_tier in self.tiers)
+        slow = sum(1 << position for position, t in enumerate(self.tiers, 1) if t.tier.medium != "memory" or t.tier.shared)
+        wanted: list[tuple[bytes, tuple[int, ...], int]] = []  # key, tokens, the tiers the index says hold it
+        off_memory = False
+        for index in range(usable):
+            key, tokens = seq.block_hashes[index], tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            if not wanted and pool.lookup(key, tokens) is not None:
+                continue  # the L1 prefix: shared at the match
+            held = self.index.tiers_of(key) & ~(1 << L1)
+            if not held and not shared:
+                break
+            wanted.append((key, tokens, held))
+            # the first tier in order that holds it is where the read goes (a shared one is always asked)
+            first = held & -held if held else 0
+            off_memory = off_memory or bool(first & slow) or (not held and shared)
+        if not wanted or not off_memory:
+            return None
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierserve-kv-load")
+        self.stats.loads += 1
+        return PrefixLoad(self._loader.submit(self._read_below, wanted), time.monotonic() + self.load_timeout)
+
+    def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int]]) -> list[tuple[int, CacheEntry]]:
+        """The loader thread's work: each block from the first tier (in order) that has it, until one none has.
+        Only tier reads: the pool, the index and the store's counters belong to the step thread."""
+        found: list[tuple[int, CacheEntry]] = []
+        for key, tokens, held in wanted:
+            hit = None
+            for position, store_tier in enumerate(self.tiers, 1):
+                if not held & (1 << position) and not store_tier.tier.shared:
+                    continue
+                entry = store_tier.tier.get(key)
+                if entry is not None and entry.token_ids == tokens:
+                    hit = (position, entry)
+                    break
+            if hit is None:
+                break
+            found.append(hit)
+        return found
+
+    def match_prefix(self, seq: Sequence, loaded: list[tuple[int, CacheEntry]] | None = None) -> PrefixMatch:
         """Give a new (or preempted) sequence the longest cached prefix of its tokens.
 
         Fills ``seq.block_table`` with shared or promoted blocks and advances
         ``num_computed_tokens``/``num_cached_tokens``; only the rest is prefilled.
-        Returns where the blocks came from (all zero when the sequence opted out).
+        ``loaded``: what ``start_load`` read for it; below L1 only those blocks are used (no tier is asked on
+        the step thread). Returns where the blocks came from (all zero when the sequence opted out).
         """
         hits = dict.fromkeys(self.tier_names, 0)
         if not seq.use_prefix_cache:
@@ -147,6 +236,7 @@ class TieredStore:
         extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, usable * bs)
         self.stats.lookups += 1
 
+        by_key = None if loaded is None else {entry.key: (position, entry) for position, entry in loaded}
         plan: list[int | tuple[int, CacheEntry]] = []  # per block: an L1 block (shared) or (position, entry) to promote
         for index in range(usable):
             key = seq.block_hashes[index]
@@ -156,7 +246,14 @@ class TieredStore:
                 self.pool.share(block_id)
                 plan.append(block_id)
                 continue
-            found = self._fetch_below(key, tokens)
+            if by_key is None:
+                found = self._fetch_below(key, tokens)
+            else:
+                found = by_key.get(key)
+                if found is not None and found[1].token_ids != tokens:
+                    found = None
+                if found is not None and not self.index.tiers_of(key) & (1 << found[0]):
+                    self.placement.add(key, found[1].parent, found[0])  # another process wrote it (shared)
             if found is None:
                 break
             plan.append(found)
@@ -466,6 +563,9 @@ class TieredStore:
             token_mismatches=s.token_mismatches,
             lookup_seconds=s.lookup_seconds,
             partial_block_tokens=s.partial_block_tokens,
+            loads=s.loads,
+            load_timeouts=s.load_timeouts,
+            load_failures=s.load_failures,
         )
 
     def check_integrity(self) -> None:
@@ -491,5 +591,8 @@ class TieredStore:
         """Move every block's access counts down to the slowest tier holding it (a persistent tier
         keeps the uses seen above it), then flush and release every tier."""
         frequency.settle_accesses(self)
+        if self._loader is not None:  # what the loader thread opened in the tiers, closed on that thread
+            self._loader.submit(lambda: [store_tier.tier.release_thread() for store_tier in self.tiers]).result()
+            self._loader.shutdown(wait=True)
         for store_tier in self.tiers:
             store_tier.tier.close()

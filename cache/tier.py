@@ -229,3 +229,7 @@ class CacheTier(ABC):
 
     def close(self) -> None:
         """Flush and release resources."""
+
+    def release_thread(self) -> None:
+        """Release what the calling thread opened in this tier (a per-thread connection); called on the store's
+        loader thread before it ends (``get`` may run there: ``TieredStore.start_load``). Default: nothing."""

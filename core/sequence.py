@@ -80,6 +80,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
     blocks_wanted: int = 0  # free blocks its last admission lacked (a waiting prompt is not looked up before)
+    kv_load: Any = None  # a waiting prompt's read of its prefix below L1 (KVCacheManager.prefix_loaded)
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 KEY_EXPIRY_INTERVAL_SECONDS = 1.0  # how often the step loop unpins cache keys past their TTL
+LOAD_POLL_SECONDS = 0.005  # an idle step waits this long at most for a prompt prefix being read below L1
 
 
 class EngineCore:
@@ -170,6 +171,8 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(batch, self.runner.execute(batch))
         if not batch.is_empty:
             self.counters.steps += 1
+        else:  # nothing could run: perhaps prompts whose prefixes are being read below L1; wait, do not spin
+            self.kv.wait_for_loads(LOAD_POLL_SECONDS)
         for output in outputs:
             if output.finish_reason is not None:
                 seq = self.requests.pop(output.request_id, None)

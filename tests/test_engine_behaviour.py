@@ -220,3 +220,59 @@ def test_a_prompt_waiting_for_blocks_is_looked_up_once_when_it_runs(tiny):
         assert_pool_released(engine)
     finally:
         engine.close()
+
+
+def test_a_prefix_read_from_a_slow_tier_does_not_stall_running_streams(tiny, tmp_path):
+    """A prompt whose prefix sits only on disk waits while the store's loader thread reads it (here a disk
+    that takes 0.3 s a block), and the running stream decodes meanwhile; then the prompt reuses the read
+    blocks and its output is the cold run's. (A host-memory tier is read at the match: microseconds.)"""
+    import threading
+    import time
+
+    tier = {"name": "l3", "plugin": "disk", "path": str(tmp_path / "l3"), "write_through": True}
+    engine = make_engine(tiny, kv_cache__block_size=4, kv_cache__tiers=[tier])
+    try:
+        prefix = list(range(3, 35))  # 8 blocks
+        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        [cold] = engine.generate([prefix + [40]], greedy)
+        engine.driver.core.scheduler.kv.store.flush()  # white-box: the write-through is on disk
+        engine.clear_cache("l1")  # the prefix is now only in l3
+        store_tier = engine.driver.core.scheduler.kv.store.tiers[0].tier  # white-box: slow its reads down
+        read, reader_threads = store_tier.get, set()
+
+        def slow_get(key):
+            reader_threads.add(threading.current_thread().name)
+            time.sleep(0.3)
+            return read(key)
+
+        store_tier.get = slow_get
+        stream = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        _, running = engine.submit(list(range(200, 220)), stream)
+        engine.step()  # the stream is running
+        _, waiting = engine.submit(prefix + [40], greedy)
+        decoded = 0
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # the read takes 8 x 0.3 s: the stream decodes all along
+            engine.step()
+            decoded += sum(len(out.token_ids) for out in _drain(running))
+        assert decoded >= 20, decoded
+        assert reader_threads == {"tierserve-kv-load_0"}
+        while engine.has_work():
+            engine.step()
+        tokens = [t for out in _drain(waiting) for t in out.token_ids]
+        assert tokens == cold.token_ids
+        stats = engine.stats().cache
+        assert stats.loads == 1 and stats.promotions["l3"] == 8 and stats.load_timeouts == 0
+    finally:
+        engine.close()
+
+
+def _drain(stream) -> list:
+    import queue
+
+    outs = []
+    while True:
+        try:
+            outs.append(stream.get(timeout=0))
+        except queue.Empty:
+            return outs

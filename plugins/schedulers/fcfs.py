@@ -120,6 +120,7 @@ class FCFSScheduler(Scheduler):
         group_limit, group_tokens = self.settings.prefill_group_tokens, 0
         hold = bool(decoding) and self._steps_before_prompts > 0
         self._steps_before_prompts = self._steps_before_prompts - 1 if hold else 0
+        parked = []  # prompts whose prefixes are still being read below L1: the ones after them go first
         if not output.preempted and not hold:
             while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
                 seq = self._waiting[0][-1]
@@ -128,6 +129,9 @@ class FCFSScheduler(Scheduler):
                     break
                 if not self.kv.can_admit(seq, budget):  # short of blocks: not looked up, nothing counted
                     break
+                if not self.kv.prefix_loaded(seq):
+                    parked.append(heapq.heappop(self._waiting))
+                    continue
                 self.kv.match_prefix(seq)  # cached prefix blocks are shared, not recomputed
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if not self.kv.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
@@ -141,6 +145,8 @@ class FCFSScheduler(Scheduler):
                 output.chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
                 self._steps_before_prompts = self.settings.decode_steps_between_prefills
+        for item in parked:
+            heapq.heappush(self._waiting, item)
         return output
 
 

@@ -220,6 +220,11 @@ class DiskTier(QueuedTier, CacheTier):
         self._save_counts()
         self._cache.close()
 
+    def release_thread(self) -> None:
+        """diskcache's connection of the calling thread (the store's loader reads here too), closed: one left
+        open would write into the index when collected."""
+        self._cache.close()
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless the index, the policy and the counters agree."""
         with self.lock:
