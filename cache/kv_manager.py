@@ -161,6 +161,8 @@ class KVCacheManager:
             load = self.store.start_load(seq)
             seq.kv_load = READ_HERE if load is None else load
             if load is not None:
+                if len(self._loads) >= 64:  # the ones matched, aborted or finished since: forgotten
+                    self._loads = [(s, l) for s, l in self._loads if s.kv_load is l and not s.is_finished]
                 self._loads.append((seq, load))
         return seq.kv_load is READ_HERE or seq.kv_load.settled
 
