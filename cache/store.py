@@ -201,22 +201,24 @@ class TieredStore:
         return PrefixLoad(self._loader.submit(self._read_below, wanted), time.monotonic() + self.load_timeout)
 
     def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int]]) -> list[tuple[int, CacheEntry]]:
-        """The loader thread's work: each block from the first tier (in order) that has it, until one none has.
-        Only tier reads: the pool, the index and the store's counters belong to the step thread."""
-        found: list[tuple[int, CacheEntry]] = []
-        for key, tokens, held in wanted:
-            hit = None
-            for position, store_tier in enumerate(self.tiers, 1):
-                if not held & (1 << position) and not store_tier.tier.shared:
-                    continue
-                entry = store_tier.tier.get(key)
-                if entry is not None and entry.token_ids == tokens:
-                    hit = (position, entry)
-                    break
+        """The loader thread's work: each tier in order reads, in one batch (``get_many``), the blocks it may
+        hold that an earlier tier did not have; the result is the blocks found, in prompt order, up to the first
+        one no tier had. Only tier reads: the pool, the index and the store's counters belong to the step thread."""
+        found: list[tuple[int, CacheEntry] | None] = [None] * len(wanted)
+        for position, store_tier in enumerate(self.tiers, 1):
+            tier = store_tier.tier
+            ask = [i for i, (_, _, held) in enumerate(wanted) if found[i] is None and (held & (1 << position) or tier.shared)]
+            if not ask:
+                continue
+            for i, entry in zip(ask, tier.get_many([wanted[i][0] for i in ask])):
+                if entry is not None and entry.token_ids == wanted[i][1]:
+                    found[i] = (position, entry)
+        prefix: list[tuple[int, CacheEntry]] = []
+        for hit in found:
             if hit is None:
                 break
-            found.append(hit)
-        return found
+            prefix.append(hit)
+        return prefix
 
     def match_prefix(self, seq: Sequence, loaded: list[tuple[int, CacheEntry]] | None = None) -> PrefixMatch:
         """Give a new (or preempted) sequence the longest cached prefix of its tokens.

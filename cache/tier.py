@@ -125,6 +125,11 @@ class CacheTier(ABC):
         """The entry, or ``None`` on a miss (absent, expired, corrupt or foreign; the
         bad ones are deleted and counted). A hit counts as a use for the policy."""
 
+    def get_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
+        """``get`` of each key, in order; a tier that can read several in one trip (one Redis round trip, one
+        pass over a file) overrides it. The store's loader thread reads a prompt's blocks through it."""
+        return [self.get(key) for key in keys]
+
     @abstractmethod
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
         """Store ``entry`` (replacing one with the same key) and return the entries

@@ -72,6 +72,20 @@ class QueuedTier:
             self.stats.get_seconds += time.perf_counter() - start
         return entry
 
+    def get_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
+        start = time.perf_counter()
+        entries = self._lookup_many(keys)
+        with self.lock:
+            found = sum(entry is not None for entry in entries)
+            self.stats.hits += found
+            self.stats.misses += len(entries) - found
+            self.stats.get_seconds += time.perf_counter() - start
+        return entries
+
+    def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
+        """``_lookup`` of each key; a tier with a batched read overrides it."""
+        return [self._lookup(key) for key in keys]
+
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
         self._put(entry)
         return []

@@ -238,14 +238,14 @@ def test_a_prefix_read_from_a_slow_tier_does_not_stall_running_streams(tiny, tmp
         engine.driver.core.scheduler.kv.store.flush()  # white-box: the write-through is on disk
         engine.clear_cache("l1")  # the prefix is now only in l3
         store_tier = engine.driver.core.scheduler.kv.store.tiers[0].tier  # white-box: slow its reads down
-        read, reader_threads = store_tier.get, set()
+        read, reader_threads = store_tier._lookup, set()
 
-        def slow_get(key):
+        def slow_read(key):
             reader_threads.add(threading.current_thread().name)
             time.sleep(0.3)
             return read(key)
 
-        store_tier.get = slow_get
+        store_tier._lookup = slow_read  # the disk read under get and get_many
         stream = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         _, running = engine.submit(list(range(200, 220)), stream)
         engine.step()  # the stream is running

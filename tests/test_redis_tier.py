@@ -90,6 +90,31 @@ def test_an_entry_written_by_one_tier_is_read_by_another_and_checked(server):
         reader.close()
 
 
+def test_get_many_reads_every_key_in_one_round_trip(server):
+    """The store's loader reads a prompt's blocks with ``get_many``: one MGET for all of them, the same entries
+    and counters as one ``get`` each."""
+    writer, reader = redis_tier(server, key_prefix="many"), redis_tier(server, key_prefix="many")
+    try:
+        entries, parent = [], None
+        for index in range(5):
+            entries.append(item := entry(10 + index, parent))
+            parent = item.key
+            writer.put(item)
+        writer.flush()
+        calls = []
+        mget = reader.client.mget
+        reader.client.mget = lambda names: calls.append(len(names)) or mget(names)
+        missing = entry(99).key
+        got = reader.get_many([item.key for item in entries] + [missing])
+        assert calls == [6] and got[-1] is None
+        assert all(g is not None and torch.equal(g.kv, e.kv) and g.token_ids == e.token_ids
+                   for g, e in zip(got, entries))  # fmt: skip
+        assert (reader.stats.hits, reader.stats.misses) == (5, 1)
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_ttl_becomes_the_key_expiry_and_clear_empties_the_model_namespace(server):
     tier = make_tier("redis", ttl_seconds=600, url=server.url, key_prefix="ttl-test")
     try:

@@ -340,6 +340,28 @@ class RedisTier(QueuedTier, CacheTier):
                 pending.accesses += 1
                 return replace(pending, accesses=0)  # a new record around the queued tensor
         data = self._command(lambda: self.client.get(self._redis_key(key)))
+        return self._decoded(key, data)
+
+    def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
+        """The keys still queued here from memory, the others in one MGET round trip."""
+        found: dict[bytes, CacheEntry] = {}
+        with self.lock:
+            for key in keys:
+                pending = self._pending.get(key)
+                if pending is not None:
+                    pending.accesses += 1
+                    found[key] = replace(pending, accesses=0)
+        asked = [key for key in keys if key not in found]
+        if asked:
+            values = self._command(lambda: self.client.mget([self._redis_key(key) for key in asked]))
+            for key, data in zip(asked, [FAILED] * len(asked) if values is FAILED else values):
+                entry = self._decoded(key, data)
+                if entry is not None:
+                    found[key] = entry
+        return [found.get(key) for key in keys]
+
+    def _decoded(self, key: bytes, data: object) -> CacheEntry | None:
+        """The entry a GET answered (``FAILED``: the server could not be reached; not bytes: gone)."""
         if data is FAILED:
             return None
         if not isinstance(data, bytes):  # the server answered: gone (evicted, expired or never written)
