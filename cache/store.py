@@ -577,6 +577,10 @@ class TieredStore:
         self.pool.check_integrity()
         self.placement.check_integrity()
 
+    def writes_stored(self) -> bool:
+        """Whether every tier's queued writes are on their medium (asked without waiting)."""
+        return all(store_tier.tier.writes_pending() == 0 for store_tier in self.tiers)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every tier's queued background writes are on their medium (at most
         ``timeout`` seconds in all; ``None``: as long as it takes)."""

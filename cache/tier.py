@@ -235,6 +235,10 @@ class CacheTier(ABC):
     def close(self) -> None:
         """Flush and release resources."""
 
+    def writes_pending(self) -> int:
+        """Writes accepted and not yet on the medium (0 for a tier that writes as it is asked)."""
+        return 0
+
     def release_thread(self) -> None:
         """Release what the calling thread opened in this tier (a per-thread connection); called on the store's
         loader thread before it ends (``get`` may run there: ``TieredStore.start_load``). Default: nothing."""

@@ -55,6 +55,9 @@ class QueuedTier:
         self._writer.stop(last=last)
         return True
 
+    def writes_pending(self) -> int:
+        return self._writer.unwritten
+
     def _lookup(self, key: bytes) -> CacheEntry | None:
         raise NotImplementedError
 
@@ -190,6 +193,11 @@ class TierWriter(threading.Thread):
             self._queue.put_nowait(_TASK)
         except queue.Full:
             pass  # the queue drains; the owner asks again later
+
+    @property
+    def unwritten(self) -> int:
+        """Entries accepted and not yet written (or dropped)."""
+        return self._unwritten
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted entry is finished; False on timeout (logged)."""

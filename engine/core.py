@@ -14,13 +14,14 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from tierserve.cache.warm_writes import WarmWrites
+from tierserve.engine.messages import Deferred
 from tierserve.engine.profiling import PhaseClock, core_timings
 from tierserve.engine.requests import EngineRequest, RequestError
 from tierserve.engine.runner import ModelRunner
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from tierserve.cache.frequency import PrefixUse
     from tierserve.cache.named_prefixes import Key, NamedPrefix, NamedPrefixes
     from tierserve.cache.store import TieredStore
-    from tierserve.cache.warming import WarmReport
     from tierserve.core.batch import SchedulerOutput
     from tierserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from tierserve.settings.config import Settings
@@ -226,13 +226,21 @@ class EngineCore:
         """The cached prefixes used most (every tier counted), best first; none without prefix caching."""
         return self.store.top_prefixes(limit) if self.store is not None else []
 
-    def warm_frequent(self, limit_blocks: int) -> WarmReport:
-        """Promote the most used cached prefixes into the faster tiers (at most ``limit_blocks`` blocks)."""
+    def warm_frequent(self, limit_blocks: int) -> Deferred:
+        """Promote the most used cached prefixes into the faster tiers (at most ``limit_blocks`` blocks); the
+        report comes once the writes it queued are stored (at most ``warm_write_timeout_seconds``), waited for
+        off the step: steps run meanwhile."""
         if self.store is None:
             raise RequestError("warm: prefix caching is off (kv_cache.enable_prefix_caching)", param="prompts")
         report = self.store.warm_frequent(limit_blocks)
-        self.store.flush()
-        return report
+        return self._once_stored(self.settings.kv_cache.warm_write_timeout_seconds, lambda: report)
+
+    def _once_stored(self, timeout: float | None, result: Callable[[], Any]) -> Deferred:
+        """``result()`` once every queued tier write is stored, or ``timeout`` seconds from now."""
+        store = self.store
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return Deferred(lambda: store.writes_stored() or (deadline is not None and time.monotonic() >= deadline),
+                        result)  # fmt: skip
 
     def _profiled_round(self) -> tuple[SchedulerOutput, list[CoreOutput]]:
         """``step``'s three calls, timed: scheduler work less prefix matching, and prefix matching
@@ -314,21 +322,22 @@ class EngineCore:
         """Move idle L1 prefix blocks down a tier, freeing the live pool; returns blocks moved."""
         return self.store.offload() if self.store is not None else 0
 
-    def flush_cache(self) -> None:
-        """Wait until queued tier writes are stored."""
+    def flush_cache(self) -> Deferred | None:
+        """Answers once queued tier writes are stored (waited for off the step: steps run meanwhile)."""
         if self.store is not None:
-            self.store.flush()
+            return self._once_stored(None, lambda: None)
+        return None
 
-    def finish_warm(self, warm: str) -> dict[str, dict[str, int]]:
-        """After a prompt warm's requests ended: wait, for what is left of its time, until queued
-        tier writes are stored; then what became of its writes, per write-through tier."""
+    def finish_warm(self, warm: str) -> dict[str, dict[str, int]] | Deferred:
+        """After a prompt warm's requests ended: what became of its writes, per write-through tier, once the
+        queued tier writes are stored or what is left of its time is over (waited for off the step)."""
         writes = self._warms.pop(warm, None)
         if self.store is None:
             return {}
         if writes is None:  # none of its requests computed anything here
             writes = WarmWrites(self.settings.kv_cache.warm_write_timeout_seconds)
-        self.store.flush(timeout=max(0.0, writes.wait_seconds))
-        return writes.report(self.store.write_through_names)
+        names = self.store.write_through_names
+        return self._once_stored(max(0.0, writes.wait_seconds), lambda: writes.report(names))
 
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
         """Embeddings of token id lists (each attends to itself only; no KV is read or kept)."""

@@ -17,13 +17,14 @@ import structlog
 
 from tierserve.engine.core import EngineCore
 from tierserve.engine.loop import CoreLoop
-from tierserve.engine.messages import Abort, CallResult, PendingCalls, StepOutputs
+from tierserve.engine.messages import Abort, CallResult, Deferred, PendingCalls, StepOutputs
 
 log = structlog.get_logger(__name__)
 
 Sink = Callable[[StepOutputs], None]
 
 IDLE_WAIT_SECONDS = 0.5
+DEFERRED_POLL_SECONDS = 0.005  # how soon an idle loop looks again at a call waiting for tier writes
 
 
 class InProcessDriver:
@@ -63,11 +64,11 @@ class InProcessDriver:
     def call(self, method: str, *args: Any) -> Any:
         """Run ``core.<method>(*args)`` between steps and return its result (or raise its error)."""
         if threading.current_thread() is self._thread:
-            return getattr(self.core, method)(*args)
+            return _answered(getattr(self.core, method)(*args))
         if self._thread is None:  # nothing else drives the core: messages sent earlier apply first
             if self._inbox:
                 self._loop.run_once(self._drain(), step=False)
-            return getattr(self.core, method)(*args)
+            return _answered(getattr(self.core, method)(*args))
         call, future = self._calls.new(method, args)
         self.send(call)
         return future.result()
@@ -116,7 +117,7 @@ class InProcessDriver:
             messages = self._drain()
             if not messages and not self.core.has_unfinished():
                 self._loop.publish_if_stale()
-                self._wakeup.wait(timeout=IDLE_WAIT_SECONDS)
+                self._wakeup.wait(timeout=DEFERRED_POLL_SECONDS if self._loop.waiting_calls else IDLE_WAIT_SECONDS)
                 self._wakeup.clear()
                 continue
             try:
@@ -129,3 +130,8 @@ class InProcessDriver:
             self._calls.resolve(message)
         else:
             self._sink(message)
+
+
+def _answered(value: Any) -> Any:
+    """A core method's result for a caller on the core's own thread: a ``Deferred`` one waited for here."""
+    return value.wait() if isinstance(value, Deferred) else value

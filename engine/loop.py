@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from tierserve.engine.core import EngineCore
-from tierserve.engine.messages import Abort, Call, CallResult, StepOutputs
+from tierserve.engine.messages import Abort, Call, CallResult, Deferred, StepOutputs
 from tierserve.engine.requests import EngineRequest
 from tierserve.core.outputs import CoreOutput
 from tierserve.core.sequence import FinishReason
@@ -41,6 +41,7 @@ class CoreLoop:
         self.emit = emit
         self.snapshot_interval = snapshot_interval
         self._last_snapshot = 0.0
+        self._deferred: list[tuple[int, Deferred]] = []  # calls answered once what they wait for is done
 
     def run_once(self, messages: Iterable[Any], *, step: bool = True) -> None:
         """Apply ``messages`` in order, then (if ``step``) run one step if any request is unfinished, then report."""
@@ -55,7 +56,9 @@ class CoreLoop:
             elif isinstance(message, Abort):
                 outputs += core.abort(message.request_ids, FinishReason(message.reason))
             elif isinstance(message, Call):
-                results.append(self._call(message))
+                result = self._call(message)
+                if result is not None:
+                    results.append(result)
             else:
                 raise TypeError(f"the engine core got an unknown message: {type(message).__name__}")
         if step and core.has_unfinished():
@@ -74,6 +77,27 @@ class CoreLoop:
             self.emit(StepOutputs(outputs, snapshot, added, core.scheduler.num_waiting))
         for result in results:
             self.emit(result)
+        self.answer_deferred()
+
+    @property
+    def waiting_calls(self) -> bool:
+        """Calls answered later (``Deferred``) are outstanding: the loop should come back soon."""
+        return bool(self._deferred)
+
+    def answer_deferred(self) -> None:
+        """Answer the deferred calls whose wait is over."""
+        if not self._deferred:
+            return
+        still = []
+        for call_id, deferred in self._deferred:
+            try:
+                if not deferred.ready():
+                    still.append((call_id, deferred))
+                    continue
+                self.emit(CallResult(call_id, deferred.result()))
+            except Exception as exc:
+                self.emit(CallResult(call_id, error=exc))
+        self._deferred = still
 
     def _add(self, request: EngineRequest) -> list[CoreOutput]:
         """Admit a request; one the core cannot take ends at once instead of taking the loop down."""
@@ -89,9 +113,15 @@ class CoreLoop:
         if now - self._last_snapshot >= self.snapshot_interval:
             self._last_snapshot = now
             self.emit(StepOutputs([], self.core.snapshot(), 0, self.core.scheduler.num_waiting))
+        self.answer_deferred()
 
-    def _call(self, message: Call) -> CallResult:
+    def _call(self, message: Call) -> CallResult | None:
+        """The call's result, or None when it is deferred (answered by ``answer_deferred``)."""
         try:
-            return CallResult(message.call_id, getattr(self.core, message.method)(*message.args))
+            value = getattr(self.core, message.method)(*message.args)
+            if isinstance(value, Deferred):
+                self._deferred.append((message.call_id, value))
+                return None
+            return CallResult(message.call_id, value)
         except Exception as exc:  # the caller gets it; the loop goes on
             return CallResult(message.call_id, error=exc)

@@ -10,6 +10,8 @@ an in-process queue or a pipe to a child process.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,21 @@ class Call:
     call_id: int
     method: str
     args: tuple[Any, ...] = ()
+
+
+@dataclass(slots=True)
+class Deferred:
+    """A call's answer that waits for something off the step thread (queued tier writes to be stored): the
+    loop answers once ``ready()`` says so (``result()``), running steps meanwhile instead of blocking them."""
+
+    ready: Callable[[], bool]
+    result: Callable[[], Any]
+
+    def wait(self, poll: float = 0.005) -> Any:
+        """The answer, waited for here (a caller that drives the core itself)."""
+        while not self.ready():
+            time.sleep(poll)
+        return self.result()
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ log = structlog.get_logger(__name__)
 
 IDLE_POLL_SECONDS = 0.5
 PARENT_POLL_SECONDS = 0.2
+DEFERRED_POLL_SECONDS = 0.005  # how soon an idle core looks again at a call waiting for tier writes
 STARTUP_TIMEOUT_SECONDS = 600.0
 PARENT_SHUTDOWN_SECONDS = 10.0  # after the grace period, the server's own shutdown before it sends Shutdown
 
@@ -77,7 +78,7 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
     while True:
         messages: list[Any] = []
         idle = not core.has_unfinished()
-        if conn.poll(IDLE_POLL_SECONDS if idle else 0):
+        if conn.poll((DEFERRED_POLL_SECONDS if loop.waiting_calls else IDLE_POLL_SECONDS) if idle else 0):
             try:
                 messages.append(conn.recv())
                 while conn.poll(0):

@@ -276,3 +276,35 @@ def _drain(stream) -> list:
             outs.append(stream.get(timeout=0))
         except queue.Empty:
             return outs
+
+
+def test_a_cache_flush_waits_for_the_disk_without_stopping_decodes(tiny, tmp_path):
+    """``flush_cache`` (``POST /v1/cache/flush``'s call) answers once the queued disk writes are stored, and
+    the core keeps stepping while it waits: a running stream gets its tokens meanwhile."""
+    import time
+
+    tier = {"name": "l3", "plugin": "disk", "path": str(tmp_path / "l3"), "write_through": True}
+    engine = make_engine(tiny, kv_cache__block_size=4, kv_cache__tiers=[tier])
+    engine.start()  # the core on its own thread, as the server runs it
+    try:
+        writer = engine.driver.core.scheduler.kv.store.tiers[0].tier._writer  # white-box: a slow disk
+        write = writer._write
+
+        def slow_write(entry):
+            time.sleep(0.1)
+            return write(entry)
+
+        writer._write = slow_write
+        _, running = engine.submit(list(range(200, 220)), SamplingParams(temperature=0, max_tokens=400,
+                                                                         ignore_eos=True))  # fmt: skip
+        engine.generate([list(range(3, 67))], SamplingParams(temperature=0, max_tokens=1))  # 16 blocks to write
+        _drain(running)
+        started = time.monotonic()
+        engine.flush_cache()
+        waited = time.monotonic() - started
+        assert waited >= 0.5  # most of the 16 x 0.1 s of writes were still queued
+        assert engine.driver.core.scheduler.kv.store.writes_stored()
+        decoded = sum(len(out.token_ids) for out in _drain(running))
+        assert decoded >= 10, decoded  # before: 0 (the step thread waited for the disk)
+    finally:
+        engine.close()
