@@ -12,7 +12,11 @@ A decode step of one sequence reads every weight once, so its speed is bounded b
 
 Each weight precision has its own limit: ``tierserve`` reads float32 weights,
 ``tierserve-bf16`` two bytes per weight, ``tierserve-int8`` one (plus a float32
-scale per output row).
+scale per output row). A GGUF file (``--model FILE.gguf``) runs as ``tierserve-gguf``
+(``model.quantization = "gguf"``): the bytes a step reads are the tensors as tierserve
+holds them (``server.model_memory``'s per-type sizes: the file's blocks, Q4_K and Q6_K
+repacked a little larger), every tensor but the input embedding table (a tied table
+counted once, as the head); Hugging Face ``generate()`` is not run on a GGUF file.
 
 Decode tokens/s is measured in-process for the tierserve engine (the same
 engine the server runs) and for Hugging Face ``generate()``: the time of a
@@ -69,6 +73,18 @@ def weight_bytes_per_token(ctx: BenchContext) -> tuple[int, int]:
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+def gguf_bytes_per_token(path) -> tuple[int, int]:
+    """(bytes a decode step reads, the file's tensor bytes) for a GGUF file run with ``model.quantization =
+    "gguf"``: each tensor at the size tierserve holds it in, the embedding table only when tied (as the head)."""
+    from tierserve.models.gguf import check_gguf
+    from tierserve.server.model_memory import gguf_held_bytes
+
+    tensors = check_gguf(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = sum(gguf_held_bytes(t) for t in tensors if tied or t.name != "token_embd.weight")
+    return int(read), sum(t.n_bytes for t in tensors)
+
+
 def _decode_rate(generate, prompt: list[int], decode_tokens: int, repeats: int) -> float:
     rates = []
     for _ in range(repeats):
@@ -83,6 +99,7 @@ def _decode_rate(generate, prompt: list[int], decode_tokens: int, repeats: int) 
 
 
 PRECISIONS = {
+    "tierserve-gguf": ({("model", "quantization"): "gguf"}, None),  # a GGUF file's blocks as stored
     "tierserve": ({}, None),
     "tierserve-bf16": ({("model", "dtype"): "bfloat16"}, 2),
     "tierserve-int8": ({("model", "quantization"): "int8"}, 1),
@@ -94,11 +111,14 @@ def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int, sy
     from tierserve.engine import EngineClient
     from tierserve.core.sampling_params import SamplingParams
 
-    systems = systems or list(PRECISIONS)
+    from tierserve.models.gguf import is_gguf
+
+    gguf = is_gguf(ctx.checkpoint)
+    systems = ["tierserve-gguf"] if gguf else [s for s in (systems or list(PRECISIONS)) if s != "tierserve-gguf"]
     bandwidth = copy_bandwidth()
-    step_bytes, total_bytes = weight_bytes_per_token(ctx)
+    step_bytes, total_bytes = gguf_bytes_per_token(ctx.checkpoint) if gguf else weight_bytes_per_token(ctx)
     parameters = step_bytes // 4  # the bench checkpoints are float32 on disk
-    bytes_by_system = {"hf-generate": step_bytes}
+    bytes_by_system = {} if gguf else {"hf-generate": step_bytes}
     for name in systems:
         width = PRECISIONS[name][1]
         bytes_by_system[name] = step_bytes if width is None else parameters * width
@@ -125,11 +145,12 @@ def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int, sy
             finally:
                 engine.close()
             bar.update(1)
-        reference = HFGenerate(ctx.checkpoint)
-        reference.warm_up()
-        results["hf-generate"] = _decode_rate(
-            lambda ids, n: reference.generate(torch.tensor([ids]), n), prompt, decode_tokens, repeats
-        )
+        if not gguf:
+            reference = HFGenerate(ctx.checkpoint)
+            reference.warm_up()
+            results["hf-generate"] = _decode_rate(
+                lambda ids, n: reference.generate(torch.tensor([ids]), n), prompt, decode_tokens, repeats
+            )
         bar.update(1)
     return {
         "config": {"model": ctx.model, "prompt_len": prompt_len, "decode_tokens": decode_tokens, "repeats": repeats},

@@ -59,24 +59,31 @@ def _gguf_elements(path: Path) -> tuple[int, int]:
     return sum(t.n_elements for t in tensors), sum(t.n_bytes for t in tensors)
 
 
+# bytes a weight held (GGML type numbers): Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (repacked by tiles: cpu_gemm.c),
+# Q8_0 (float32 scales), F32, F16 and BF16 (widened to the model's float32); any other type is held as int8 groups
+_KEPT = {2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32, 12: 19 / 32, 13: 23 / 32, 14: 26.5 / 32, 8: 1.125, 0: 4.0,
+         1: 4.0, 30: 4.0}  # fmt: skip
+
+
 def _gguf_kept_bytes(path: Path) -> int:
     """Bytes a GGUF file's tensors take with ``model.quantization = "gguf"``."""
     from tierserve.models.gguf import check_gguf
 
-    # bytes a weight (GGML type numbers): Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (repacked by tiles: cpu_gemm.c),
-    # Q8_0; floats
-    # widened; any other type is held as int8 groups
-    kept = {2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32, 12: 19 / 32, 13: 23 / 32, 14: 26.5 / 32, 8: 1.125,
-            0: 4.0, 1: 4.0, 30: 4.0}  # fmt: skip
     # the token embedding table is held as the file stores it (its rows dequantized as read); a tied one twice (the
     # head's tiles too)
     tensors = check_gguf(path).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     return int(sum(
-        t.n_elements * (t.n_bytes / t.n_elements + (kept.get(t.tensor_type, 1.125) if tied else 0)
-                        if t.name == "token_embd.weight" and t.tensor_type in kept else kept.get(t.tensor_type, 1.125))
+        t.n_bytes + (gguf_held_bytes(t) if tied else 0) if t.name == "token_embd.weight" and t.tensor_type in _KEPT
+        else gguf_held_bytes(t)
         for t in tensors
     ))  # fmt: skip
+
+
+def gguf_held_bytes(tensor) -> float:
+    """The bytes tierserve holds one GGUF tensor in as a matrix a step multiplies (``model.quantization =
+    "gguf"``): ``_KEPT``'s size per weight for its type, int8 groups (1.125) for any other."""
+    return tensor.n_elements * _KEPT.get(tensor.tensor_type, 1.125)
 
 
 _BLOCK_BYTES_PER_WEIGHT = {"q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 1.125}  # model.quantization on a directory
