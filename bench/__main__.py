@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--prompt-len", type=int, default=32)
     rf.add_argument("--decode-tokens", type=int, default=128)
     rf.add_argument("--repeats", type=int, default=3)
-    rf.add_argument("--systems", type=_names(tuple(roofline.PRECISIONS)), default=list(roofline.PRECISIONS),
-                    help=f"comma-separated, of {','.join(roofline.PRECISIONS)} (default: all)")  # fmt: skip
+    rf.add_argument("--systems", type=_names(tuple(roofline.PRECISIONS)), default=None,
+                    help=f"comma-separated, of {','.join(roofline.PRECISIONS)} (default: tierserve-gguf for a GGUF "
+                         "file, the others for a checkpoint directory)")  # fmt: skip
 
     ql = commands.add_parser("quality", help="int8 and bfloat16 weights against float32 (greedy agreement, KL); "
                              "a GGUF file's perplexity next to llama.cpp's")

@@ -114,7 +114,10 @@ def run(ctx: BenchContext, prompt_len: int, decode_tokens: int, repeats: int, sy
     from tierserve.models.gguf import is_gguf
 
     gguf = is_gguf(ctx.checkpoint)
-    systems = ["tierserve-gguf"] if gguf else [s for s in (systems or list(PRECISIONS)) if s != "tierserve-gguf"]
+    if systems and gguf != (systems == ["tierserve-gguf"]):
+        raise ValueError(f"--systems {','.join(systems)}: a GGUF file runs as tierserve-gguf alone, a checkpoint "
+                         f"directory as the others ({', '.join(p for p in PRECISIONS if p != 'tierserve-gguf')})")
+    systems = ["tierserve-gguf"] if gguf else (systems or [p for p in PRECISIONS if p != "tierserve-gguf"])
     bandwidth = copy_bandwidth()
     step_bytes, total_bytes = gguf_bytes_per_token(ctx.checkpoint) if gguf else weight_bytes_per_token(ctx)
     parameters = step_bytes // 4  # the bench checkpoints are float32 on disk
