@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierserve.cache.eviction import EvictionPolicy
 
@@ -65,7 +65,9 @@ class BlockPool:
         self.policy = policy  # every registered hash; pinned while its block is in use or pinned here
         self.cached: dict[bytes, int] = {}  # block hash -> block id (in use or cached-free)
         self.evictions = 0
-        self.on_evict: Callable[[Block], None] | None = None
+        # write-back of the blocks one allocation evicted, all at once, before their data is overwritten (copies
+        # of the blocks as they were: id, hash, parent, tokens, accesses)
+        self.on_evict: Callable[[list[Block]], None] | None = None
         self.pinned: set[bytes] = set()  # hashes kept cached even with no sequence holding them
         # (parent hash or root, first token) -> registered blocks that follow it and begin with that token
         self.children: dict[tuple[bytes, int], set[int]] = {}
@@ -100,7 +102,7 @@ class BlockPool:
         """Take ``count`` blocks (ref 1), plain free ones first, then evicting cached-free ones."""
         if count > self.num_free_blocks:
             raise OutOfBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
-        allocated = []
+        allocated, evicted = [], []
         for _ in range(count):
             if self._free:
                 block = self.blocks[self._free.popleft()]
@@ -108,12 +110,14 @@ class BlockPool:
                 victim = self.policy.evict()  # a cached-free block exists, so one is unpinned
                 block = self.blocks[self.cached[victim]]
                 if self.on_evict is not None:
-                    self.on_evict(block)  # write-back to the tier below before the data is overwritten
+                    evicted.append(replace(block))  # what it held, for the write-back below
                 self._forget(block)
                 self._num_cached_free -= 1
                 self.evictions += 1
             block.ref_count = 1
             allocated.append(block.block_id)
+        if evicted:  # one write-back for all: the data stays until the caller writes the blocks
+            self.on_evict(evicted)
         return allocated
 
     def share(self, block_id: int, *, hit: bool = True) -> None:

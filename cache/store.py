@@ -201,24 +201,23 @@ class TieredStore:
         return PrefixLoad(self._loader.submit(self._read_below, wanted), time.monotonic() + self.load_timeout)
 
     def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int]]) -> list[tuple[int, CacheEntry]]:
-        """The loader thread's work: each tier in order reads, in one batch (``get_many``), the blocks it may
-        hold that an earlier tier did not have; the result is the blocks found, in prompt order, up to the first
-        one no tier had. Only tier reads: the pool, the index and the store's counters belong to the step thread."""
-        found: list[tuple[int, CacheEntry] | None] = [None] * len(wanted)
-        for position, store_tier in enumerate(self.tiers, 1):
-            tier = store_tier.tier
-            ask = [i for i, (_, _, held) in enumerate(wanted) if found[i] is None and (held & (1 << position) or tier.shared)]
-            if not ask:
-                continue
-            for i, entry in zip(ask, tier.get_many([wanted[i][0] for i in ask])):
-                if entry is not None and entry.token_ids == wanted[i][1]:
-                    found[i] = (position, entry)
-        prefix: list[tuple[int, CacheEntry]] = []
-        for hit in found:
+        """The loader thread's work: each block from the first tier (in order) that has it, until one none has
+        (block by block as the match would: a batch read past a miss would count and touch blocks the prompt
+        cannot use). Only tier reads: the pool, the index and the store's counters belong to the step thread."""
+        found: list[tuple[int, CacheEntry]] = []
+        for key, tokens, held in wanted:
+            hit = None
+            for position, store_tier in enumerate(self.tiers, 1):
+                if not held & (1 << position) and not store_tier.tier.shared:
+                    continue
+                entry = store_tier.tier.get(key)
+                if entry is not None and entry.token_ids == tokens:
+                    hit = (position, entry)
+                    break
             if hit is None:
                 break
-            prefix.append(hit)
-        return prefix
+            found.append(hit)
+        return found
 
     def match_prefix(self, seq: Sequence, loaded: list[tuple[int, CacheEntry]] | None = None) -> PrefixMatch:
         """Give a new (or preempted) sequence the longest cached prefix of its tokens.
@@ -254,8 +253,13 @@ class TieredStore:
                 found = by_key.get(key)
                 if found is not None and found[1].token_ids != tokens:
                     found = None
-                if found is not None and not self.index.tiers_of(key) & (1 << found[0]):
-                    self.placement.add(key, found[1].parent, found[0])  # another process wrote it (shared)
+                position = found[0] if found is not None else 0
+                if position and not self.index.tiers_of(key) & (1 << position):
+                    # read in a shared tier another process wrote it to: indexed while the tier still holds it (a
+                    # tier of this process that dropped it since the read is not told it holds it again)
+                    tier = self.tiers[position - 1].tier
+                    if tier.shared and tier.contains(key):
+                        self.placement.add(key, found[1].parent, position)
             if found is None:
                 break
             plan.append(found)
@@ -397,19 +401,29 @@ class TieredStore:
 
     # ---- demotion -------------------------------------------------------------------
 
-    def _demote_from_l1(self, block: Block) -> None:
-        """Write an evicted L1 block to the first tier below, unless that tier holds it already
-        (then only its uses in L1 are credited there)."""
-        key, parent, tokens, accesses = block.block_hash, block.parent_hash, block.token_ids, block.accesses
-        self.placement.discard(key, L1)
+    def _demote_from_l1(self, blocks: list[Block]) -> None:
+        """Write the L1 blocks one allocation evicted to the first tier below, their data read in one copy; a
+        block that tier holds already only has its uses in L1 credited there."""
+        for block in blocks:
+            self.placement.discard(block.block_hash, L1)
         if not self.tiers:
             return
-        if self.index.tiers_of(key) & (1 << 1):
-            self.tiers[0].tier.add_accesses(key, accesses)
+        written = []
+        for block in blocks:
+            if self.index.tiers_of(block.block_hash) & (1 << 1):
+                self.tiers[0].tier.add_accesses(block.block_hash, block.accesses)
+            else:
+                written.append(block)
+        if not written:
             return
-        kv = self.transfer.read_blocks([block.block_id])[0]  # a fresh copy already, exactly one block
-        self.put_below(1, CacheEntry(key, parent, tokens, kv, accesses=accesses))
-        self.stats.demotions[self.tier_names[1]] += 1
+        data = self.transfer.read_blocks([block.block_id for block in written])  # one copy off the arena
+        # a tier that keeps tensors as given would keep the whole batch alive through one view: its own copy each
+        keeps = self.tiers[0].tier.medium == "memory" and len(written) > 1
+        for block, kv in zip(written, data):
+            kv = kv.clone() if keeps else kv
+            self.put_below(1, CacheEntry(block.block_hash, block.parent_hash, block.token_ids, kv,
+                                         accesses=block.accesses))  # fmt: skip
+            self.stats.demotions[self.tier_names[1]] += 1
 
     def put_below(self, position: int, entry: CacheEntry, warm: WarmWrites | None = None) -> list[bytes]:
         """Store ``entry`` in the tier at ``position`` (1 or more); what it evicts goes to the next
@@ -528,9 +542,9 @@ class TieredStore:
         pool = self.pool
         idle = [key for key, block_id in pool.cached.items() if pool.blocks[block_id].ref_count == 0]
         idle = [key for key in idle if key not in pool.pinned]
+        self._demote_from_l1([pool.blocks[pool.cached[key]] for key in reversed(idle)])  # one copy off the arena
         for key in reversed(idle):
-            self._demote_from_l1(self.pool.blocks[self.pool.cached[key]])
-            self.pool.uncache(key)
+            pool.uncache(key)
         return len(idle)
 
     def snapshot(self) -> CacheSnapshot:

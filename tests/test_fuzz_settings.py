@@ -68,8 +68,8 @@ def toml_value(value: Any) -> str:
         return toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, dict):  # TOML has no null: a key whose value is None (unset) is left out
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None) + "}"
     raise TypeError(value)
 
 

@@ -238,3 +238,22 @@ def test_index_statistics_equal_a_recount_after_any_operations(ops):
         else:
             index.discard(key(k), 1 << tier)
         index.check_integrity()  # recounts leaves and summed depths the slow way and compares
+
+
+def test_the_blocks_an_allocation_evicts_are_copied_off_the_arena_at_once(tmp_path):
+    """A prompt that needs every L1 block evicts the last prompt's blocks: their data leaves the arena in one
+    read (not one per block), each lands below with its own content, and the prompt's KV reads back intact."""
+    runner = Runner(PROMPT_BLOCKS + 1, [StoreTier("ram", memory_tier(4 * PROMPT_BLOCKS))])
+    try:
+        _, first = runner.run(prompt(1))
+        reads = []
+        read = runner.arena.read_blocks
+        runner.arena.read_blocks = lambda ids: reads.append(list(ids)) or read(ids)
+        runner.run(prompt(2))  # all of prompt 1's blocks go down to make room
+        # the write-back of the evicted blocks, then the runner's own read of the new prompt's KV
+        assert len(reads) == 2, reads
+        assert len(reads[0]) == PROMPT_BLOCKS, reads
+        match, again = runner.run(prompt(1))
+        assert match.hits["ram"] == PROMPT_BLOCKS and torch.equal(again, first)
+    finally:
+        runner.store.close()
