@@ -161,18 +161,22 @@ class KVCacheManager:
             load = self.store.start_load(seq)
             seq.kv_load = READ_HERE if load is None else load
             if load is not None:
-                if len(self._loads) >= 64:  # the ones matched, aborted or finished since: forgotten
-                    self._loads = [(s, l) for s, l in self._loads if s.kv_load is l and not s.is_finished]
+                if len(self._loads) >= 64:
+                    self._forget_loads()
                 self._loads.append((seq, load))
         return seq.kv_load is READ_HERE or seq.kv_load.settled
 
     def wait_for_loads(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) for the first unsettled prefix read: a step with nothing to run
         but prompts whose prefixes are being read sleeps here instead of spinning."""
-        self._loads = [(seq, load) for seq, load in self._loads if seq.kv_load is load and not seq.is_finished]
+        self._forget_loads()
         pending = [load.future for _, load in self._loads if not load.settled]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _forget_loads(self) -> None:
+        """Drop the prefix reads whose prompt was matched, aborted or finished since they started."""
+        self._loads = [(seq, load) for seq, load in self._loads if seq.kv_load is load and not seq.is_finished]
 
     def missed_admission(self, seq: Sequence, num_tokens: int) -> None:
         """A matched sequence that could not get its blocks: give them back (they stay cached) and remember how

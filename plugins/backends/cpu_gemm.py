@@ -365,16 +365,10 @@ class PackedQ6K:
         return out
 
 
-def supports_q4(in_features: int) -> bool:
-    """Whether ``PackedQ4`` can run here (the kernels load; the input width is whole blocks of 32)."""
-    return library() is not None and in_features % QK == 0
-
-
 def supports_blocks(kind: str, in_features: int) -> bool:
     """Whether GGUF blocks of ``kind`` (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) run here at this input width."""
-    if kind in ("Q4_K", "Q5_K", "Q6_K"):
-        return library() is not None and in_features % (QK * Q6_SUPER) == 0
-    return supports_q4(in_features)
+    per_block = QK * Q6_SUPER if kind in ("Q4_K", "Q5_K", "Q6_K") else QK  # a super-block of 256, or a block of 32
+    return library() is not None and in_features % per_block == 0
 
 
 def supports_float(weight: torch.Tensor) -> bool:

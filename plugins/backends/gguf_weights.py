@@ -28,10 +28,10 @@ import torch
 
 from tierserve.core.errors import ConfigError
 from tierserve.models.gguf import FLOAT_TYPES, check_gguf, open_reader
-from tierserve.plugins.backends.linear import GROUP_SIZE, BlockQ4, BlockQ6K, GroupedInt8, quantize_groups
+from tierserve.plugins.backends.linear import BLOCK_LAYOUTS, GROUP_SIZE, BlockQ4, BlockQ6K, GroupedInt8, quantize_groups
 
 # bytes per block as stored (Q4_K, Q6_K: super-blocks of 256), for the types kept so (linear.BlockQ4, BlockQ6K)
-KEPT_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+KEPT_BLOCK_BYTES = {kind: size for kind, (size, _) in BLOCK_LAYOUTS.items()} | {"Q6_K": 210}
 
 log = structlog.get_logger(__name__)
 
