@@ -11,6 +11,7 @@ into ``report.md`` and PNG plots):
     quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL; for a GGUF file
                  (--model smollm2), perplexity per precision next to llama.cpp's llama-perplexity
     cache-store  put/get speed of the memory and disk tiers, zstd levels
+    tier-stall   streams decoding while long prefixes load from L2, L3 or Redis (1 ms away), vs recomputing
     startup      serve to ready on a GGUF file (--model smollm2) vs llama-server, and where the time goes
     fleet        tierserve fleet on Ray: cache-aware vs default routing, prefill/decode disaggregation
     lora         one batch over 4 LoRA adapters vs the base model alone (output tokens/s)
@@ -118,6 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--tokens", type=int, default=2048, help="prompt tokens whose KV is stored (default: 2048)")
     cs.add_argument("--levels", type=_ints, default=[1, 3, 6, 9, 19], help="zstd levels (default: 1,3,6,9,19)")
 
+    from bench import tier_stall
+
+    ts = commands.add_parser("tier-stall", help="streams decoding while prefixes load from L2/L3/Redis vs recomputing")
+    ts.add_argument("--streams", type=int, default=8, help="streams decoding throughout (default: 8)")
+    ts.add_argument("--stream-tokens", type=int, default=2000, help="max_tokens of each stream (default: 2000)")
+    ts.add_argument("--arrivals", type=int, default=8, help="requests whose prefix sits in the tier (default: 8)")
+    ts.add_argument("--prefix-len", type=int, default=2048)
+    ts.add_argument("--suffix-len", type=int, default=32)
+    ts.add_argument("--arrival-interval", type=float, default=0.25, help="seconds between arrivals (default: 0.25)")
+    ts.add_argument("--baseline-seconds", type=float, default=4.0, help="the no-arrivals window (default: 4)")
+    ts.add_argument("--redis-delay-ms", type=float, default=1.0, help="added to every Redis round trip (default: 1)")
+    ts.add_argument("--repeats", type=int, default=3)
+    ts.add_argument("--cases", type=_names(tier_stall.CASES), default=list(tier_stall.CASES),
+                    help=f"comma-separated, of {','.join(tier_stall.CASES)} (default: all)")  # fmt: skip
+
     fl = commands.add_parser("fleet", help="tierserve fleet on Ray: cache-aware routing, disaggregation")
     fl.add_argument("--parts", type=_names(("routing", "disaggregation")), default=["routing", "disaggregation"])
     fl.add_argument("--conversations", type=int, default=16)
@@ -195,6 +211,13 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         from bench import startup
 
         payload = startup.run(ctx, args.repeats, args.threads)
+    elif name == "tier-stall":
+        from bench import tier_stall
+
+        payload = tier_stall.run(
+            ctx, args.streams, args.stream_tokens, args.arrivals, args.prefix_len, args.suffix_len,
+            args.arrival_interval, args.baseline_seconds, args.redis_delay_ms, args.repeats, args.cases,
+        )  # fmt: skip
     elif name == "cache-store":
         payload = cache_store.run(ctx, args.block_sizes, args.tokens, args.levels)
     else:

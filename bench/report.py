@@ -15,7 +15,8 @@ from pathlib import Path
 
 from bench.stats import median, ratio
 
-SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store", "fleet", "perplexity", "startup")
+SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store", "tier-stall", "fleet", "perplexity",
+             "startup")
 
 
 def _ms(seconds: float | None) -> str:
@@ -412,7 +413,34 @@ def responses_section(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def tier_stall_section(payload: dict) -> str:
+    config = payload["config"]
+    trip = config.get("redis_round_trip_ms")
+    lines = [
+        f"{config['streams']} streams decode while {config['arrivals']} requests arrive "
+        f"({config['arrival_interval_s']} s apart), each with a {config['prefix_len']}-token prefix of its own "
+        f"+ {config['suffix_len']} tokens, asking for 1 token; medians of {config['repeats']} alternating repeats. "
+        f"Gaps: the streams' inter-token times while the arrivals are in flight (none: a "
+        f"{config['baseline_seconds']} s window)."
+        + (f" Redis through a proxy adding {config['redis_delay_ms']} ms (round trip measured: {trip:.2f} ms)."
+           if trip is not None else ""),
+        "",
+        "| prefixes in | streams' gap p50 (ms) | gap p99 (ms) | p99 / none | p99 / L1 | arrivals' TTFT p50 (ms) "
+        "| TTFT / recompute | cached tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for row in payload["summary"]:
+        cached = "-" if row["arrival_cached_tokens"] is None else f"{row['arrival_cached_tokens']:.0f}"
+        lines.append(
+            f"| {row['case']} | {_ms(row['itl_p50_s'])} | {_ms(row['itl_p99_s'])} | {_x(row['itl_p99_vs_none'])} "
+            f"| {_x(row.get('itl_p99_vs_l1'))} "
+            f"| {_ms(row['arrival_ttft_p50_s'])} | {_x(row['ttft_vs_recompute'])} | {cached} |"
+        )
+    return "\n".join(lines)
+
+
 SECTIONS = {
+    "tier-stall": ("Slow tiers and the streams decoding meanwhile", tier_stall_section),
     "responses": ("Responses API: a follow-up turn from the cache", responses_section),
     "grammar": ("Constrained decoding: grammar mask cost", grammar_section),
     "lora": ("LoRA adapters mixed in one batch", lora_section),

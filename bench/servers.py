@@ -40,7 +40,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,9 +180,11 @@ def _launch(command: list[str], log_path: Path, env: dict[str, str]) -> subproce
 
 
 def start_tierserve(
-    checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: float = 300.0, name: str = "tierserve"
+    checkpoint: Path, log_dir: Path, l3_dir: Path, timeout: float = 300.0, name: str = "tierserve",
+    settings: Sequence[str] = (),
 ) -> Server:
-    """``tierserve serve --preset production`` on ``checkpoint``; L3 lives in ``l3_dir``."""
+    """``tierserve serve --preset production`` on ``checkpoint``; L3 lives in ``l3_dir``; ``settings`` are more
+    ``--set`` assignments, after the variant's."""
     port = free_port()
     command = [
         sys.executable, "-c", "from tierserve.cli.main import main; raise SystemExit(main())",
@@ -192,7 +194,7 @@ def start_tierserve(
     process_mode = TIERSERVE_MODES.get(name)
     if process_mode is not None:
         command += ["--set", f"server.engine_process={str(process_mode).lower()}"]
-    for setting in TIERSERVE_VARIANTS.get(name, []):
+    for setting in [*TIERSERVE_VARIANTS.get(name, []), *settings]:
         command += ["--set", setting]
     log_path = log_dir / f"{name}.log"
     process = _launch(command, log_path, dict(os.environ))

@@ -71,7 +71,9 @@ class BlockPool:
         self.pinned: set[bytes] = set()  # hashes kept cached even with no sequence holding them
         # (parent hash or root, first token) -> registered blocks that follow it and begin with that token
         self.children: dict[tuple[bytes, int], set[int]] = {}
-        self._free: deque[int] = deque(range(num_blocks))
+        # a stack: the block freed last is taken first, so the arena's pages already written are reused before
+        # untouched ones are faulted in (resident memory grows with use, and a step does not pay the faults)
+        self._free: deque[int] = deque(reversed(range(num_blocks)))
         self._num_cached_free = 0  # ref 0, registered, not pinned
 
     @property
@@ -105,7 +107,7 @@ class BlockPool:
         allocated, evicted = [], []
         for _ in range(count):
             if self._free:
-                block = self.blocks[self._free.popleft()]
+                block = self.blocks[self._free.pop()]
             else:
                 victim = self.policy.evict()  # a cached-free block exists, so one is unpinned
                 block = self.blocks[self.cached[victim]]

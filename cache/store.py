@@ -201,23 +201,44 @@ class TieredStore:
         return PrefixLoad(self._loader.submit(self._read_below, wanted), time.monotonic() + self.load_timeout)
 
     def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int]]) -> list[tuple[int, CacheEntry]]:
-        """The loader thread's work: each block from the first tier (in order) that has it, until one none has
-        (block by block as the match would: a batch read past a miss would count and touch blocks the prompt
-        cannot use). Only tier reads: the pool, the index and the store's counters belong to the step thread."""
+        """The loader thread's work: each block from the first tier (in order) that has it, until one none has.
+        The blocks that go to the same tier are read in one ``get_many`` (one Redis round trip), which stops at
+        the first miss as the match would; a block that tier lacks is then asked of the others one by one.
+        Only tier reads: the pool, the index and the store's counters belong to the step thread."""
         found: list[tuple[int, CacheEntry]] = []
-        for key, tokens, held in wanted:
+        while len(found) < len(wanted):
+            start = len(found)
+            position = self._first_reader(wanted[start][2], after=0)
+            if position is None:
+                break
+            end = start + 1
+            while end < len(wanted) and self._first_reader(wanted[end][2], after=0) == position:
+                end += 1
+            run = wanted[start:end]
+            for (_, tokens, _), entry in zip(run, self.tiers[position - 1].tier.get_many([key for key, *_ in run])):
+                if entry.token_ids != tokens:
+                    break
+                found.append((position, entry))
+            if len(found) == end:
+                continue
+            key, tokens, held = wanted[len(found)]  # missed where it was first asked: the tiers after that one
             hit = None
-            for position, store_tier in enumerate(self.tiers, 1):
-                if not held & (1 << position) and not store_tier.tier.shared:
-                    continue
-                entry = store_tier.tier.get(key)
+            while hit is None and (position := self._first_reader(held, after=position)) is not None:
+                entry = self.tiers[position - 1].tier.get(key)
                 if entry is not None and entry.token_ids == tokens:
                     hit = (position, entry)
-                    break
             if hit is None:
                 break
             found.append(hit)
         return found
+
+    def _first_reader(self, held: int, after: int) -> int | None:
+        """The position of the first tier after ``after`` that a block with index bits ``held`` is asked of: one
+        the index says holds it, or a shared tier (another process may have written it)."""
+        for position in range(after + 1, len(self.tiers) + 1):
+            if held & (1 << position) or self.tiers[position - 1].tier.shared:
+                return position
+        return None
 
     def match_prefix(self, seq: Sequence, loaded: list[tuple[int, CacheEntry]] | None = None) -> PrefixMatch:
         """Give a new (or preempted) sequence the longest cached prefix of its tokens.
@@ -394,16 +415,23 @@ class TieredStore:
         if fresh:
             # one copy off the pool; each entry is a view of it, so the batch is freed once all are written
             data = self.transfer.read_blocks([block_id for block_id, *_ in fresh])
+            writes: dict[int, list[CacheEntry]] = {}  # tier position -> its entries, handed over together
             for (_, key, parent, tokens, targets), kv in zip(fresh, data):
                 for position in targets:
-                    self.put_below(position, CacheEntry(key, parent, tokens, kv), seq.warm_writes)
-                    self.stats.write_through += 1
+                    writes.setdefault(position, []).append(CacheEntry(key, parent, tokens, kv))
+            for position, entries in writes.items():
+                self.stats.write_through += len(entries)
+                if seq.warm_writes is None:
+                    self.put_below_many(position, entries)
+                else:
+                    for entry in entries:
+                        self.put_below(position, entry, seq.warm_writes)
 
     # ---- demotion -------------------------------------------------------------------
 
     def _demote_from_l1(self, blocks: list[Block]) -> None:
-        """Write the L1 blocks one allocation evicted to the first tier below, their data read in one copy; a
-        block that tier holds already only has its uses in L1 credited there."""
+        """Write the L1 blocks one allocation evicted to the first tier below, their data read in one copy and
+        handed over in one ``put_many``; a block that tier holds already only has its uses in L1 credited there."""
         for block in blocks:
             self.placement.discard(block.block_hash, L1)
         if not self.tiers:
@@ -419,32 +447,52 @@ class TieredStore:
         data = self.transfer.read_blocks([block.block_id for block in written])  # one copy off the arena
         # a tier that keeps tensors as given would keep the whole batch alive through one view: its own copy each
         keeps = self.tiers[0].tier.medium == "memory" and len(written) > 1
-        for block, kv in zip(written, data):
-            kv = kv.clone() if keeps else kv
-            self.put_below(1, CacheEntry(block.block_hash, block.parent_hash, block.token_ids, kv,
-                                         accesses=block.accesses))  # fmt: skip
-            self.stats.demotions[self.tier_names[1]] += 1
+        entries = [
+            CacheEntry(block.block_hash, block.parent_hash, block.token_ids, kv.clone() if keeps else kv,
+                       accesses=block.accesses)
+            for block, kv in zip(written, data)
+        ]  # fmt: skip
+        self.put_below_many(1, entries)
+        self.stats.demotions[self.tier_names[1]] += len(entries)
 
     def put_below(self, position: int, entry: CacheEntry, warm: WarmWrites | None = None) -> list[bytes]:
         """Store ``entry`` in the tier at ``position`` (1 or more); what it evicts goes to the next
         tier down, carrying its access count. Returns the keys that tier evicted (or handed back).
         ``warm``: the write is a warm's, which waits for room and is counted there."""
+        if warm is None:
+            return self.put_below_many(position, [entry])
         tier = self.tiers[position - 1].tier
-        evicted = tier.put(entry) if warm is None else warm.put(self.tier_names[position], tier, entry)
-        if tier.contains(entry.key):
-            self.placement.add(entry.key, entry.parent, position)
+        evicted = warm.put(self.tier_names[position], tier, entry)
+        self._placed(position, [entry], evicted)
+        return [gone.key for gone in evicted]
+
+    def put_below_many(self, position: int, entries: list[CacheEntry]) -> list[bytes]:
+        """``put_below`` of several entries in one ``put_many`` (a step's demotions or write-throughs)."""
+        evicted = self.tiers[position - 1].tier.put_many(entries)
+        self._placed(position, entries, evicted)
+        return [gone.key for gone in evicted]
+
+    def _placed(self, position: int, entries: list[CacheEntry], evicted: list[CacheEntry]) -> None:
+        """The index after a put at ``position``: the entries it holds added, what it evicted removed and passed
+        to the next tier down (or, where that tier holds it already, only its access count)."""
+        tier = self.tiers[position - 1].tier
+        for entry in entries:
+            if tier.contains(entry.key):
+                self.placement.add(entry.key, entry.parent, position)
         below = position + 1
+        passed: list[CacheEntry] = []
         for gone in evicted:
-            if gone.key != entry.key:
+            if not tier.contains(gone.key):
                 self.placement.discard(gone.key, position)
             if below > len(self.tiers):
                 continue
             if self.index.tiers_of(gone.key) & (1 << below):
                 self.tiers[below - 1].tier.add_accesses(gone.key, gone.accesses)
             else:
-                self.put_below(below, gone)
-                self.stats.demotions[self.tier_names[below]] += 1
-        return [gone.key for gone in evicted]
+                passed.append(gone)
+        if passed:
+            self.put_below_many(below, passed)
+            self.stats.demotions[self.tier_names[below]] += len(passed)
 
     # ---- pins and removal by key ------------------------------------------------------------
 

@@ -125,10 +125,19 @@ class CacheTier(ABC):
         """The entry, or ``None`` on a miss (absent, expired, corrupt or foreign; the
         bad ones are deleted and counted). A hit counts as a use for the policy."""
 
-    def get_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
-        """``get`` of each key, in order; a tier that can read several in one trip (one Redis round trip, one
-        pass over a file) overrides it. The store's loader thread reads a prompt's blocks through it."""
-        return [self.get(key) for key in keys]
+    def get_many(self, keys: list[bytes]) -> list[CacheEntry]:
+        """The entries of ``keys`` in order, up to the first one that misses (a prompt's blocks past a gap are of
+        no use): a list shorter than ``keys`` means ``keys[len(result)]`` missed. Hits and that one miss count
+        as ``get`` counts them; nothing after the miss is counted or touched. The store's loader thread reads a
+        prompt's blocks through it. The default is a ``get`` each; a tier that can read several in one trip
+        (one Redis round trip, one pass over a file) overrides it."""
+        found: list[CacheEntry] = []
+        for key in keys:
+            entry = self.get(key)
+            if entry is None:
+                break
+            found.append(entry)
+        return found
 
     @abstractmethod
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
@@ -139,6 +148,15 @@ class CacheTier(ABC):
         ``entry.accesses`` is added to the key's access count (a replaced
         entry's count is kept); each returned entry's ``accesses`` is the count
         it had here (a newcomer handed back keeps the one it came with)."""
+
+    def put_many(self, entries: list[CacheEntry]) -> list[CacheEntry]:
+        """``put`` of each entry, in order, and everything they evicted (or handed back), as ``put`` returns it.
+        The store hands a step's demotions and write-throughs to a tier through it; the default is a ``put``
+        each, and a tier that can store several at once overrides it."""
+        evicted: list[CacheEntry] = []
+        for entry in entries:
+            evicted.extend(self.put(entry))
+        return evicted
 
     def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
         """``put`` for a caller that waits for the write: a tier that queues writes waits for room

@@ -75,19 +75,24 @@ class QueuedTier:
             self.stats.get_seconds += time.perf_counter() - start
         return entry
 
-    def get_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
+    def get_many(self, keys: list[bytes]) -> list[CacheEntry]:
         start = time.perf_counter()
         entries = self._lookup_many(keys)
         with self.lock:
-            found = sum(entry is not None for entry in entries)
-            self.stats.hits += found
-            self.stats.misses += len(entries) - found
+            self.stats.hits += len(entries)
+            self.stats.misses += len(entries) < len(keys)
             self.stats.get_seconds += time.perf_counter() - start
         return entries
 
-    def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
-        """``_lookup`` of each key; a tier with a batched read overrides it."""
-        return [self._lookup(key) for key in keys]
+    def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry]:
+        """``_lookup`` of each key up to the first miss; a tier with a batched read overrides it."""
+        found: list[CacheEntry] = []
+        for key in keys:
+            entry = self._lookup(key)
+            if entry is None:
+                break
+            found.append(entry)
+        return found
 
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
         self._put(entry)
@@ -137,6 +142,9 @@ class TierWriter(threading.Thread):
         task: what ``request_task`` runs on this thread.
         thread_name: the thread's name (``ps``, ``py-spy``).
         event_prefix: the start of this writer's log events, e.g. ``"kv_disk"``.
+        write_many: stores several queued entries at once (one round trip to a server), with ``write``'s
+            answer for each; when given, the writer takes up to ``batch`` entries queued back to back.
+        batch: the most entries one ``write_many`` gets.
     """
 
     def __init__(
@@ -149,8 +157,11 @@ class TierWriter(threading.Thread):
         task: Callable[[], None],
         thread_name: str = "tierserve-tier-writer",
         event_prefix: str = "kv_tier",
+        write_many: Callable[[list[CacheEntry]], list[bool]] | None = None,
+        batch: int = 64,
     ) -> None:
         super().__init__(name=thread_name, daemon=True)
+        self._write_many, self.batch = write_many, max(1, batch)
         self.event_prefix = event_prefix
         self.lock = lock
         self.nice = nice
@@ -214,42 +225,60 @@ class TierWriter(threading.Thread):
 
     def run(self) -> None:
         self._lower_priority()
+        item = None
         while True:
-            item = self._queue.get()
+            if item is None:
+                item = self._queue.get()
             if callable(item):
                 item()
                 return
             if item is _TASK:
                 self._task()
-            else:
-                self._finish(item)
+                item = None
+                continue
+            entries, item = [item], None
+            while self._write_many is not None and len(entries) < self.batch:
+                try:
+                    queued = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if queued is _TASK or callable(queued):
+                    item = queued  # after the batch, in queue order
+                    break
+                entries.append(queued)
+            self._finish(entries)
 
-    def _finish(self, entry: CacheEntry) -> None:
-        lost = False
+    def _finish(self, entries: list[CacheEntry]) -> None:
         try:
-            lost = not self._write(entry)
+            if self._write_many is not None:
+                stored = self._write_many(entries)
+            else:
+                stored = [self._write(entries[0])]
         except Exception:
-            log.exception(f"{self.event_prefix}_write_failed", key=entry.key.hex())
-            lost = True
-        finally:
-            with self.lock:
-                if self.pending.get(entry.key) is entry:
-                    del self.pending[entry.key]
-                else:
-                    lost = False  # put again while queued: the newer write decides
-                self._unwritten -= 1
-                tally = self._tallies.pop(id(entry), None)
-                if tally is not None:
-                    tally.pending -= 1
-                    if lost:
-                        tally.dropped += 1
-                    else:
-                        tally.written += 1
-                # told only once it is no longer pending, so the owner's index can never
-                # see "removed" while contains() still says yes
+            log.exception(f"{self.event_prefix}_write_failed", keys=[entry.key.hex() for entry in entries])
+            stored = [False] * len(entries)
+        for entry, ok in zip(entries, stored):
+            self._finished(entry, lost=not ok)
+
+    def _finished(self, entry: CacheEntry, lost: bool) -> None:
+        with self.lock:
+            if self.pending.get(entry.key) is entry:
+                del self.pending[entry.key]
+            else:
+                lost = False  # put again while queued: the newer write decides
+            self._unwritten -= 1
+            tally = self._tallies.pop(id(entry), None)
+            if tally is not None:
+                tally.pending -= 1
                 if lost:
-                    self._lost(entry)
-                self._drained.notify_all()
+                    tally.dropped += 1
+                else:
+                    tally.written += 1
+            # told only once it is no longer pending, so the owner's index can never
+            # see "removed" while contains() still says yes
+            if lost:
+                self._lost(entry)
+            self._drained.notify_all()
 
     def _lower_priority(self) -> None:
         """Compression and writes yield the CPU to the step loop (Linux: per-thread nice)."""

@@ -14,6 +14,7 @@ from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
 from tierserve.cache.named_prefixes import NamedPrefixes
 from tierserve.cache.store import StoreTier, TieredStore
+from tierserve.engine.host_memory import keep_large_buffers
 from tierserve.engine.core import EngineCore
 from tierserve.engine.messages import ModelInfo
 from tierserve.engine.profiling import CORE_PHASES, PhaseClock
@@ -70,6 +71,8 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     keys = build_named_prefixes(settings, store, spec.block_bytes, num_blocks)
     core = EngineCore(settings, scheduler, runner, store, clock, keys)
     load_lora_adapters(settings, core)
+    if backend.device.type == "cpu" or store is not None:  # blocks move through host memory
+        keep_large_buffers()
     log.info(
         "engine_ready",
         model=str(getattr(backend, "path", settings.model.path)),

@@ -217,6 +217,17 @@ async def cache_offload(request: Request) -> dict[str, Any]:
     return {"offloaded_blocks": moved}
 
 
+@post("/v1/cache/flush", opt={"admin": True}, status_code=200)
+async def cache_flush(request: Request) -> dict[str, Any]:
+    """Answer once every queued tier write (write-through, demotions) is stored; the engine keeps stepping."""
+    engine = ready_engine(request)
+    started = time.perf_counter()
+    await asyncio.to_thread(engine.flush_cache)
+    seconds = time.perf_counter() - started
+    log.info("cache_flushed", seconds=round(seconds, 3))
+    return {"flushed": True, "seconds": seconds}
+
+
 @post("/v1/cache/warm", opt={"admin": True}, status_code=200)
 async def cache_warm(request: Request, data: JSONBody[WarmRequest | None] = None) -> dict[str, Any]:
     """Prefill the prompts given; with none, promote the most used cached prefixes into the faster tiers."""
@@ -382,4 +393,4 @@ def teardown(state: ServerState) -> None:
         monitor.stop()
 
 
-ROUTES = [cache_stats, cache_clear, cache_offload, cache_warm, cache_prefixes, cache_keys, cache_key_delete]
+ROUTES = [cache_stats, cache_clear, cache_offload, cache_flush, cache_warm, cache_prefixes, cache_keys, cache_key_delete]

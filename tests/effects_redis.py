@@ -106,6 +106,29 @@ def redis_write_queue(lab: Lab) -> None:
         assert tier.stats.dropped_writes > 0
 
 
+def redis_write_batch(lab: Lab) -> None:
+    def round_trips(batch: int) -> int:
+        with lab.tier(redis(lab, write_batch=batch)) as tier:
+            trips = []
+            pipeline = tier.client.pipeline
+
+            def counted(*args, **kwargs):
+                pipe = pipeline(*args, **kwargs)
+                execute = pipe.execute
+                pipe.execute = lambda: trips.append(1) or execute()
+                return pipe
+
+            tier.client.pipeline = counted
+            with tier.lock:  # the writer waits for the lock after its first entry: the rest queue behind it
+                for index in range(20):
+                    tier.put(entry(index))
+            tier.flush()
+            assert tier.stats.dropped_writes == 0
+            return len(trips)
+
+    assert round_trips(1) == 40 and round_trips(64) <= 4  # two per batch: the first entry alone, then 19
+
+
 def redis_writer_nice(lab: Lab) -> None:
     if not hasattr(os, "getpriority"):
         pytest.skip("thread priorities are a Linux feature")
@@ -171,6 +194,7 @@ PROBES = {
     "kv_cache.tiers[redis].key_prefix": redis_key_prefix,
     "kv_cache.tiers[redis].compression_level": redis_compression_level,
     "kv_cache.tiers[redis].write_queue": redis_write_queue,
+    "kv_cache.tiers[redis].write_batch": redis_write_batch,
     "kv_cache.tiers[redis].writer_nice": redis_writer_nice,
     "kv_cache.tiers[redis].max_connections": redis_max_connections,
     "kv_cache.tiers[redis].timeout_seconds": redis_timeout_seconds,

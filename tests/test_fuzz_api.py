@@ -31,6 +31,7 @@ V1_OPERATIONS = [
     "GET /v1/cache/stats",
     "POST /v1/cache/clear",
     "POST /v1/cache/offload",
+    "POST /v1/cache/flush",
     "POST /v1/cache/warm",
     "GET /v1/cache/prefixes",
     "GET /v1/cache/keys",
@@ -45,7 +46,7 @@ V1_OPERATIONS = [
     "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}",
 ]
-NO_INPUT = {"POST /v1/cache/offload"}  # nothing a negative case could break
+NO_INPUT = {"POST /v1/cache/offload", "POST /v1/cache/flush"}  # nothing a negative case could break
 # a valid body loads a model (the builtin one when it names no path): test_model_registry.py covers it
 NOT_FUZZED = {"POST /v1/models"}
 EXAMPLES_PER_MODE = 25

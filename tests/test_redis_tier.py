@@ -92,7 +92,7 @@ def test_an_entry_written_by_one_tier_is_read_by_another_and_checked(server):
 
 def test_get_many_reads_every_key_in_one_round_trip(server):
     """The store's loader reads a prompt's blocks with ``get_many``: one MGET for all of them, the same entries
-    and counters as one ``get`` each."""
+    and counters as one ``get`` each up to the first miss, and nothing after it counted."""
     writer, reader = redis_tier(server, key_prefix="many"), redis_tier(server, key_prefix="many")
     try:
         entries, parent = [], None
@@ -104,15 +104,55 @@ def test_get_many_reads_every_key_in_one_round_trip(server):
         calls = []
         mget = reader.client.mget
         reader.client.mget = lambda names: calls.append(len(names)) or mget(names)
-        missing = entry(99).key
-        got = reader.get_many([item.key for item in entries] + [missing])
-        assert calls == [6] and got[-1] is None
-        assert all(g is not None and torch.equal(g.kv, e.kv) and g.token_ids == e.token_ids
-                   for g, e in zip(got, entries))  # fmt: skip
-        assert (reader.stats.hits, reader.stats.misses) == (5, 1)
+        got = reader.get_many([item.key for item in entries])
+        assert calls == [5] and len(got) == 5
+        assert all(torch.equal(g.kv, e.kv) and g.token_ids == e.token_ids for g, e in zip(got, entries))
+        assert (reader.stats.hits, reader.stats.misses) == (5, 0)
+
+        missing = entry(99).key  # a gap: the blocks after it are read in the same trip, not used or counted
+        got = reader.get_many([entries[0].key, entries[1].key, missing, entries[2].key])
+        assert calls == [5, 4] and [g.key for g in got] == [entries[0].key, entries[1].key]
+        assert (reader.stats.hits, reader.stats.misses) == (7, 1)
     finally:
         writer.close()
         reader.close()
+
+
+def test_queued_writes_go_out_in_pipelined_batches(server):
+    """The writer sends the writes queued back to back together: two round trips per batch (which exist, then
+    the new ones set), not two per entry; a key another process wrote is kept, not written again."""
+    writer = redis_tier(server, key_prefix="batched", write_batch=16)
+    other = redis_tier(server, key_prefix="batched")
+    try:
+        entries, parent = [], None
+        for index in range(40):
+            entries.append(item := entry(100 + index, parent))
+            parent = item.key
+        other.put(entries[5])
+        other.flush()
+        trips = []
+        pipeline = writer.client.pipeline
+
+        def counted(*args, **kwargs):
+            pipe = pipeline(*args, **kwargs)
+            execute = pipe.execute
+            pipe.execute = lambda: trips.append(len(pipe.command_stack)) or execute()
+            return pipe
+
+        writer.client.pipeline = counted
+        with writer.lock:  # the writer waits for the tier's lock after taking its first entry: 39 queue behind
+            writer.put_many(entries)
+        writer.flush()
+        assert len(trips) <= 2 + 2 * -(-39 // 16) and max(trips) <= 16, trips  # the first alone, then 16, 16, 7
+        assert sum(trips) >= 40 + 39  # an EXISTS each, a SET each new one (a STRLEN for the one there already)
+        reader = redis_tier(server, key_prefix="batched")
+        got = reader.get_many([item.key for item in entries])
+        assert len(got) == 40 and all(torch.equal(g.kv, e.kv) for g, e in zip(got, entries))
+        assert writer.stats.dropped_writes == 0 and writer.bytes_used > 0
+        reader.close()
+    finally:
+        writer.close()
+        other.close()
 
 
 def test_ttl_becomes_the_key_expiry_and_clear_empties_the_model_namespace(server):

@@ -367,6 +367,7 @@ def test_admin_key_needed_for_clear_and_warm(checkpoint, disk, engine):
         for path, body in (
             ("/v1/cache/clear", {"tiers": ["l2"]}),
             ("/v1/cache/warm", {"prompts": ["Hello there, world"]}),
+            ("/v1/cache/flush", None),
             ("/v1/cache/offload", None),
         ):
             assert httpx.post(f"{base}{path}", json=body).status_code == 401

@@ -73,6 +73,9 @@ class RedisTierSettings(BaseModel):
     key_prefix: str = Field("tierserve", pattern=r"^[A-Za-z0-9_.:-]+$", description="start of every key written")
     compression_level: int = Field(3, ge=1, le=22, description="zstd level")
     write_queue: int = Field(256, gt=0, description="pending writes before new ones are dropped")
+    write_batch: int = Field(
+        64, ge=1, le=1024, description="queued writes sent together: two pipelined round trips per batch"
+    )
     writer_nice: int = Field(10, ge=0, le=19, description="added to the writer thread's niceness")
     max_connections: int = Field(8, ge=1, description="connections in the pool (the step thread and the writer)")
     timeout_seconds: float = Field(0.25, gt=0, description="for connecting and for each command")
@@ -180,11 +183,13 @@ class RedisTier(QueuedTier, CacheTier):
             self.lock,
             options.write_queue,
             options.writer_nice,
-            self._write,
+            lambda entry: self._write_many([entry])[0],
             self._lose,
             lambda: None,
             thread_name="tierserve-redis-writer",
             event_prefix="kv_redis",
+            write_many=self._write_many,
+            batch=options.write_batch,
         )
         self._pending = self._writer.pending
         self._stored = self._known
@@ -342,23 +347,29 @@ class RedisTier(QueuedTier, CacheTier):
         data = self._command(lambda: self.client.get(self._redis_key(key)))
         return self._decoded(key, data)
 
-    def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry | None]:
-        """The keys still queued here from memory, the others in one MGET round trip."""
-        found: dict[bytes, CacheEntry] = {}
+    def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry]:
+        """The keys still queued here from memory, the others in one MGET round trip; decoded in order up to the
+        first miss (nothing after it is decoded, counted or touched)."""
         with self.lock:
-            for key in keys:
-                pending = self._pending.get(key)
-                if pending is not None:
-                    pending.accesses += 1
-                    found[key] = replace(pending, accesses=0)
-        asked = [key for key in keys if key not in found]
+            pending = {key: self._pending[key] for key in keys if key in self._pending}
+        asked = [key for key in keys if key not in pending]
+        values: dict[bytes, object] = {}
         if asked:
-            values = self._command(lambda: self.client.mget([self._redis_key(key) for key in asked]))
-            for key, data in zip(asked, [FAILED] * len(asked) if values is FAILED else values):
-                entry = self._decoded(key, data)
-                if entry is not None:
-                    found[key] = entry
-        return [found.get(key) for key in keys]
+            answer = self._command(lambda: self.client.mget([self._redis_key(key) for key in asked]))
+            values = dict(zip(asked, [FAILED] * len(asked) if answer is FAILED else answer))
+        found: list[CacheEntry] = []
+        for key in keys:
+            queued = pending.get(key)
+            if queued is not None:
+                with self.lock:
+                    queued.accesses += 1
+                found.append(replace(queued, accesses=0))  # a new record around the queued tensor
+                continue
+            entry = self._decoded(key, values[key])
+            if entry is None:
+                break
+            found.append(entry)
+        return found
 
     def _decoded(self, key: bytes, data: object) -> CacheEntry | None:
         """The entry a GET answered (``FAILED``: the server could not be reached; not bytes: gone)."""
@@ -417,41 +428,70 @@ class RedisTier(QueuedTier, CacheTier):
                         tally.dropped += 1
             self.stats.put_seconds += time.perf_counter() - start
 
-    def _write(self, entry: CacheEntry) -> bool:
-        """Store one queued entry (the writer thread); False if it could not be stored."""
-        key = entry.key
+    def _write_many(self, entries: list[CacheEntry]) -> list[bool]:
+        """Store queued entries (the writer thread) in two pipelined round trips, whatever their number: which
+        exist, then the new ones set (and the existing ones' expiry renewed); False for each one not stored."""
         with self.lock:
-            if self._pending.get(key) is not entry:
-                return True  # removed, cleared or put again while queued
-        name = self._redis_key(key)
-        exists = self._command(lambda: self.client.exists(name))
+            current = [entry for entry in entries if self._pending.get(entry.key) is entry]
+        stored = {id(entry): True for entry in entries}  # removed, cleared or put again while queued: done
+        if not current:
+            return [True] * len(entries)
+        names = [self._redis_key(entry.key) for entry in current]
+        exists = self._command(lambda: self._pipelined(lambda pipe: [pipe.exists(name) for name in names]))
         if exists is FAILED:
-            with self.lock:
-                self.stats.dropped_writes += 1
-            return False
-        if exists:  # another process wrote the same bytes (keys are content hashes): keep it longer
-            if self.ttl_ms is not None:
-                self._command(lambda: self.client.pexpire(name, self.ttl_ms))
-            size = self._command(lambda: self.client.strlen(name))
-            data_size = size if isinstance(size, int) else 0
-        else:
+            return self._dropped(entries, current, stored)
+        encoded: list[bytes | None] = []
+        for entry, known in zip(current, exists):
             try:
-                data = self.codec.encode(entry)
+                encoded.append(None if known else self.codec.encode(entry))
             except Exception:
-                log.exception("kv_redis_encode_failed", key=key.hex())
+                log.exception("kv_redis_encode_failed", key=entry.key.hex())
                 with self.lock:
                     self.stats.write_errors += 1
-                return False
-            if self._command(lambda: self.client.set(name, data, px=self.ttl_ms)) is FAILED:
-                with self.lock:
-                    self.stats.dropped_writes += 1
-                return False
-            data_size = len(data)
+                encoded.append(b"")  # not written
+
+        def second_trip(pipe: Any) -> None:
+            for name, data in zip(names, encoded):
+                if data is None:  # another process wrote the same bytes (keys are content hashes): keep it longer
+                    if self.ttl_ms is not None:
+                        pipe.pexpire(name, self.ttl_ms)
+                    pipe.strlen(name)
+                elif data:
+                    pipe.set(name, data, px=self.ttl_ms)
+
+        answers = self._command(lambda: self._pipelined(second_trip))
+        if answers is FAILED:
+            return self._dropped(entries, current, stored)
+        replies = iter(answers)
+        expires = time.time() + self.ttl_ms / 1000 if self.ttl_ms is not None else None
+        for entry, data in zip(current, encoded):
+            if data == b"":
+                stored[id(entry)] = False
+                continue
+            if data is None:
+                if self.ttl_ms is not None:
+                    next(replies)
+                size = next(replies)
+                data_size = size if isinstance(size, int) else 0
+            else:
+                next(replies)
+                data_size = len(data)
+            with self.lock:
+                if self._pending.get(entry.key) is entry:
+                    self._remember(entry.key, Known(entry.parent, data_size, entry.nbytes, entry.accesses, expires))
+        return [stored[id(entry)] for entry in entries]
+
+    def _pipelined(self, queue_commands: Callable[[Any], Any]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        queue_commands(pipe)
+        return pipe.execute()
+
+    def _dropped(self, entries: list[CacheEntry], current: list[CacheEntry], stored: dict[int, bool]) -> list[bool]:
         with self.lock:
-            if self._pending.get(key) is entry:
-                expires = time.time() + self.ttl_ms / 1000 if self.ttl_ms is not None else None
-                self._remember(key, Known(entry.parent, data_size, entry.nbytes, entry.accesses, expires))
-        return True
+            self.stats.dropped_writes += len(current)
+        for entry in current:
+            stored[id(entry)] = False
+        return [stored[id(entry)] for entry in entries]
 
     def _lose(self, entry: CacheEntry) -> None:
         """A queued entry was not stored (the writer calls this under the lock)."""
