@@ -155,6 +155,8 @@ def _place(server: Server, case: str, prefixes: list[str], salt: str) -> None:
     """Put the arrivals' prefixes where ``case`` wants them, and nowhere faster."""
     if case in ("none", "recompute"):
         return
+    if case == "L2":  # an offload moves every idle L1 block: only these go down, into an L2 with room for them all
+        _post(server, "/v1/cache/clear", {"tiers": ["l1", "l2"]})
     # L1 included: the warm's write-through copies are stored before the case starts
     _post(server, "/v1/cache/warm", {"prompts": prefixes, "cache_salt": salt})
     # the write-through copies are stored: no writer runs during the case (a warm waits for its own writes;
@@ -168,6 +170,20 @@ def _place(server: Server, case: str, prefixes: list[str], salt: str) -> None:
         _post(server, "/v1/cache/clear", {"tiers": ["l1", "l2"]})
     elif case == "redis":
         _post(server, "/v1/cache/clear", {"tiers": ["l1"]})
+
+
+def _load_counts(server: Server) -> dict[str, int]:
+    """``loads``, ``load_timeouts`` and ``load_failures`` of the server's cache statistics."""
+    response = httpx.get(f"{server.base_url}/v1/cache/stats", timeout=60)
+    response.raise_for_status()
+    pending = [response.json()]
+    while pending:  # wherever the document keeps the store's counters
+        item = pending.pop()
+        if isinstance(item, dict):
+            if "load_timeouts" in item:
+                return {name: int(item.get(name, 0)) for name in ("loads", "load_timeouts", "load_failures")}
+            pending.extend(item.values())
+    return {"loads": 0, "load_timeouts": 0, "load_failures": 0}
 
 
 def _round_trip_ms(port: int, tries: int = 50) -> float:
@@ -236,9 +252,11 @@ def run(
                         server.completion_body(prefix + " " + suffix, 1, cache_salt=salt)
                         for prefix, suffix in zip(prefixes, suffixes)
                     ]  # fmt: skip
+                    before = _load_counts(server)
                     decoding, answered, start, end = asyncio.run(
                         _run_case(server, stream_bodies, arrival_bodies, interval, baseline_seconds)
                     )
+                    after = _load_counts(server)
                     gaps = _gaps(decoding, start, end)
                     ttfts = [a.ttft for a in answered if a.ttft is not None]
                     runs.append({
@@ -252,6 +270,8 @@ def run(
                         "arrival_ttft_p50_s": median(ttfts),
                         "arrival_ttft_max_s": max(ttfts, default=None),
                         "arrival_cached_tokens": [a.cached_tokens for a in answered],
+                        # the server's own counts over the case: prefix reads on the loader thread, those given up
+                        **{name: after[name] - before[name] for name in after},
                         "errors": [e for e in [*(s.error for s in decoding), *(a.error for a in answered)] if e],
                     })  # fmt: skip
                     bar.update(1)

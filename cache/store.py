@@ -47,20 +47,32 @@ log = structlog.get_logger(__name__)
 
 RESERVED_NAMES = ("l1", "all")
 LOAD_TIMEOUT_SECONDS = 5.0
+QUEUED_LIMITS = 4  # a read waits in the loader's queue at most this many time limits
 
 
 @dataclass(slots=True)
 class PrefixLoad:
     """A waiting prompt's blocks below L1, read on the store's loader thread (``TieredStore.start_load``):
-    ``(position, entry)`` per block, in prompt order, up to the first one no tier had."""
+    ``(position, entry)`` per block, in prompt order, up to the first one no tier had.
+
+    The time limit runs from when the loader starts the read (loads queue behind each other on its one thread:
+    eight prompts arriving together must not time out for their place in the queue), and a read still queued
+    after ``QUEUED_LIMITS`` limits is given up too (a read ahead of it hung)."""
 
     future: Future
-    deadline: float
+    timeout: float
+    queued: float = 0.0  # time.monotonic() when it was submitted
+    started: float | None = None  # when the loader began it
 
     @property
     def settled(self) -> bool:
-        """Read, failed, or past its deadline: the prompt can be matched now."""
-        return self.future.done() or time.monotonic() >= self.deadline
+        """Read, failed, or past its time limit: the prompt can be matched now."""
+        if self.future.done():
+            return True
+        now = time.monotonic()
+        if self.started is not None:
+            return now >= self.started + self.timeout
+        return now >= self.queued + QUEUED_LIMITS * self.timeout
 
     def entries(self, stats: StoreStats) -> list[tuple[int, CacheEntry]]:
         """What was read (none when the read failed or is late: those tokens are computed, and counted)."""
@@ -196,9 +208,18 @@ class TieredStore:
         if not wanted or not off_memory:
             return None
         if self._loader is None:
+            # at the step's priority: a niced loader (tried at +10, as the tier writers) got so little of two busy
+            # cores that reads of 128 blocks took over the 5 s limit and their prompts were computed instead
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierserve-kv-load")
         self.stats.loads += 1
-        return PrefixLoad(self._loader.submit(self._read_below, wanted), time.monotonic() + self.load_timeout)
+        load = PrefixLoad(Future(), self.load_timeout, time.monotonic())
+
+        def read() -> list[tuple[int, CacheEntry]]:
+            load.started = time.monotonic()
+            return self._read_below(wanted)
+
+        load.future = self._loader.submit(read)
+        return load
 
     def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int]]) -> list[tuple[int, CacheEntry]]:
         """The loader thread's work: each block from the first tier (in order) that has it, until one none has.

@@ -18,7 +18,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -131,13 +131,7 @@ class CacheTier(ABC):
         as ``get`` counts them; nothing after the miss is counted or touched. The store's loader thread reads a
         prompt's blocks through it. The default is a ``get`` each; a tier that can read several in one trip
         (one Redis round trip, one pass over a file) overrides it."""
-        found: list[CacheEntry] = []
-        for key in keys:
-            entry = self.get(key)
-            if entry is None:
-                break
-            found.append(entry)
-        return found
+        return read_until_miss(keys, self.get)
 
     @abstractmethod
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
@@ -260,3 +254,14 @@ class CacheTier(ABC):
     def release_thread(self) -> None:
         """Release what the calling thread opened in this tier (a per-thread connection); called on the store's
         loader thread before it ends (``get`` may run there: ``TieredStore.start_load``). Default: nothing."""
+
+
+def read_until_miss(keys: list[bytes], read: Callable[[bytes], CacheEntry | None]) -> list[CacheEntry]:
+    """``read`` of each key in order, up to the first that gives ``None`` (``CacheTier.get_many``'s default)."""
+    found: list[CacheEntry] = []
+    for key in keys:
+        entry = read(key)
+        if entry is None:
+            break
+        found.append(entry)
+    return found

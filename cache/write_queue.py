@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from tierserve.cache.stats import TierStats
-from tierserve.cache.tier import CacheEntry, WriteTally
+from tierserve.cache.tier import CacheEntry, WriteTally, read_until_miss
 
 log = structlog.get_logger(__name__)
 
@@ -86,13 +86,7 @@ class QueuedTier:
 
     def _lookup_many(self, keys: list[bytes]) -> list[CacheEntry]:
         """``_lookup`` of each key up to the first miss; a tier with a batched read overrides it."""
-        found: list[CacheEntry] = []
-        for key in keys:
-            entry = self._lookup(key)
-            if entry is None:
-                break
-            found.append(entry)
-        return found
+        return read_until_miss(keys, self._lookup)
 
     def put(self, entry: CacheEntry) -> list[CacheEntry]:
         self._put(entry)
@@ -282,11 +276,17 @@ class TierWriter(threading.Thread):
 
     def _lower_priority(self) -> None:
         """Compression and writes yield the CPU to the step loop (Linux: per-thread nice)."""
-        if not self.nice or not hasattr(os, "setpriority"):
-            return
-        try:
-            thread = threading.get_native_id()
-            current = os.getpriority(os.PRIO_PROCESS, thread)
-            os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self.nice))
-        except OSError as exc:
-            log.info(f"{self.event_prefix}_writer_priority_unchanged", error=str(exc))
+        lower_this_thread(self.nice, f"{self.event_prefix}_writer_priority_unchanged")
+
+
+def lower_this_thread(nice: int, event: str) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux), so its work yields the cores to the step loop's;
+    where that is refused, ``event`` is logged and the thread runs as it is."""
+    if not nice or not hasattr(os, "setpriority"):
+        return
+    try:
+        thread = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + nice))
+    except OSError as exc:
+        log.info(event, error=str(exc))

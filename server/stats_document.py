@@ -67,6 +67,9 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
         summary[f"{name}_hits"] = hits.get(name, 0)
     summary["promotions"] = dict(cache.promotions) if cache is not None else {}
     summary["demotions"] = dict(cache.demotions) if cache is not None else {}
+    # prefix reads on the store's loader thread, and those given up (computed instead)
+    for name in ("loads", "load_timeouts", "load_failures"):
+        summary[name] = getattr(cache, name) if cache is not None else 0
     summary["tiers"] = {name: tier.as_dict() for name, tier in tiers.items()}
     if "l1" in summary["tiers"]:
         summary["tiers"]["l1"].update(l1_occupancy(snapshot))

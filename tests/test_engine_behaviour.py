@@ -267,6 +267,35 @@ def test_a_prefix_read_from_a_slow_tier_does_not_stall_running_streams(tiny, tmp
         engine.close()
 
 
+def test_prefix_reads_time_out_from_their_start_not_from_their_place_in_the_loader_queue(tiny, tmp_path):
+    """Two prompts whose prefixes sit only on a slow disk (0.8 s a prefix) arrive together under a 1 s limit:
+    the second read waits 0.8 s behind the first, then takes 0.8 s, and is used (1.6 s after it was asked for).
+    Under a 0.5 s limit both reads are given up: counted as timeouts, the prompts computed, the output the same."""
+    import time
+
+    tier = {"name": "l3", "plugin": "disk", "path": str(tmp_path / "l3"), "write_through": True}
+    prefixes = [list(range(3, 35)), list(range(50, 82))]  # 8 blocks each
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for limit, timeouts in ((1.0, 0), (0.5, 2)):
+        engine = make_engine(tiny, kv_cache__block_size=4, kv_cache__tiers=[tier])
+        try:
+            cold = engine.generate([p + [40] for p in prefixes], greedy)
+            store = engine.driver.core.scheduler.kv.store  # white-box: its limit, and a slow disk
+            store.flush()
+            engine.clear_cache("l1")
+            store.load_timeout = limit
+            disk, read = store.tiers[0].tier, store.tiers[0].tier._lookup
+            disk._lookup = lambda key: time.sleep(0.1) or read(key)
+            warm = engine.generate([p + [40] for p in prefixes], greedy)
+            assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+            stats = engine.stats().cache
+            assert stats.loads == 2 and stats.load_timeouts == timeouts, (limit, stats.loads, stats.load_timeouts)
+            assert stats.promotions["l3"] == (16 if timeouts == 0 else 0)
+        finally:
+            engine.close()
+        tier["path"] = str(tmp_path / "l3-second")
+
+
 def _drain(stream) -> list:
     import queue
 

@@ -289,6 +289,7 @@ def test_cache_stats_shape_and_hits_after_warming(server, engine):
     engine.generate([prompt])
     final = stats(server)["cache_manager"]["kv_cache"]
     assert final["l3_hits"] > kv["l3_hits"] and final["promotions"]["l3"] > kv["promotions"]["l3"]
+    assert final["loads"] == kv["loads"] + 1 and final["load_timeouts"] == final["load_failures"] == 0  # off the step
 
 
 def test_warm_chat_messages_and_validation(server):
