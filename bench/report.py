@@ -59,7 +59,7 @@ def throughput_medians(payload: dict) -> dict[tuple[str, int], dict]:
 # each precision against llama.cpp's own at that precision (int8 weights against Q8_0); llama-server keeps
 # an F16 KV cache at every precision, so the float32 and int8 weights also run with bfloat16 KV
 PRECISION_PAIRS = {
-    "llama-server": ("tierserve", "tierserve-kvbf16"),
+    "llama-server": ("tierserve", "tierserve-kvbf16", "tierserve-gguf"),  # -gguf: a GGUF file served as stored
     "llama-server-bf16": ("tierserve-bf16",),
     "llama-server-q8_0": ("tierserve-int8", "tierserve-int8-kvbf16"),
 }
