@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import RequestResult, stream_completion
 from bench.delay_proxy import DelayProxy
 from bench.harness import BenchContext, warm_up
 from bench.servers import Server, start_tierserve
@@ -59,13 +60,6 @@ class Stream:
     error: str | None = None
 
 
-@dataclass
-class Arrival:
-    ttft: float | None = None
-    cached_tokens: int | None = None
-    error: str | None = None
-
-
 async def _decode(client: httpx.AsyncClient, server: Server, body: dict, stream: Stream) -> None:
     """Stream ``body``'s tokens into ``stream.chunks`` until the response ends or the task is cancelled."""
     try:
@@ -82,31 +76,9 @@ async def _decode(client: httpx.AsyncClient, server: Server, body: dict, stream:
         stream.error = f"{type(exc).__name__}: {exc}"
 
 
-async def _arrive(client: httpx.AsyncClient, server: Server, body: dict) -> Arrival:
-    arrival = Arrival()
-    sent = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                arrival.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return arrival
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if arrival.ttft is None and any(c.get("text") for c in chunk.get("choices") or []):
-                    arrival.ttft = time.perf_counter() - sent
-                usage = chunk.get("usage")
-                if usage:
-                    arrival.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    except (httpx.HTTPError, ValueError) as exc:
-        arrival.error = f"{type(exc).__name__}: {exc}"
-    return arrival
-
-
 async def _run_case(
     server: Server, streams: list[dict], arrivals: list[dict], interval: float, baseline_seconds: float
-) -> tuple[list[Stream], list[Arrival], float, float]:
+) -> tuple[list[Stream], list[RequestResult], float, float]:
     """The streams, then the arrivals once every stream is decoding; returns the window the gaps are taken in."""
     limits = httpx.Limits(max_connections=len(streams) + len(arrivals) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -120,9 +92,9 @@ async def _run_case(
         start = time.perf_counter()
         if arrivals:
 
-            async def later(body: dict, delay: float) -> Arrival:
+            async def later(body: dict, delay: float) -> RequestResult:
                 await asyncio.sleep(delay)
-                return await _arrive(client, server, body)
+                return await stream_completion(client, server, body)
 
             answered = await asyncio.gather(*(later(body, i * interval) for i, body in enumerate(arrivals)))
         else:

@@ -190,21 +190,20 @@ class TieredStore:
         bs, pool = self.block_size, self.pool
         usable = (seq.num_tokens - 1) // bs
         extend_hashes(seq.block_hashes, self.root_for(seq.cache_salt), seq.token_ids, bs, usable * bs)
-        shared = any(store_tier.tier.shared for store_tier in self.tiers)
         slow = sum(1 << position for position, t in enumerate(self.tiers, 1) if t.tier.medium != "memory" or t.tier.shared)
-        wanted: list[tuple[bytes, tuple[int, ...], int]] = []  # key, tokens, the tiers the index says hold it
+        # key, tokens, the tiers the index says hold it, the tier its read goes to first
+        wanted: list[tuple[bytes, tuple[int, ...], int, int]] = []
         off_memory = False
         for index in range(usable):
             key, tokens = seq.block_hashes[index], tuple(seq.token_ids[index * bs : (index + 1) * bs])
             if not wanted and pool.lookup(key, tokens) is not None:
                 continue  # the L1 prefix: shared at the match
             held = self.index.tiers_of(key) & ~(1 << L1)
-            if not held and not shared:
+            first = self._first_reader(held, after=0)
+            if first is None:  # no tier holds it, and none is shared
                 break
-            wanted.append((key, tokens, held))
-            # the first tier in order that holds it is where the read goes (a shared one is always asked)
-            first = held & -held if held else 0
-            off_memory = off_memory or bool(first & slow) or (not held and shared)
+            wanted.append((key, tokens, held, first))
+            off_memory = off_memory or bool(slow & (1 << first))
         if not wanted or not off_memory:
             return None
         if self._loader is None:
@@ -221,7 +220,7 @@ class TieredStore:
         load.future = self._loader.submit(read)
         return load
 
-    def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int]]) -> list[tuple[int, CacheEntry]]:
+    def _read_below(self, wanted: list[tuple[bytes, tuple[int, ...], int, int]]) -> list[tuple[int, CacheEntry]]:
         """The loader thread's work: each block from the first tier (in order) that has it, until one none has.
         The blocks that go to the same tier are read in one ``get_many`` (one Redis round trip), which stops at
         the first miss as the match would; a block that tier lacks is then asked of the others one by one.
@@ -229,20 +228,18 @@ class TieredStore:
         found: list[tuple[int, CacheEntry]] = []
         while len(found) < len(wanted):
             start = len(found)
-            position = self._first_reader(wanted[start][2], after=0)
-            if position is None:
-                break
+            position = wanted[start][3]
             end = start + 1
-            while end < len(wanted) and self._first_reader(wanted[end][2], after=0) == position:
+            while end < len(wanted) and wanted[end][3] == position:
                 end += 1
             run = wanted[start:end]
-            for (_, tokens, _), entry in zip(run, self.tiers[position - 1].tier.get_many([key for key, *_ in run])):
+            for (_, tokens, *_), entry in zip(run, self.tiers[position - 1].tier.get_many([key for key, *_ in run])):
                 if entry.token_ids != tokens:
                     break
                 found.append((position, entry))
             if len(found) == end:
                 continue
-            key, tokens, held = wanted[len(found)]  # missed where it was first asked: the tiers after that one
+            key, tokens, held, _ = wanted[len(found)]  # missed where it was first asked: the tiers after that one
             hit = None
             while hit is None and (position := self._first_reader(held, after=position)) is not None:
                 entry = self.tiers[position - 1].tier.get(key)

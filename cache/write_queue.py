@@ -131,6 +131,7 @@ class TierWriter(threading.Thread):
         nice: added to the thread's niceness (Linux), so writes yield the CPU to the step loop.
         write: stores one entry; False if it could not be stored (it counts and logs its own
             failures; one that raises is logged here and treated as lost). Runs without the lock.
+            ``None`` when ``write_many`` is given (it writes every batch, one entry or more).
         lost: called under the lock for an entry ``write`` failed on (or raised for),
             once it no longer counts as pending.
         task: what ``request_task`` runs on this thread.
@@ -146,7 +147,7 @@ class TierWriter(threading.Thread):
         lock: threading.RLock,
         size: int,
         nice: int,
-        write: Callable[[CacheEntry], bool],
+        write: Callable[[CacheEntry], bool] | None,
         lost: Callable[[CacheEntry], None],
         task: Callable[[], None],
         thread_name: str = "tierserve-tier-writer",
@@ -276,17 +277,11 @@ class TierWriter(threading.Thread):
 
     def _lower_priority(self) -> None:
         """Compression and writes yield the CPU to the step loop (Linux: per-thread nice)."""
-        lower_this_thread(self.nice, f"{self.event_prefix}_writer_priority_unchanged")
-
-
-def lower_this_thread(nice: int, event: str) -> None:
-    """Add ``nice`` to the calling thread's niceness (Linux), so its work yields the cores to the step loop's;
-    where that is refused, ``event`` is logged and the thread runs as it is."""
-    if not nice or not hasattr(os, "setpriority"):
-        return
-    try:
-        thread = threading.get_native_id()
-        current = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + nice))
-    except OSError as exc:
-        log.info(event, error=str(exc))
+        if not self.nice or not hasattr(os, "setpriority"):
+            return
+        try:
+            thread = threading.get_native_id()
+            current = os.getpriority(os.PRIO_PROCESS, thread)
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self.nice))
+        except OSError as exc:
+            log.info(f"{self.event_prefix}_writer_priority_unchanged", error=str(exc))

@@ -112,13 +112,7 @@ def test_queue_full_is_back_pressure_and_loses_nothing(tiny):
     while engine.has_work():
         engine.step()
     for request_id, stream in admitted:
-        tokens = []
-        while True:
-            out = stream.get(timeout=1)
-            tokens += out.token_ids
-            if out.finished:
-                break
-        outputs[request_id] = tokens
+        outputs[request_id] = _finished_tokens(stream)
     assert all(len(tokens) == 4 for tokens in outputs.values())
     assert_pool_released(engine)
 
@@ -210,13 +204,7 @@ def test_a_prompt_waiting_for_blocks_is_looked_up_once_when_it_runs(tiny):
         assert after.lookups == before.lookups + 2
         assert after.tiers["l1"].hits == before.tiers["l1"].hits + 8  # its prefix, counted once
         assert after.cached_tokens == before.cached_tokens + 32
-        tokens = []
-        while True:
-            out = waiting.get(timeout=1)
-            tokens += out.token_ids
-            if out.finished:
-                break
-        assert len(tokens) == 1
+        assert len(_finished_tokens(waiting)) == 1
         assert_pool_released(engine)
     finally:
         engine.close()
@@ -294,6 +282,16 @@ def test_prefix_reads_time_out_from_their_start_not_from_their_place_in_the_load
         finally:
             engine.close()
         tier["path"] = str(tmp_path / "l3-second")
+
+
+def _finished_tokens(stream) -> list[int]:
+    """Every token of a request that has ended (its outputs are all queued)."""
+    tokens = []
+    while True:
+        out = stream.get(timeout=1)
+        tokens += out.token_ids
+        if out.finished:
+            return tokens
 
 
 def _drain(stream) -> list:

@@ -183,7 +183,7 @@ class RedisTier(QueuedTier, CacheTier):
             self.lock,
             options.write_queue,
             options.writer_nice,
-            lambda entry: self._write_many([entry])[0],
+            None,  # every write goes through write_many, one entry or a batch
             self._lose,
             lambda: None,
             thread_name="tierserve-redis-writer",
