@@ -1,4 +1,4 @@
-"""Compiles tierserve's CPU kernels (``plugins/backends/cpu_gemm.c``) when the package is built.
+"""Compiles tierserve's CPU kernels (``plugins/backends/cpu_gemm.c``, ``k_quantize.c``) when the package is built.
 
 Everything else about the package is in ``pyproject.toml``. Each build in
 ``cpu_gemm_builds.ISAS`` becomes its own shared object in
@@ -48,7 +48,7 @@ def kernels() -> list[Extension]:
     return [
         Extension(
             "tierserve.plugins.backends." + builds["object_name"](isa).removesuffix(".so"),
-            sources=[f"{BACKENDS}/{builds['SOURCE']}"],
+            sources=[f"{BACKENDS}/{source}" for source in builds["SOURCES"]],
             depends=[f"{BACKENDS}/cpu_gemm_builds.py"],  # KERNEL_VERSION and the flags: rebuilt when they change
             # -g0: Python's own CFLAGS add -g, five times the object's size in symbols
             extra_compile_args=[*builds["compile_flags"](isa), "-g0"],

@@ -98,14 +98,18 @@ class ModelSettings(Section):
         "transformers-unpaged (no prefix cache); or name one",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "gguf", "q4_0", "q4_1", "q8_0"] = Field(
+    quantization: Literal[
+        "none", "int8", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"
+    ] = Field(
         "none",
         description="int8: every weight matrix stored as int8 with one scale per output row, computed at load "
         "(about 1 byte per weight; the native backend's fastest int8 kernel here runs it); gguf (a GGUF file on "
         "the native backend): Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 tensors kept as the file stores them (0.56-1.1 "
         "bytes per weight, tierserve's q4, q6k and q8 kernels), any other type as int8 does; q4_0, q4_1, q8_0 (a "
         "Hugging Face directory on the native backend): every weight matrix rounded at load to that GGUF block "
-        "type by llama.cpp's reference quantizer, then run as a GGUF file of that type is",
+        "type by llama.cpp's reference quantizer, then run as a GGUF file of that type is; q4_k, q5_k, q6_k the same "
+        "in K super-blocks, q4_k_m and q5_k_m in llama-quantize's mixes of them (the head, v and down in Q6_K "
+        "where it puts them; a width that is not whole super-blocks of 256 falls back to Q5_0, Q5_1 or Q8_0)",
     )
     device: str = "auto"
     max_model_len: int | None = Field(None, gt=0)

@@ -114,9 +114,28 @@ def load_tokenizer(path: Path):
         from tierserve.models.gguf import load_tokenizer as gguf_tokenizer
 
         return gguf_tokenizer(path)
-    from transformers import AutoTokenizer
+    return tokenizer_from_directory(path)
 
-    return AutoTokenizer.from_pretrained(path)
+
+def tokenizer_from_directory(directory: Path) -> Any:
+    """A directory's tokenizer, by the class its ``tokenizer_config.json`` names, imported alone.
+
+    ``AutoTokenizer`` would do the same, but importing it imports transformers' config machinery and with it
+    torch (~250 MB): the HTTP process, which tokenizes and never runs the model, would carry torch for nothing.
+    A directory that names no class transformers exports (or has no ``tokenizer.json``) goes through
+    ``AutoTokenizer``."""
+    import transformers
+
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    tokenizer_class = getattr(transformers, named, None) if isinstance(named, str) and named.isidentifier() else None
+    if tokenizer_class is None or not (directory / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory)
+    return tokenizer_class.from_pretrained(directory)
 
 
 def context_length(requested: int | None, trained: int, directory: Path) -> int:

@@ -138,15 +138,13 @@ def converted_config(path: Path) -> Any:
 
 def converted_tokenizer(path: Path) -> Any:
     """The transformers tokenizer (chat template included) of the GGUF file ``path``, as ``converted_config``."""
-    from transformers import AutoTokenizer
+    from tierserve.models.checkpoints import tokenizer_from_directory
 
-    return _converted(path, "tokenizer_config.json", AutoTokenizer.from_pretrained, 1)
+    return _converted(path, "tokenizer_config.json", tokenizer_from_directory, 1)
 
 
 def _converted(path: Path, marker: str, load: Any, which: int) -> Any:
     """Raises whatever transformers raises for a file it cannot convert (the caller names the file)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     where = cache_dir_for(path)
     if (where / marker).is_file():
         try:
@@ -156,6 +154,8 @@ def _converted(path: Path, marker: str, load: Any, which: int) -> Any:
         except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged cache entry is converted again
             log.warning("gguf_meta_cache_unreadable", path=str(where), error=str(exc))
             shutil.rmtree(where, ignore_errors=True)
+    from transformers import AutoConfig, AutoTokenizer
+
     with parsed_once(path):
         both = (
             AutoConfig.from_pretrained(path.parent, gguf_file=path.name),

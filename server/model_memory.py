@@ -86,7 +86,9 @@ def gguf_held_bytes(tensor) -> float:
     return tensor.n_elements * _KEPT.get(tensor.tensor_type, 1.125)
 
 
-_BLOCK_BYTES_PER_WEIGHT = {"q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 1.125}  # model.quantization on a directory
+# model.quantization on a directory, as held (K types: scales widened to float32); the mixes about a fifth Q6_K
+_BLOCK_BYTES_PER_WEIGHT = {"q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 1.125, "q4_k": 4.75 / 8, "q5_k": 5.75 / 8,
+                           "q6_k": 6.625 / 8, "q4_k_m": 5.2 / 8, "q5_k_m": 6.0 / 8}  # fmt: skip
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

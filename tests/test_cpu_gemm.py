@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -922,6 +923,23 @@ GOLDEN = {
         },
     },
 }  # fmt: skip
+GOLDEN[2] = GOLDEN[1]  # version 2 added ts_quantize_k (k_quantize.c); every kernel's bits stayed version 1's
+
+
+def digests_in_build(isa: str, digests: Callable[[], dict[str, str]]) -> dict[str, str]:
+    """``digests()`` computed by the ``isa`` build: here if this process runs it, else in a subprocess that loads
+    it (``digests`` a module-level function of a tests module). Skips where this CPU cannot run the build."""
+    if isa == "avx512" and not cpu_flags().issuperset(CPU_FLAGS["avx512"]):
+        pytest.skip("this CPU cannot run the AVX-512 build")
+    if isa == cpu_gemm.isa():
+        return digests()
+    module = "tests." + digests.__module__.rsplit(".", 1)[-1]  # pytest may import the file as a top-level module
+    script = f"import json; from {module} import {digests.__name__}; print(json.dumps({digests.__name__}()))"
+    env = {**os.environ, cpu_gemm.ISA_VARIABLE: isa}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
@@ -929,17 +947,7 @@ def test_each_build_computes_its_kernel_versions_bits(isa):
     """Every kernel of each build on fixed inputs gives the output bits recorded for this KERNEL_VERSION (the
     cache fingerprint's name for them): a change of results without a version bump fails here. The build
     this process does not run is run in a subprocess that loads it."""
-    if isa == "avx512" and not cpu_flags().issuperset(CPU_FLAGS["avx512"]):
-        pytest.skip("this CPU cannot run the AVX-512 build")
-    if isa == cpu_gemm.isa():
-        found = kernel_digests()
-    else:
-        script = "import json; from tests.test_cpu_gemm import kernel_digests; print(json.dumps(kernel_digests()))"
-        env = {**os.environ, cpu_gemm.ISA_VARIABLE: isa}
-        done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                              timeout=240)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        found = json.loads(done.stdout.splitlines()[-1])
+    found = digests_in_build(isa, kernel_digests)
     version = cpu_gemm.KERNEL_VERSION
     assert version in GOLDEN, f"no digests recorded for KERNEL_VERSION {version}: add GOLDEN[{version}] = {found}"
     expected = GOLDEN[version][isa]

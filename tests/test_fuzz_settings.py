@@ -25,7 +25,18 @@ pytestmark = pytest.mark.unit
 
 # the [section] tables ([[models]] is a list of tables: test_model_registry.py and the settings probes cover it)
 SECTIONS = {name: list(field.annotation.model_fields) for name, field in Settings.model_fields.items() if name != "models"}
-DEFAULTS = Settings().model_dump(mode="json")
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every None left out, as a TOML file would hold it (TOML has no null: unset keys are absent)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value if v is not None]
+    return value
+
+
+DEFAULTS = _without_nulls(Settings().model_dump(mode="json"))  # plausible values: the defaults, as TOML writes them
 _BUILTINS = load_plugins(allowlist=[])
 ALIASES = _BUILTINS.aliases()  # "section.key" -> (component, key)
 PLUGIN_TABLES = {name: list(c.settings.model_fields) for name, c in _BUILTINS.settings_components().items()}

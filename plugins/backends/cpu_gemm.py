@@ -40,7 +40,7 @@ import torch
 from tierserve.plugins.backends.cpu_gemm_abi import (
     BF16, F32, MAX_GROUP, PANEL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q6_SUPER, Q8_GROUPED, Q8_ROW, QK, TILE, KernelLoadError, Kernels, Projection,
 )
-from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCE, cpu_flags, object_name
+from tierserve.plugins.backends.cpu_gemm_builds import CPU_FLAGS, ISAS, KERNEL_VERSION, SOURCES, cpu_flags, object_name
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +131,12 @@ def _load() -> Kernels:
             f"the {chosen} kernels were not built ({path} is missing): tierserve was installed without a C compiler "
             "that builds them; install gcc and reinstall tierserve (in a checkout: pip install -e .)"
         )
-    source = KERNEL_DIR / SOURCE
     checkout = (KERNEL_DIR.parents[1] / "setup.py").exists()  # an editable install: the objects sit beside the source
-    if checkout and source.exists() and source.stat().st_mtime > path.stat().st_mtime:
-        log.warning("cpu_gemm_stale path=%s; %s changed after it was built: rebuild with pip install -e .",
-                    path, SOURCE)  # fmt: skip
+    for name in SOURCES if checkout else ():
+        source = KERNEL_DIR / name
+        if source.exists() and source.stat().st_mtime > path.stat().st_mtime:
+            log.warning("cpu_gemm_stale path=%s; %s changed after it was built: rebuild with pip install -e .",
+                        path, name)  # fmt: skip
     try:
         return Kernels(path, chosen)
     except KernelLoadError as exc:

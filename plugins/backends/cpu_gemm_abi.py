@@ -14,6 +14,7 @@ argument, what it takes and what it got: the C code trusts every pointer.
         -> ts_q8_gemm(const ts_matmul*)               cpu_gemm.c
       -> Kernels.q4_matmul(nibbles, scale, mins, ...) a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K weight: ts_q4_gemm
       -> Kernels.q6k_matmul(bits, scales, d, ...)     a GGUF Q6_K weight: ts_q6k_gemm(const ts_q4_matmul*)
+      -> Kernels.quantize_k(kind, x)                  float rows into Q4_K/Q5_K/Q6_K blocks: ts_quantize_k (k_quantize.c)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ Q8_ROW, Q8_GROUPED, BF16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K = range(
 Q5_BLOCK = 80  # bytes of a Q5 tile's block of 32 weights: 4 rows x 16 of nibbles, then 16 of fifth bits
 Q6_BLOCK = 96  # bytes of a Q6_K tile's block of 32 weights: 4 rows x (16 of nibbles + 8 of high bit pairs)
 Q6_SUPER = 8  # blocks of 32 per Q6_K super-block (one d per row)
+QK_K = 256  # weights a K-type super-block
+K_SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # ts_quantize_k's output, a super-block
 CONSTANTS = {"version": KERNEL_VERSION, "qk": QK, "tile": TILE, "panel": PANEL, "max_group": MAX_GROUP,
              "q8_row": Q8_ROW, "q8_grouped": Q8_GROUPED, "bf16": BF16, "f32": F32, "q4_0": Q4_0,
              "q4_1": Q4_1, "q4_k": Q4_K, "q6_k": Q6_K, "q5_0": Q5_0, "q5_1": Q5_1, "q5_k": Q5_K}  # fmt: skip
@@ -298,6 +301,8 @@ class Kernels:
         self._declare("ts_silu_mul", [_p, _i64, _i64, _p, _i32])
         self._declare("ts_silu_mul_bf16", [_p, _i64, _i64, _p, _i32])
         self._declare("ts_merge_attention", [_p, _p, _p, _p, _i64, _i64, _p, _i32])
+        self._declare("ts_quantize_k", [_i32, _p, _p, _i64, _i64, _i32])
+        self._lib.ts_quantize_k.restype = _i32
 
     def __repr__(self) -> str:
         return f"Kernels(isa={self.isa!r}, path={str(self.path)!r})"
@@ -610,6 +615,21 @@ class Kernels:
             _address(kernel, "gate_up", gate_up, FLOATS), m, width // 2,
             _address(kernel, "out", out, (dtype,), (m, width // 2)), torch.get_num_threads(),
         )  # fmt: skip
+
+    def quantize_k(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``x [M, K]`` (K whole super-blocks of 256) in GGUF blocks of ``kind`` (``Q4_K``, ``Q5_K``
+        or ``Q6_K``), uint8 ``[M, K / 256, bytes a super-block]``: the bytes llama.cpp's reference quantizer
+        (``quantize_row_q4_K_ref`` ...) writes, as ``llama-quantize`` does without an importance matrix."""
+        kernel = "quantize_k"
+        m, k = _dims(kernel, "x", x, 2)
+        _require(kernel, kind in K_SUPER_BLOCK_BYTES, f"kind must be one of {', '.join(K_SUPER_BLOCK_BYTES)}; got {kind!r}")
+        _require(kernel, k % QK_K == 0, f"x's width {k} is not whole super-blocks of {QK_K}")
+        out = torch.empty(m, k // QK_K, K_SUPER_BLOCK_BYTES[kind], dtype=torch.uint8)
+        code = self._lib.ts_quantize_k(
+            int(kind[1]), _address(kernel, "x", x, FLOAT32), out.data_ptr(), m, k, torch.get_num_threads()
+        )
+        _require(kernel, code == 0, f"ts_quantize_k refused {kind} [{m}, {k}]")
+        return out
 
     def decode_stack(self, shape: DecodeShape, layers: Sequence[DecoderLayer], act_bf16: bool) -> DecodeStack:
         """The ``ts_layer`` table of a decoder's layers, each weight checked against ``shape``."""

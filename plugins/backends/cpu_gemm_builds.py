@@ -5,8 +5,8 @@
 runs. This file is read by ``setup.py`` before tierserve is installed, so it
 imports nothing but the standard library.
 
-    cpu_gemm.c --(setup.py, gcc: COMMON_FLAGS + ISAS[isa])--> _cpu_gemm_avx2.so
-                                                              _cpu_gemm_avx512.so
+    cpu_gemm.c, k_quantize.c --(setup.py, gcc: COMMON_FLAGS + ISAS[isa])--> _cpu_gemm_avx2.so
+                                                                           _cpu_gemm_avx512.so
                              cpu_gemm.py: /proc/cpuinfo flags --> one of them, by ctypes
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 # Bump when any kernel's results change, in either build: the cache fingerprint names it, so KV computed by
 # earlier kernels is never served as this version's. tests/test_cpu_gemm.py keeps each version's output bits.
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 
-SOURCE = "cpu_gemm.c"
+SOURCES = ("cpu_gemm.c", "k_quantize.c")  # one shared object: the kernels, and llama.cpp's K-type quantizers
 # -ffp-contract=off: every product and sum rounded as written, so the elementwise code matches torch's to the bit;
 # -mf16c: Q4 blocks keep their float16 scales (every AVX2 CPU has F16C)
 COMMON_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")

@@ -82,8 +82,9 @@ from tierserve.plugins.backends import cpu_gemm
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "onednn", "torch")
-QUANTIZATIONS = ("none", "int8", "gguf", "q4_0", "q4_1", "q8_0")
-BLOCK_MODES = ("gguf", "q4_0", "q4_1", "q8_0")  # GGUF blocks run as stored: read from a file, or rounded at load
+# GGUF blocks run as stored: read from a file (gguf), or rounded at load (block_quantize.BLOCK_QUANTIZATIONS)
+BLOCK_MODES = ("gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+QUANTIZATIONS = ("none", "int8", *BLOCK_MODES)
 GROUP_SIZE = 32  # llama.cpp's Q8_0 block
 GROUPED_KERNEL = "int8-g32"
 SMALL_BATCH = 4  # rows up to which ``auto`` int8 runs the q8 kernel instead of fbgemm

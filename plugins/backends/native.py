@@ -131,7 +131,7 @@ class NativeBackend(ModelBackend):
                 raise ConfigError(
                     f"model.quantization = 'gguf' keeps a GGUF file's blocks as stored, but model.path "
                     f"{str(self.path)!r} is a Hugging Face directory; use model.quantization = 'q4_0', 'q4_1', "
-                    "'q8_0' or 'int8' (or 'none')"
+                    "'q8_0', 'q4_k', 'q5_k', 'q6_k', 'q4_k_m', 'q5_k_m' or 'int8' (or 'none')"
                 )
             state = load_safetensors(self.path)
             return quantize_state(state, quantization) if quantization in BLOCK_QUANTIZATIONS else state

@@ -158,7 +158,7 @@ class PagedTransformersBackend(ModelBackend):
         from tierserve.core.attention import attention_kernel
         from tierserve.models.checkpoints import context_length, eos_token_ids, load_causal_lm, load_config, load_tokenizer
         from tierserve.models.devices import resolve_placement
-        from tierserve.plugins.backends.linear import LinearFactory, swap_linear_layers
+        from tierserve.plugins.backends.linear import BLOCK_MODES, LinearFactory, swap_linear_layers
         from tierserve.plugins.backends.paged_attention import KVArena, window_layout
 
         model = settings.model
@@ -181,7 +181,7 @@ class PagedTransformersBackend(ModelBackend):
         )
         self.config = self.model.config
         options = settings.plugin_options("transformers", TransformersSettings)
-        if model.quantization in ("gguf", "q4_0", "q4_1", "q8_0"):
+        if model.quantization in BLOCK_MODES:
             raise ConfigError(
                 f"model.quantization = {model.quantization!r} keeps GGUF blocks on the native backend only (this "
                 "backend runs transformers' float modules); set model.backend = \"native\" for a Llama, "
