@@ -45,11 +45,15 @@ def _settings_from(args: argparse.Namespace, flags: dict[tuple[str, str], Any] |
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    manager = load_plugins()
-    plugins = manager.plugins()
+    """The plugins found and their components; exit 1 when any failed to load (named last, or in the JSON)."""
+    # structlog's default writes to stdout: a failing plugin's log line belongs on stderr, not in the listing
+    with contextlib.redirect_stdout(sys.stderr):
+        manager = load_plugins()
+        plugins = manager.plugins()
+    status = 1 if manager.failures else 0
     if args.json:
         print(json.dumps(manager.as_dict(), indent=2))
-        return 0
+        return status
     for plugin in plugins:
         print(f"{plugin.name} {plugin.version} ({plugin.source})")
         print(f"  hooks: {', '.join(plugin.hooks) or '-'}")
@@ -59,7 +63,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"  settings of {name}: {', '.join(keys) or '-'}")
     for failure in manager.failures:
         print(f"FAILED {failure.name} ({failure.source}): {failure.error}")
-    return 0
+    return status
 
 
 def _format_value(value: Any) -> str:

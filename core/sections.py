@@ -52,10 +52,18 @@ class ServerSettings(Section):
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
     public_health: bool = True
-    public_metrics: bool = True
+    public_metrics: bool | None = Field(
+        None, description="/metrics without an API key; unset: public while no API key is configured, private once "
+        "one is (Prometheus then sends a key: bearer_token in its scrape config)"
+    )
     retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 503 when the queue is full")
     responses_max_stored: int = Field(
-        1024, ge=0, description="/v1/responses kept for GET and previous_response_id (store: true); the oldest go first"
+        1024, ge=0, description="/v1/responses kept for GET and previous_response_id (store: true); over it, the "
+        "oldest response of the tenant holding the most goes first"
+    )
+    responses_max_bytes: int = Field(
+        64 * 2**20, ge=0, description="bytes the stored /v1/responses may take in all (each as stored, JSON); over "
+        "it, the oldest response of the tenant holding the most bytes goes first"
     )
     responses_ttl_seconds: float | None = Field(
         3600.0, gt=0, description="how long a stored /v1/responses response is kept; unset: until pushed out"

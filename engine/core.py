@@ -45,6 +45,16 @@ KEY_EXPIRY_INTERVAL_SECONDS = 1.0  # how often the step loop unpins cache keys p
 LOAD_POLL_SECONDS = 0.005  # an idle step waits this long at most for a prompt prefix being read below L1
 
 
+def mixed_seed(seed: int) -> int:
+    """``seed`` (64 bits) through splitmix64's finalizer: torch's CPU generator keeps only a seed's low 32 bits,
+    so seeds that differ above them (s and s + 2**32, s and s + 2**63) drew the same numbers; mixed, every bit
+    of the seed moves the low 32."""
+    z = (seed + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
 class EngineCore:
     """Requests, a scheduler (which owns the KV manager) and a model runner, stepped together.
 
@@ -273,7 +283,8 @@ class EngineCore:
         if params.greedy:
             return None
         generator = torch.Generator(device=self.backend.device)
-        generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
+        generator.manual_seed(mixed_seed(seed))
         return generator
 
     # ---- commands (between steps) ----------------------------------------------------

@@ -158,6 +158,7 @@ class ProcessDriver:
         self._send_lock = threading.Lock()
         self._calls = PendingCalls()
         self._dead: str | None = None
+        self._stopping = False  # a shutdown this side asked for: the exit that follows is no death
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="tierserve-engine-reader", daemon=True)
         self._reader.start()
@@ -189,6 +190,7 @@ class ProcessDriver:
 
     def shutdown(self) -> None:
         """Ask the child to abort everything, flush its tiers and exit; wait for it."""
+        self._stopping = True
         if self._dead is None and self.process.is_alive():
             try:
                 self.send(Shutdown())
@@ -215,14 +217,21 @@ class ProcessDriver:
             elif isinstance(message, CallResult):
                 self._calls.resolve(message)
             elif isinstance(message, Shutdown):
+                self._stopping = True
                 break
-        self._on_exit()
+        self._on_exit(expected=self._stopping)
 
-    def _on_exit(self) -> None:
+    def _on_exit(self, expected: bool) -> None:
+        if not expected:  # the pipe closes before the process is reaped: wait for its status, or a kill reads "exited"
+            self.process.join(timeout=5)
         code = self.process.exitcode
-        self._dead = "it exited" if code in (0, None) else f"it exited with code {code}"
-        if not self._closed.is_set() and code not in (0, None):
-            log.error("engine_process_died", pid=self.process.pid, exitcode=code)
+        if code is not None and code < 0:
+            self._dead = f"it was killed by {signal.Signals(-code).name}"
+        else:
+            self._dead = "it exited" if code in (0, None) else f"it exited with code {code}"
+        if not expected:
+            log.error("engine_process_died", pid=self.process.pid, exitcode=code, reason=self._dead,
+                      requests_failed=len(self._client.in_flight()))  # fmt: skip
         for request_id in self._client.in_flight():
             self._client.fail(request_id)
         self._calls.fail_all(EngineProcessError(f"the engine core process is gone ({self._dead})"))

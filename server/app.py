@@ -20,7 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from tierserve.core import __version__
 from tierserve.settings.config import LoadedSettings, Settings
 from tierserve.core.plugins import PluginManager, load_plugins
-from tierserve.server.auth import auth_guard, tenant_map
+from tierserve.server.auth import auth_guard, tenant_map, warn_about_admin_keys
 from tierserve.server.errors import EXCEPTION_HANDLERS
 from tierserve.server.json_body import check_json_body
 from tierserve.server.state import ServerState
@@ -68,6 +68,7 @@ def create_app(
         plugins = plugins or settings.plugins
         settings = settings.settings
     plugins = plugins or load_plugins()
+    warn_about_admin_keys(settings)
     state = ServerState(
         settings=settings, plugins=plugins, given_engine=engine, on_load_failure=on_load_failure
     )
@@ -98,7 +99,7 @@ def create_app(
         limit = RateLimitConfig(
             rate_limit=("minute", settings.server.rate_limit_per_minute),
             identifier_for_request=_rate_limit_identity,
-            exclude=["/health", "/metrics"],
+            exclude=[r"^/health(/|$)", r"^/metrics$"],  # regexes, searched: anchored, or /v1/models/health skips
         )
         middleware.append(limit.middleware)
 

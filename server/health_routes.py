@@ -38,6 +38,8 @@ def components(state: ServerState) -> dict[str, Any]:
     error = state.load_error
     if engine is not None and state.ready and not engine.alive:
         error = "the engine core is not running (its process exited); restart the server"
+    elif state.ready and not error and not state.registry.servable():
+        error = "no model is loaded (every served model was unloaded); load one with POST /v1/models"
     if error:
         status = "failed"
     else:

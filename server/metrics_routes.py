@@ -119,14 +119,15 @@ class ServerCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         state = self.state
-        engine = state.engine if state.ready else None
+        engine = state.engine if state.ready and state.engine is not None and state.engine.alive else None
         snapshot = engine.stats() if engine is not None else None
         running = snapshot.requests_running if snapshot is not None else 0
         waiting = snapshot.requests_waiting if snapshot is not None else 0
         yield GaugeMetricFamily("tierserve_requests_running", "Sequences holding KV blocks", value=running)
         yield GaugeMetricFamily("tierserve_requests_waiting", "Sequences queued for a batch slot", value=waiting)
         yield GaugeMetricFamily("tierserve_active_http_requests", "HTTP requests in flight", value=state.active_requests)
-        yield GaugeMetricFamily("tierserve_ready", "1 once the model is loaded", value=1 if engine is not None else 0)
+        yield GaugeMetricFamily("tierserve_ready", "1 while the model is loaded and its engine runs (as /health/ready)",
+                                value=1 if engine is not None else 0)  # fmt: skip
         if snapshot is not None:
             yield from EngineCollector(lambda: snapshot).collect()
 

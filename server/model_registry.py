@@ -439,6 +439,13 @@ class ModelRegistry:
             target.engine.warm(prompts)
         return len(prompts)
 
+    def servable(self) -> bool:
+        """Whether any version can take a request now or once loaded (with ``unload_idle`` an unloaded one is
+        loaded again on demand): false once every served model was unloaded by hand or failed."""
+        again = self.settings.registry.unload_idle
+        return any(m.status in ("ready", "loading", "draining") or m.status == "unloaded" and again
+                   for m in self.models.values())  # fmt: skip
+
     def statuses(self) -> dict[str, str]:
         """Every version's status, by id."""
         with self._lock:

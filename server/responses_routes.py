@@ -37,6 +37,7 @@ from tierserve.server.tenants import caller_of
 from tierserve.server.tool_streaming import ToolStream, finish_with_calls
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on metadata
 
 
 class ResponsesRequest(Body):
@@ -53,13 +54,29 @@ class ResponsesRequest(Body):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping early turns) is not implemented: a 400
     # not implemented: anything but their defaults is a 400, never silently ignored
     reasoning: dict[str, Any] | None = None
     background: bool = False
     include: list[str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        long_keys = [key[:20] for key in value if len(key) > METADATA_KEY_CHARS]
+        long_values = [key[:20] for key, text in value.items() if len(text) > METADATA_VALUE_CHARS]
+        if len(value) > METADATA_KEYS or long_keys or long_values:
+            raise ValueError(
+                f"at most {METADATA_KEYS} keys of at most {METADATA_KEY_CHARS} characters, each value a string of at "
+                f"most {METADATA_VALUE_CHARS} characters (as OpenAI's); got {len(value)} keys"
+                + (f", keys too long: {long_keys}" if long_keys else "")
+                + (f", values too long for {long_values}" if long_values else "")
+            )
+        return value
 
     @field_validator("reasoning")
     @classmethod
@@ -96,7 +113,8 @@ def response_store(state: ServerState) -> ResponseStore:
     store = state.extras.get("responses")
     if store is None:
         server = state.settings.server
-        store = ResponseStore(server.responses_max_stored, server.responses_ttl_seconds, persistent_folder(state))
+        store = ResponseStore(server.responses_max_stored, server.responses_ttl_seconds, persistent_folder(state),
+                              max_bytes=server.responses_max_bytes)  # fmt: skip
         state.extras["responses"] = store
     return store  # type: ignore[return-value]
 
@@ -182,6 +200,9 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 def chat_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad(f"text.format: an object with a type (text, json_object, json_schema); got {type(fmt).__name__}",
+                  "text.format")  # fmt: skip
     if fmt is None or fmt.get("type") in ("text", "json_object"):
         return fmt
     if fmt.get("type") == "json_schema":

@@ -207,6 +207,14 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None  # fill-in-the-middle: not implemented, so anything but empty is a 400
+
+    @field_validator("suffix")
+    @classmethod
+    def no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise invalid("text after the completion (fill-in-the-middle) is not implemented; omit suffix")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod

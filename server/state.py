@@ -118,6 +118,8 @@ def ready_engine(request: Request) -> EngineClient:
         return state.target(model).engine
     if not state.ready or state.engine is None:
         message = f"the model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
+        if state.ready and not state.load_error:
+            message = "no model is loaded (every served model was unloaded); load one with POST /v1/models"
         raise APIError(503, message, code="not_ready", headers={"Retry-After": "5"})
     if not state.engine.alive:
         raise APIError(503, "the engine core is not running; restart the server", code="engine_unavailable")

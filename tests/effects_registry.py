@@ -198,6 +198,12 @@ def server_responses_max_stored(lab: Lab) -> None:
     assert stored_responses(lab, {}, 2) == [200, 200]
 
 
+def server_responses_max_bytes(lab: Lab) -> None:
+    """Responses of about 1.4 kB as stored under a bound of 2 kB: only the newest is kept; under the default, both."""
+    assert stored_responses(lab, {"server.responses_max_bytes": 2000}, 2) == [404, 200]
+    assert stored_responses(lab, {}, 2) == [200, 200]
+
+
 def server_responses_ttl_seconds(lab: Lab) -> None:
     with lab.http({"server.responses_ttl_seconds": 0.2}) as brief, lab.http({}) as kept:
         brief_id, kept_id = stored_response(brief), stored_response(kept)
@@ -208,6 +214,7 @@ def server_responses_ttl_seconds(lab: Lab) -> None:
 PROBES = {
     "server.responses_max_stored": server_responses_max_stored,
     "server.responses_ttl_seconds": server_responses_ttl_seconds,
+    "server.responses_max_bytes": server_responses_max_bytes,
     "model.max_loras": model_max_loras,
     "model.max_lora_rank": model_max_lora_rank,
     "model.lora_adapters": model_lora_adapters,

@@ -96,11 +96,13 @@ def server_public_health(lab: Lab) -> None:
 
 
 def server_public_metrics(lab: Lab) -> None:
-    with lab.http({"auth.api_keys": ["sk-1"]}) as client:
-        assert client.get("/metrics").status_code == 200
-    with lab.http({"auth.api_keys": ["sk-1"], "server.public_metrics": False}) as client:
+    with lab.http({"auth.api_keys": ["sk-1"]}) as client:  # unset: private once keys exist
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"Authorization": "Bearer sk-1"}).status_code == 200
+    with lab.http({"auth.api_keys": ["sk-1"], "server.public_metrics": True}) as client:
+        assert client.get("/metrics").status_code == 200
+    with lab.http({}) as client:  # no keys: public
+        assert client.get("/metrics").status_code == 200
 
 
 def server_retry_after_seconds(lab: Lab) -> None:

@@ -41,6 +41,19 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(engine):
     assert_pool_released(engine)
 
 
+def test_every_bit_of_a_64_bit_seed_counts(engine):
+    """Seeds that differ only above bit 31 (torch's CPU generator keeps the low 32) draw different tokens; -1 is
+    2**64 - 1, as the API documents."""
+    def sampled(seed: int) -> tuple[int, ...]:
+        params = SamplingParams(temperature=1.5, max_tokens=24, seed=seed, ignore_eos=True)
+        return tuple(engine.generate([PROMPTS[1]], params)[0].token_ids)
+
+    seeds = [5, 5 + 2**32, 5 + 2**63, 2**64 - 1]
+    drawn = [sampled(seed) for seed in seeds]
+    assert len(set(drawn)) == len(seeds)
+    assert sampled(-1) == drawn[-1] and sampled(5) == drawn[0]
+
+
 def test_stop_token_and_stop_string(engine):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     [full] = engine.generate([PROMPTS[4]], greedy)

@@ -107,18 +107,25 @@ def test_a_killed_core_ends_requests_and_fails_cleanly(llama):
 
 
 def test_the_server_survives_its_core_process_and_says_so(llama):
-    """A killed core process: generation answers 503, health says why, liveness stays up."""
+    """A killed core process: its death is logged with the signal, generation answers 503, health and
+    /metrics say it is not ready, liveness stays up."""
     from litestar.testing import TestClient
+    from structlog.testing import capture_logs
 
     from tierserve.server.app import create_app
 
     engine = process_engine(llama)
     app = create_app(engine.settings, engine=engine, load_in_background=False)
-    with TestClient(app) as http:
+    with TestClient(app) as http, capture_logs() as logs:
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
         assert http.post("/v1/completions", json=body).status_code == 200
+        assert "tierserve_ready 1.0" in http.get("/metrics").text
         os.kill(engine.driver.process.pid, signal.SIGKILL)
         wait_until(lambda: not engine.alive, timeout=30, what="the client to see its core is gone")
+        wait_until(lambda: any(e["event"] == "engine_process_died" for e in logs), timeout=30, what="the death logged")
+        [died] = [e for e in logs if e["event"] == "engine_process_died"]
+        assert died["exitcode"] == -signal.SIGKILL and died["reason"] == "it was killed by SIGKILL"
+        assert "tierserve_ready 0.0" in http.get("/metrics").text
         failed = http.post("/v1/completions", json=body)
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_unavailable"
         health = http.get("/health")

@@ -126,6 +126,13 @@ def test_out_of_range_seed_and_length_penalty_are_400s(server, body, param, word
         assert_error(post(server, route, {**base, "max_tokens": 4, **body}), 400, param, *words)
 
 
+def test_a_suffix_is_refused_not_ignored(server):
+    """Fill-in-the-middle is not implemented: a completion with a suffix is a 400 naming it (it used to be dropped)."""
+    assert_error(post(server, "/v1/completions", {"prompt": "def f(", "suffix": "    return x", "max_tokens": 4}),
+                 400, "suffix", "fill-in-the-middle")  # fmt: skip
+    assert post(server, "/v1/completions", {"prompt": "Hi", "suffix": "", "max_tokens": 2}).status_code == 200
+
+
 def test_the_largest_seed_works_with_several_choices(server):
     for seed in (2**64 - 1, -(2**63)):
         body = {"prompt": "Hi", "max_tokens": 4, "seed": seed, "n": 3, "temperature": 1.0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -158,6 +159,48 @@ def test_adapter_files_refused_with_the_feature_named(setup, tmp_path):
         (bad / "adapter_model.safetensors").write_bytes(b"\x00" * 10)
         with pytest.raises(ValueError, match="not a readable safetensors file"):
             engine.load_lora("dora", str(bad))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"r": None}, "r must be a positive integer"),
+        ({"r": "abc"}, "r must be a positive integer"),
+        ({"r": 2.5}, "r must be a positive integer"),
+        ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number"),
+        ({"lora_alpha": "16"}, "lora_alpha must be a finite number"),
+        ("a list", "holds a JSON list"),
+        ("nan weights", "NaN or infinite"),
+        ("1-D weights", "1-D"),
+    ],
+)  # fmt: skip
+def test_malformed_adapters_are_refused_naming_what_is_wrong(setup, tmp_path, change, says):
+    """Settings of the wrong type, a config that is no object, 1-D or non-finite weights: a clear refusal (a 400
+    over HTTP), where they were a 500 or loaded and then generated nothing."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint, adapters = setup
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((adapters["attn"] / "adapter_config.json").read_text())
+    tensors = load_file(str(adapters["attn"] / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    if change == "a list":
+        config = [config]
+    elif change == "nan weights":
+        tensors[first] = tensors[first].clone().fill_(float("nan"))
+    elif change == "1-D weights":
+        tensors[first] = tensors[first].flatten()
+    else:
+        config = {**config, **change}
+    (bad / "adapter_config.json").write_text(json.dumps(config))  # NaN is written as NaN: Python reads it back
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    engine = make_engine(checkpoint, backend="native", model__max_loras=1)
+    try:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            engine.load_lora("bad", str(bad))
     finally:
         engine.close()
 

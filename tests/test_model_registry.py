@@ -146,6 +146,11 @@ def test_unloading_drains_running_requests_then_frees_the_model(tmp_path, checkp
         assert httpx.get(f"{base}/health").json()["components"]["models"] == {"a@1": "ready"}
         assert ask(base, "a").json()["choices"][0]["text"] == expected["llama"]
         assert httpx.delete(f"{base}/v1/models/b@1").status_code == 404
+        assert httpx.delete(f"{base}/v1/models/a@1", timeout=60).status_code == 200  # the last one
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        assert "no model is loaded" in health.json()["components"]["load_error"]
+        assert httpx.get(f"{base}/health/ready").status_code == 503
 
 
 def test_admin_errors_name_the_problem(tmp_path, checkpoints):

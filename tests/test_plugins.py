@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tierserve.core.errors import DuplicateComponentError, UnknownComponentError
@@ -92,6 +94,20 @@ def test_broken_plugin_is_reported_not_fatal(install_fake_plugin, source, expect
     assert expected in manager.failures[0].error
     assert "tierserve-broken" not in {p.name for p in manager.plugins()}
     assert manager.registry("eviction_policies").names() == ["adaptive", "clock", "lfu", "lru", "mru"]
+
+
+def test_plugins_json_stays_json_and_the_exit_says_a_plugin_failed(install_fake_plugin, capsys):
+    """``tierserve plugins --json`` with a failing plugin: stdout is the JSON alone (the failure's log line goes
+    to stderr), the failure is in it, and the exit status is 1."""
+    from tierserve.cli.main import main
+
+    install_fake_plugin("tierserve-broken", "tierserve_broken_json", "raise ImportError('no such dependency')\n")
+    assert main(["plugins", "--json"]) == 1
+    out = capsys.readouterr().out
+    [failure] = json.loads(out)["failures"]
+    assert failure["name"] == "tierserve-broken" and "no such dependency" in failure["error"]
+    assert main(["plugins"]) == 1
+    assert "FAILED tierserve-broken" in capsys.readouterr().out
 
 
 def test_duplicate_name_fails_the_second_plugin_naming_both(install_fake_plugin):

@@ -119,6 +119,23 @@ def test_what_is_not_implemented_is_a_400(client, extra, param):
     assert failure.value.body["param"] == param or failure.value.body["param"].startswith(param)
 
 
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 keys"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata", "keys too long"),
+        ({"metadata": {"note": "x" * 513}}, "metadata", "values too long for ['note']"),
+        ({"text": {"format": "json"}}, "text.format", "an object with a type"),
+    ],
+)  # fmt: skip
+def test_bad_metadata_and_formats_are_a_400(client, extra, param, says):
+    """OpenAI's bounds on metadata (16 keys of up to 64 characters, values up to 512): a stored response cannot
+    carry megabytes of it; a text.format that is no object is named, not a 500."""
+    with pytest.raises(openai.BadRequestError) as failure:
+        client.responses.create(**{"model": "tiny", "input": "Hi", "max_output_tokens": 4, **extra})
+    assert failure.value.body["param"].startswith(param) and says in failure.value.body["message"]
+
+
 def test_stored_conversations_survive_a_restart_with_their_kv_in_l3(tmp_path):
     """With a persistent disk tier, stored responses live in its folder too: after a restart a follow-up
     finds its conversation and the KV of its earlier turns (from L3)."""

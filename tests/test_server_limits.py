@@ -26,7 +26,7 @@ def settings_for(path, extra=None):
 
 
 def test_api_keys_guard_every_v1_route(checkpoint):
-    loaded = settings_for(checkpoint, {("auth", "api_keys"): ["sk-user"], ("server", "public_metrics"): False})
+    loaded = settings_for(checkpoint, {("auth", "api_keys"): ["sk-user"]})  # /metrics: private once keys exist
     engine = make_engine(checkpoint)
     body = {"prompt": "Hi", "max_tokens": 2}
     with running_server(loaded.settings, engine=engine, plugins=loaded.plugins) as base:
@@ -49,6 +49,8 @@ def test_rate_limit_answers_429_in_openai_shape(checkpoint):
     with running_server(loaded.settings, engine=engine, plugins=loaded.plugins) as base:
         statuses = [httpx.get(base + "/v1/models").status_code for _ in range(5)]
         assert statuses[:3] == [200, 200, 200] and statuses[3:] == [429, 429]
+        assert httpx.get(base + "/health").status_code == 200  # health is never limited
+        assert httpx.get(base + "/v1/models/health").status_code == 429  # ...but a path that ends in it is
         limited = httpx.get(base + "/v1/models")
         assert limited.json()["error"]["type"] == "rate_limit_error"
         # without API keys the bucket is the client's address: a made-up header is no fresh bucket

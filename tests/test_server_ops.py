@@ -380,7 +380,9 @@ def test_admin_key_needed_for_clear_and_warm(checkpoint, disk, engine):
         assert offloaded > 0
         assert httpx.get(f"{base}/v1/cache/stats").status_code == 401
         stats(base, headers={"Authorization": "Bearer user"})
-        assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200  # public; /metrics is private once keys exist
+        assert httpx.get(f"{base}/metrics").status_code == 401
+        assert httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer user"}).status_code == 200
 
         denied = cli("cache", "warm", "Hello", "--url", base, env={"TIERSERVE_API_KEY": "user"})
         assert denied.returncode == 2 and "HTTP 403" in denied.stderr and "admin API key" in denied.stderr

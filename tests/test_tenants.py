@@ -60,6 +60,18 @@ def test_a_tenants_prefixes_are_no_oracle_for_another(serve):
         assert cached_tokens(base, "sk-c", cache_salt="x") == 0  # a salt still splits a tenant
 
 
+def test_tenant_keys_without_admin_keys_cannot_administer(serve):
+    """With API keys and no ``auth.admin_api_keys``, admin routes are refused (403 naming the setting), where
+    they used to make every tenant an admin (one tenant cleared every tenant's caches)."""
+    with serve(api_keys=["sk-a", "sk-b"]) as base:
+        assert cached_tokens(base, "sk-a") == 0
+        for method, path in (("POST", "/v1/cache/clear"), ("POST", "/v1/cache/flush")):
+            refused = httpx.request(method, base + path, json={}, headers=bearer("sk-b"))
+            assert refused.status_code == 403, (path, refused.text)
+            assert "auth.admin_api_keys" in refused.json()["error"]["message"]
+        assert cached_tokens(base, "sk-a") > 0  # A's cache is still there
+
+
 def test_without_api_keys_every_request_shares_the_cache_as_before(serve):
     with serve() as base:
         assert cached_tokens(base, "anything") == 0 and cached_tokens(base, "other") > 0

@@ -85,6 +85,8 @@ def read_adapter(name: str, path: str | Path, *, max_rank: int, num_layers: int)
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise _fail(f"lora_path: {config_file} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise _fail(f"lora_path: {config_file} holds a JSON {type(config).__name__}, not an object of PEFT settings")
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise _fail(f"lora_path: peft_type {config.get('peft_type')!r} is not supported; only LORA adapters are")
     unsupported = {
@@ -98,10 +100,14 @@ def read_adapter(name: str, path: str | Path, *, max_rank: int, num_layers: int)
     found = [key for key, bad in unsupported.items() if bad]
     if found:
         raise _fail(f"lora_path: adapter_config.json sets {', '.join(found)}, which tierserve's LoRA slots do not support")
-    rank = int(config.get("r", 0))
-    if not 0 < rank <= max_rank:
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise _fail(f"lora_path: adapter_config.json's r must be a positive integer (the LoRA rank); got {rank!r}")
+    if rank > max_rank:
         raise _fail(f"lora_path: the adapter's rank r = {rank} is above model.max_lora_rank ({max_rank})")
-    alpha = float(config.get("lora_alpha", rank))
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise _fail(f"lora_path: adapter_config.json's lora_alpha must be a finite number; got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weight_file = next((directory / f for f in _WEIGHT_FILES if (directory / f).is_file()), None)
     if weight_file is None or weight_file.suffix != ".safetensors":
@@ -121,6 +127,11 @@ def read_adapter(name: str, path: str | Path, *, max_rank: int, num_layers: int)
         layer = int(match.group(1))
         if layer >= num_layers:
             raise _fail(f"lora_path: weight {key!r} names layer {layer}; the model has {num_layers}")
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            raise _fail(f"lora_path: weight {key!r} is a {tensor.dim()}-D {tensor.dtype} tensor; LoRA A and B are "
+                        "2-D float matrices")  # fmt: skip
+        if not torch.isfinite(tensor).all():
+            raise _fail(f"lora_path: weight {key!r} holds NaN or infinite values")
         parts.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor.float()
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for where, pair in parts.items():
