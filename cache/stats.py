@@ -25,6 +25,7 @@ class TierStats:
     dropped_writes: int = 0
     write_errors: int = 0
     connection_errors: int = 0  # a remote tier's server unreachable, timed out or refusing (remote tiers)
+    errors: int = 0  # calls into the tier's plugin that raised (cache.guarded_tier: contained, backed off)
     get_seconds: float = 0.0
     put_seconds: float = 0.0
     stored_bytes: int = 0  # bytes as stored (compressed for disk)
@@ -111,6 +112,7 @@ class TierSnapshot:
     compression_ratio: float
     corrupt_indexes: int = 0
     connection_errors: int = 0
+    errors: int = 0
     blocks_total: int | None = None
     blocks_free: int | None = None
     medium: str = "memory"  # where the tier keeps its data: "arena" (L1), "memory", "disk", "remote"
@@ -148,6 +150,7 @@ class TierSnapshot:
             compression_ratio=stats.compression_ratio,
             corrupt_indexes=stats.corrupt_indexes,
             connection_errors=stats.connection_errors,
+            errors=stats.errors,
             blocks_total=blocks_total,
             blocks_free=blocks_free,
             medium=medium,
@@ -170,6 +173,7 @@ class TierSnapshot:
             "dropped_writes": self.dropped_writes,
             "write_errors": self.write_errors,
             "connection_errors": self.connection_errors,
+            "errors": self.errors,
             "get_seconds": round(self.get_seconds, 6),
             "put_seconds": round(self.put_seconds, 6),
             "compression_ratio": round(self.compression_ratio, 3),

@@ -278,30 +278,11 @@ class TieredStore:
 
         by_key = None if loaded is None else {entry.key: (position, entry) for position, entry in loaded}
         plan: list[int | tuple[int, CacheEntry]] = []  # per block: an L1 block (shared) or (position, entry) to promote
-        for index in range(usable):
-            key = seq.block_hashes[index]
-            tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
-            block_id = self.pool.lookup(key, tokens)
-            if block_id is not None:
-                self.pool.share(block_id)
-                plan.append(block_id)
-                continue
-            if by_key is None:
-                found = self._fetch_below(key, tokens)
-            else:
-                found = by_key.get(key)
-                if found is not None and found[1].token_ids != tokens:
-                    found = None
-                position = found[0] if found is not None else 0
-                if position and not self.index.tiers_of(key) & (1 << position):
-                    # read in a shared tier another process wrote it to: indexed while the tier still holds it (a
-                    # tier of this process that dropped it since the read is not told it holds it again)
-                    tier = self.tiers[position - 1].tier
-                    if tier.shared and tier.contains(key):
-                        self.placement.add(key, found[1].parent, position)
-            if found is None:
-                break
-            plan.append(found)
+        try:
+            self._plan_match(seq, usable, by_key, plan)
+        except BaseException:  # the L1 blocks shared so far are the step's to give back, or they stay in use
+            self.pool.free([item for item in plan if isinstance(item, int)])
+            raise
         shared = sum(1 for item in plan if isinstance(item, int))
         self.l1_stats.hits += shared
         self.l1_stats.misses += usable - shared
@@ -330,6 +311,38 @@ class TieredStore:
         self.stats.lookup_seconds += elapsed
         seq.cache_lookup_seconds += elapsed
         return PrefixMatch(usable, hits, elapsed)
+
+    def _plan_match(
+        self, seq: Sequence, usable: int, by_key: dict[bytes, tuple[int, CacheEntry]] | None,
+        plan: list[int | tuple[int, CacheEntry]],
+    ) -> None:
+        """``match``'s plan, appended to ``plan`` as it goes: per block an L1 block (shared here) or
+        ``(position, entry)`` to promote, up to the first block no tier has."""
+        bs = self.block_size
+        for index in range(usable):
+            key = seq.block_hashes[index]
+            tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            block_id = self.pool.lookup(key, tokens)
+            if block_id is not None:
+                self.pool.share(block_id)
+                plan.append(block_id)
+                continue
+            if by_key is None:
+                found = self._fetch_below(key, tokens)
+            else:
+                found = by_key.get(key)
+                if found is not None and found[1].token_ids != tokens:
+                    found = None
+                position = found[0] if found is not None else 0
+                if position and not self.index.tiers_of(key) & (1 << position):
+                    # read in a shared tier another process wrote it to: indexed while the tier still holds it (a
+                    # tier of this process that dropped it since the read is not told it holds it again)
+                    tier = self.tiers[position - 1].tier
+                    if tier.shared and tier.contains(key):
+                        self.placement.add(key, found[1].parent, position)
+            if found is None:
+                break
+            plan.append(found)
 
     def _copy_partial_block(self, seq: Sequence, whole: int) -> int:
         """After ``whole`` matched blocks (maybe none), reuse the start of an L1 block that follows the same
@@ -397,7 +410,13 @@ class TieredStore:
 
         found = found[:count]
         block_ids = self.pool.allocate(count)
-        self.transfer.write_blocks(block_ids, torch.stack([entry.kv for _, entry in found]))
+        try:
+            self.transfer.write_blocks(block_ids, torch.stack([entry.kv for _, entry in found]))
+        except Exception as exc:  # noqa: BLE001 - an entry a tier plugin returned that the arena cannot take
+            self.pool.free(block_ids)  # they were the step's to lose: once leaked, a block stayed in use for good
+            log.warning("promote_failed", error=repr(exc), tiers=sorted({self.tier_names[p] for p, _ in found}),
+                        action="the prompt computes these blocks")  # fmt: skip
+            return []
         for block_id, (position, entry) in zip(block_ids, found):
             self.stats.promotions[self.tier_names[position]] += 1
             if self.pool.register(block_id, entry.key, entry.parent, entry.token_ids):

@@ -110,7 +110,10 @@ class RunnerOutput:
             target's own token.
         proposals: per ``seq_id``, drafts for the sequence's next step (only
             for sequences that speculate).
+        failed: per ``seq_id``, the request field at fault and why the sequence cannot go on (its grammar
+            matcher failed: a schema too large or recursive to follow); it ends with that error.
     """
 
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     proposals: dict[int, Proposal] = field(default_factory=dict)
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (param, why): it ends with an error

@@ -30,6 +30,11 @@ def _rebuild_request_error(cls: type[RequestError], message: str, param: str | N
     return cls(message, param=param, code=code)
 
 
+class EngineFault(TierserveError, RuntimeError):
+    """The engine ended a request because code it runs (a scheduler or backend plugin) raised; the message names
+    the plugin. The HTTP API answers it with a 500 (a stream: an error event)."""
+
+
 class QueueFullError(TierserveError, RuntimeError):
     """The waiting queue is at ``max_waiting_requests``; the server answers 503 + Retry-After."""
 

@@ -47,6 +47,8 @@ class CoreOutput:
     accepted_drafts: int = 0
     windows_slid: int = 0
     peak_blocks: int = 0
+    error: str | None = None  # with "abort": the engine failed the request (a plugin raised), and why
+    error_param: str | None = None  # the request field at fault, when the request itself could not be followed
 
 
 @dataclass(slots=True)
@@ -82,6 +84,8 @@ class RequestOutput:
     timings: RequestTimings | None = None
     cache: RequestCacheInfo | None = None
     speculation_method: str | None = None
+    error: str | None = None  # the engine failed the request (``CoreOutput.error``): the client raises EngineFault
+    error_param: str | None = None  # ...or, with the field at fault, RequestError (a 400)
 
 
 @dataclass(slots=True)

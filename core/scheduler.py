@@ -170,6 +170,9 @@ class Scheduler(ABC):
                 self.kv.cache_computed(seq)
                 continue
             reason, tokens, logprobs = self._append(seq, sampled)
+            failure = result.failed.get(seq.seq_id)
+            if failure is not None:
+                reason = FinishReason.ABORT
             if chunk.num_draft:
                 seq.accepted_drafts += accepted
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
@@ -183,7 +186,7 @@ class Scheduler(ABC):
                 if proposal is not None and proposal.token_ids:
                     seq.spec_token_ids = list(proposal.token_ids)
                     seq.spec_proposal = proposal
-            outputs.append(self._output(seq, tokens, reason, logprobs))
+            outputs.append(self._output(seq, tokens, reason, logprobs, failure))
         return outputs
 
     def _append(
@@ -217,7 +220,8 @@ class Scheduler(ABC):
 
     @staticmethod
     def _output(
-        seq: Sequence, tokens: list[int], reason: FinishReason | None, logprobs: list[TokenLogprob] | None
+        seq: Sequence, tokens: list[int], reason: FinishReason | None, logprobs: list[TokenLogprob] | None,
+        failure: tuple[str, str] | None = None,
     ) -> CoreOutput:
         cache = None
         if seq.cache_info_pending:
@@ -232,4 +236,6 @@ class Scheduler(ABC):
             seq.accepted_drafts,
             seq.windows_slid,
             seq.peak_blocks,
+            error=failure[1] if failure is not None else None,
+            error_param=failure[0] if failure is not None else None,
         )

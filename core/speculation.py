@@ -119,6 +119,7 @@ class SpeculationStats:
     depth: int = 0  # summed over verifications: the drafts' depth (k for a linear run, a tree's deepest path)
     tree_verifications: int = 0  # of the verifications, those of token trees
     tree_nodes: int = 0  # nodes those trees held
+    errors: int = 0  # speculator calls that raised: those requests went on without speculation
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, rows: list[SamplingRow], greedy: bool) -> list[int]:

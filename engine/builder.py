@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from tierserve.cache.block_pool import BlockPool
+from tierserve.cache.guarded_tier import GuardedTier
 from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
 from tierserve.cache.named_prefixes import NamedPrefixes
 from tierserve.cache.store import StoreTier, TieredStore
@@ -202,9 +203,11 @@ def build_speculators(settings: Settings, plugins: PluginManager, backend: Model
 
 
 def build_tier(tier: TierSettings, plugins: PluginManager, fingerprint: str) -> CacheTier:
-    """One ``[[kv_cache.tiers]]`` entry built by its plugin, with its eviction policy."""
+    """One ``[[kv_cache.tiers]]`` entry built by its plugin, with its eviction policy, its faults contained
+    (``cache.guarded_tier``)."""
     policy = plugins.registry("eviction_policies").get(tier.eviction_policy)
-    return plugins.registry("cache_tiers").get(tier.plugin).factory(tier, policy.factory, fingerprint)
+    component = plugins.registry("cache_tiers").get(tier.plugin)
+    return GuardedTier(component.factory(tier, policy.factory, fingerprint), tier.name, component.plugin)
 
 
 def model_info(core: EngineCore) -> ModelInfo:

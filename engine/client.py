@@ -36,7 +36,7 @@ from tierserve.engine.requests import (
     window_mode,
 )
 from tierserve.engine.stats import EngineSnapshot, empty_snapshot
-from tierserve.core.errors import RequestTimeoutError
+from tierserve.core.errors import EngineFault, RequestTimeoutError
 from tierserve.core.grammar import GrammarSpec
 from tierserve.core.outputs import CompletedRequest, RequestOutput, TokenLogprob
 from tierserve.core.sampling_params import SamplingParams
@@ -287,6 +287,10 @@ class EngineClient:
                     if asyncio.current_task().cancelling():
                         raise asyncio.CancelledError
                 finished = output.finished
+                if output.error is not None:
+                    if output.error_param is not None:
+                        raise RequestError(output.error, param=output.error_param)
+                    raise EngineFault(output.error)
                 yield output
         finally:
             if not finished:

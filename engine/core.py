@@ -78,6 +78,7 @@ class EngineCore:
     ) -> None:
         self.settings = settings
         self.scheduler = scheduler
+        self.phase = "engine"  # the part of a step running: "scheduler", "backend" (the model runner), "engine"
         self.runner = runner
         self.store = store
         self.clock = clock
@@ -151,10 +152,13 @@ class EngineCore:
         self.counters.prompt_tokens += seq.num_prompt_tokens
         return []
 
-    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> list[CoreOutput]:
+    def abort(
+        self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT, error: str | None = None
+    ) -> list[CoreOutput]:
         """End requests now and free their blocks (unknown or finished ids are ignored).
 
-        ``reason`` is ``STOP`` when the client ended the request itself (a stop string).
+        ``reason`` is ``STOP`` when the client ended the request itself (a stop string); ``error``: the engine
+        failed them (``CoreOutput.error``).
         """
         outputs = []
         for request_id in request_ids:
@@ -166,7 +170,7 @@ class EngineCore:
             if reason is FinishReason.ABORT:
                 self.counters.requests_aborted += 1
             self.counters.requests_finished += 1
-            outputs.append(CoreOutput(request_id, [], reason.value))
+            outputs.append(CoreOutput(request_id, [], reason.value, error=error))
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -177,8 +181,13 @@ class EngineCore:
         if self.clock is not None:
             batch, outputs = self._profiled_round()
         else:
+            self.phase = "scheduler"
             batch = self.scheduler.schedule()
-            outputs = self.scheduler.update_from_output(batch, self.runner.execute(batch))
+            self.phase = "backend"
+            result = self.runner.execute(batch)
+            self.phase = "scheduler"
+            outputs = self.scheduler.update_from_output(batch, result)
+        self.phase = "engine"
         if not batch.is_empty:
             self.counters.steps += 1
         else:  # nothing could run: perhaps prompts whose prefixes are being read below L1; wait, do not spin
@@ -258,10 +267,13 @@ class EngineCore:
         clock = self.clock
         looked_up = self._lookup_seconds()
         started = time.perf_counter()
+        self.phase = "scheduler"
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        self.phase = "backend"
         result = self.runner.execute(batch)
         executed = time.perf_counter()
+        self.phase = "scheduler"
         outputs = self.scheduler.update_from_output(batch, result)
         lookup = self._lookup_seconds() - looked_up
         clock.observe("schedule", (scheduled - started) + (time.perf_counter() - executed) - lookup)
@@ -272,9 +284,16 @@ class EngineCore:
     def _lookup_seconds(self) -> float:
         return self.store.stats.lookup_seconds if self.store is not None else 0.0
 
-    def fail_all(self) -> list[CoreOutput]:
-        """After a step failed, end every request rather than leave clients waiting."""
-        return self.abort(list(self.requests))
+    def fail_all(self, exc: BaseException | None = None) -> list[CoreOutput]:
+        """After a step failed (``exc``), end every request rather than leave clients waiting; each is told
+        which plugin raised (the part of the step that was running) and what."""
+        error = None
+        if exc is not None:
+            owner = {"scheduler": self.scheduler, "backend": self.backend}.get(self.phase)
+            where = f"the {self.phase} plugin {type(owner).__module__}.{type(owner).__name__}" if owner else "the engine"
+            error = (f"{where} raised {type(exc).__name__}: {str(exc)[:200]}; every request of that step was "
+                     "ended (the server log has the traceback)")  # fmt: skip
+        return self.abort(list(self.requests), error=error)
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)

@@ -64,9 +64,9 @@ class CoreLoop:
         if step and core.has_unfinished():
             try:
                 outputs += core.step()
-            except Exception:
-                log.exception("engine_step_failed")
-                outputs += core.fail_all()
+            except Exception as exc:
+                log.exception("engine_step_failed", part=core.phase)
+                outputs += core.fail_all(exc)
         finished = any(output.finish_reason is not None for output in outputs)
         snapshot = None
         now = time.monotonic()

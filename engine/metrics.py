@@ -21,6 +21,7 @@ TIER_COUNTERS = {
     "dropped_writes": "Writes dropped because the write queue was full",
     "write_errors": "Writes that failed (disk full, read-only, a remote server out of memory, ...)",
     "connection_errors": "Commands to a remote tier's server that failed to connect or timed out",
+    "errors": "Calls into the tier's plugin that raised (contained: a miss or a dropped write, then a back-off)",
     "get_seconds": "Time spent reading entries",
     "put_seconds": "Time spent storing entries",
 }

@@ -73,6 +73,7 @@ class RequestState:
     num_prompt_tokens: int
     arrival_time: float
     spec_method: str | None = None
+    error: tuple[str, str | None] | None = None  # the core failed the request: CoreOutput.error, error_param
     num_output_tokens: int = 0
     first_token_time: float | None = None
     cache: RequestCacheInfo | None = None
@@ -160,6 +161,7 @@ class OutputProcessor:
                 reason = "stop"
         if reason is None and not new and output.finish_reason is not None:
             reason = output.finish_reason  # ended without a token: aborted, or a window that could not recompute
+        state.error = (output.error, output.error_param) if output.error is not None else None
         logprobs = output.logprobs[: len(tokens)] if output.logprobs is not None else None
         if reason is None:
             state.stream.put(self._delta(state, "".join(texts), tokens, None, logprobs))
@@ -197,6 +199,8 @@ class OutputProcessor:
             timings=timings,
             cache=state.cache if reason is not None else None,
             speculation_method=state.spec_method,
+            error=state.error[0] if reason is not None and state.error else None,
+            error_param=state.error[1] if reason is not None and state.error else None,
         )
 
     def _timings(self, state: RequestState) -> RequestTimings:

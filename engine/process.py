@@ -210,14 +210,19 @@ class ProcessDriver:
         while True:
             try:
                 message = self._conn.recv()
+                if isinstance(message, StepOutputs):
+                    self._client.receive(message)
+                elif isinstance(message, CallResult):
+                    self._calls.resolve(message)
+                elif isinstance(message, Shutdown):
+                    self._stopping = True
+                    break
             except (EOFError, OSError):
                 break
-            if isinstance(message, StepOutputs):
-                self._client.receive(message)
-            elif isinstance(message, CallResult):
-                self._calls.resolve(message)
-            elif isinstance(message, Shutdown):
-                self._stopping = True
+            except Exception:  # noqa: BLE001 - a message this side cannot read: the core is out of reach
+                # without this the reader died silently, the pipe filled and every client waited for good
+                log.exception("engine_pipe_unreadable", pid=self.process.pid, action="the core is stopped")
+                self.process.kill()
                 break
         self._on_exit(expected=self._stopping)
 

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
@@ -21,6 +22,7 @@ from tierserve.core.speculation import DraftRequest, Proposal, SpeculationStats,
 from tierserve.core.token_tree import ROOT, check_tree, tree_children, tree_depths, verify_tree, within_depth
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +130,7 @@ class ModelRunner:
                 output.sampled[chunk.seq.seq_id] = [sampled]
                 if chunk.seq.grammar is not None:
                     chunk.seq.grammar.consume_token(sampled.token_id)
+                    self._check_grammar(chunk.seq, output)
         hidden_rows: dict[int, int] = {}  # seq_id -> the logits row that produced its newest token
         for chunk, first in speculative:
             rows = logits[first : first + chunk.num_draft + 1]
@@ -137,6 +140,8 @@ class ModelRunner:
                 output.sampled[chunk.seq.seq_id] = self._verify(chunk, rows)
                 last = len(output.sampled[chunk.seq.seq_id]) - 1
             hidden_rows[chunk.seq.seq_id] = first + last
+            if chunk.seq.grammar is not None:
+                self._check_grammar(chunk.seq, output)
         if self.speculators:
             for chunk, row in plain:
                 hidden_rows[chunk.seq.seq_id] = row
@@ -144,6 +149,19 @@ class ModelRunner:
         if clock is not None:
             clock.observe("sample", time.perf_counter() - forwarded)
         return output
+
+    @staticmethod
+    def _check_grammar(seq: Sequence, output: RunnerOutput) -> None:
+        """A matcher in error (llguidance gave up: too many parser items for a schema of thousands of
+        alternatives, or a self-referencing one) would only allow the end of the output, and the client would
+        get text that breaks its schema: the request ends with an error naming the field instead."""
+        matcher = seq.grammar
+        if matcher.is_error():
+            param = seq.params.grammar.param
+            why = matcher.get_error().split("; consider")[0].split("; try")[0]
+            output.failed[seq.seq_id] = (param, f"{param}: the output could not follow this schema past token "
+                                         f"{seq.num_tokens - seq.num_prompt_tokens + 1} ({why}); use a smaller or "
+                                         "non-recursive schema")  # fmt: skip
 
     def _masked(self, logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
         """A copy of ``logits`` with each of ``rows`` limited to what its grammar matcher allows next."""
@@ -247,7 +265,12 @@ class ModelRunner:
                 budget = nodes if speculator.proposes_trees else min(seq.spec_k, room)
                 state = hidden[hidden_rows[seq.seq_id]] if speculator.needs_hidden_states else None
                 requests.append(DraftRequest(seq, history, budget, room, state))
-            for request, proposal in zip(requests, speculator.propose(requests)):
+            proposals = self._contained(method, "propose", lambda: speculator.propose(requests), None)
+            if proposals is None:  # it raised: these requests decode on without drafts
+                for request in requests:
+                    request.seq.spec_method = None
+                continue
+            for request, proposal in zip(requests, proposals):
                 if not proposal.token_ids or not self._well_formed(method, proposal):
                     continue
                 if proposal.parents is None and len(proposal.token_ids) > request.max_depth:
@@ -288,8 +311,19 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Forget what the backend and the speculator keep for a sequence (finished or preempted)."""
         self.backend.release(seq)
-        for speculator in self.speculators.values():
-            speculator.release(seq)
+        for method, speculator in self.speculators.items():
+            self._contained(method, "release", lambda speculator=speculator: speculator.release(seq), None)
+
+    def _contained(self, method: str, call: str, run: Callable[[], T], fallback: T) -> T:
+        """``run()`` (a call into a speculator plugin), or ``fallback`` when it raises: logged with the plugin
+        and the traceback and counted (``speculation.errors``); the request it was for decodes on without it."""
+        try:
+            return run()
+        except Exception:  # noqa: BLE001 - a plugin may raise anything; containing it is the point
+            self.spec_stats.errors += 1
+            log.exception("speculator_failed", speculator=method, call=call, errors=self.spec_stats.errors,
+                          action="the requests it drafted for decode on without speculation")  # fmt: skip
+            return fallback
 
     def close(self) -> None:
         for speculator in self.speculators.values():

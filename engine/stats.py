@@ -44,12 +44,13 @@ class SpeculationSnapshot:
     depth: int = 0
     tree_verifications: int = 0
     tree_nodes: int = 0
+    errors: int = 0  # speculator calls that raised (those requests decoded on without drafts)
 
     @classmethod
     def of(cls, enabled: bool, method: str | None, stats: SpeculationStats, early_stops: int) -> SpeculationSnapshot:
         return cls(
             enabled, method, stats.verifications, stats.proposed, stats.accepted, stats.emitted, early_stops,
-            stats.depth, stats.tree_verifications, stats.tree_nodes,
+            stats.depth, stats.tree_verifications, stats.tree_nodes, stats.errors,
         )  # fmt: skip
 
     @property
@@ -85,6 +86,7 @@ class SpeculationSnapshot:
             "tree_verifications": self.tree_verifications,
             "tree_nodes_per_step": self.tree_nodes_per_step,
             "avg_depth": self.avg_depth,
+            "errors": self.errors,
         }
 
 

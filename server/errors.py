@@ -10,6 +10,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from tierserve.engine import RequestError
 from tierserve.engine.process import EngineProcessError
+from tierserve.core.errors import EngineFault
 from tierserve.core.scheduler import QueueFullError
 
 log = structlog.get_logger(__name__)
@@ -79,6 +80,10 @@ def handle_engine_gone(_: Request, exc: EngineProcessError) -> Response:
     return error_response(503, "the engine is not running; the server logged the details", None, "engine_unavailable")
 
 
+def handle_engine_fault(_: Request, exc: EngineFault) -> Response:
+    return error_response(500, str(exc), None, "engine_fault")
+
+
 def handle_queue_full(request: Request, exc: QueueFullError) -> Response:
     retry = str(request.app.state.tierserve.settings.server.retry_after_seconds)
     return error_response(503, str(exc), None, "queue_full", {"Retry-After": retry})
@@ -111,6 +116,7 @@ EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     RequestError: handle_request_error,
     EngineProcessError: handle_engine_gone,
+    EngineFault: handle_engine_fault,
     QueueFullError: handle_queue_full,
     ValidationException: handle_validation,
     HTTPException: handle_http,

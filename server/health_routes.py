@@ -66,14 +66,15 @@ def components(state: ServerState) -> dict[str, Any]:
 
 def cache_system_status(state: ServerState, snapshot: EngineSnapshot | None) -> str:
     """``operational``; ``disabled`` (prefix caching off); ``degraded`` (a tier failed writes, found
-    corrupt entries, rebuilt a corrupt index or lost its remote server: it still answers);
+    corrupt entries, rebuilt a corrupt index, lost its remote server or raised: it still answers);
     ``loading``/``failed`` with the engine."""
     if snapshot is None:
         return "failed" if state.load_error else "loading"
     if snapshot.cache is None:
         return "disabled"
     tiers = snapshot.cache.tiers.values()
-    return "degraded" if any(t.write_errors or t.corrupt or t.corrupt_indexes or t.connection_errors for t in tiers) else "operational"
+    faults = (t.write_errors or t.corrupt or t.corrupt_indexes or t.connection_errors or t.errors for t in tiers)
+    return "degraded" if any(faults) else "operational"
 
 
 @get("/health", opt=HEALTH, sync_to_thread=False)

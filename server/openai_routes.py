@@ -12,9 +12,9 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from tierserve.engine import EngineClient, RequestTimings
-from tierserve.core.errors import RequestTimeoutError
+from tierserve.core.errors import EngineFault, RequestError, RequestTimeoutError
 from tierserve.server.connection import CLIENT_CLOSED, ClientDisconnected, unless_disconnected
-from tierserve.server.errors import APIError, timeout_body
+from tierserve.server.errors import APIError, error_body, timeout_body
 from tierserve.server.generation_jobs import Choice, Job, build_job, collect, fold, merged, submit_all
 from tierserve.server.openai_responses import cache_report, chat_logprobs, completion_logprobs, full_response, observe, sse, usage_of
 from tierserve.server.schemas import (
@@ -111,7 +111,7 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
     started_roles: set[int] = set()
     tool_streams: dict[int, ToolStream] = {}
     offsets = [0] * len(choices)
-    completed = timed_out = False
+    completed = failed = False
     try:
         for choice in choices:
             if choice.text:  # echo: the prompt's text goes out first
@@ -158,8 +158,16 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
         yield sse("[DONE]")
         completed = True
     except RequestTimeoutError:  # the status line is long gone: the error travels as the last event
-        timed_out = True
+        failed = True
         yield sse(timeout_body(state.settings.server.timeout_seconds))
+        yield sse("[DONE]")
+    except EngineFault as fault:  # a plugin raised in the engine: the same, as a 500's body
+        failed = True
+        yield sse(error_body(500, str(fault), None, "engine_fault"))
+        yield sse("[DONE]")
+    except RequestError as refused:  # the request could not be followed (its schema): as a 400's body
+        failed = True
+        yield sse(error_body(400, refused.message, refused.param, refused.code))
         yield sse("[DONE]")
     finally:
         if completed:
@@ -167,7 +175,7 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
         else:
             metrics = state.extras.get("metrics")
             if metrics is not None:
-                metrics.count_outcome("error" if timed_out else "abort")
+                metrics.count_outcome("error" if failed else "abort")
 
 
 def model_entry(state: ServerState, name: str) -> dict[str, Any]:

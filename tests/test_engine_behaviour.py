@@ -238,7 +238,7 @@ def test_a_prefix_read_from_a_slow_tier_does_not_stall_running_streams(tiny, tmp
         [cold] = engine.generate([prefix + [40]], greedy)
         engine.driver.core.scheduler.kv.store.flush()  # white-box: the write-through is on disk
         engine.clear_cache("l1")  # the prefix is now only in l3
-        store_tier = engine.driver.core.scheduler.kv.store.tiers[0].tier  # white-box: slow its reads down
+        store_tier = engine.driver.core.scheduler.kv.store.tiers[0].tier.inner  # white-box (in its guard): slow reads
         read, reader_threads = store_tier._lookup, set()
 
         def slow_read(key):
@@ -285,7 +285,8 @@ def test_prefix_reads_time_out_from_their_start_not_from_their_place_in_the_load
             store.flush()
             engine.clear_cache("l1")
             store.load_timeout = limit
-            disk, read = store.tiers[0].tier, store.tiers[0].tier._lookup
+            disk = store.tiers[0].tier.inner  # the disk tier in its guard (cache.guarded_tier)
+            read = disk._lookup
             disk._lookup = lambda key: time.sleep(0.1) or read(key)
             warm = engine.generate([p + [40] for p in prefixes], greedy)
             assert [r.token_ids for r in warm] == [r.token_ids for r in cold]

@@ -109,6 +109,29 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param, phrase)
     assert error["param"] == param and phrase in error["message"]
 
 
+HUGE_ANY_OF = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"],
+                          "additionalProperties": False} for i in range(5000)]}  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", [HUGE_ANY_OF, {"$ref": "#"}], ids=["5000-alternatives", "self-reference"])
+def test_a_schema_the_parser_gives_up_on_is_an_error_not_a_broken_200(server, schema):
+    """Schemas llguidance accepts but cannot follow as the output grows (thousands of alternatives, a
+    self-reference): the request fails naming the field (400; a stream ends with an error event), where it
+    used to answer 200 with ``{"`` or nothing and finish_reason "stop"."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as failure:
+        server.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=20,
+                                       response_format=response_format)  # fmt: skip
+    error = failure.value.body
+    assert error["param"] == "response_format" and "could not follow this schema" in error["message"]
+    stream = server.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=20,
+                                            response_format=response_format, stream=True)  # fmt: skip
+    with pytest.raises(openai.APIError, match="could not follow this schema"):
+        list(stream)
+    ok = server.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert ok.choices[0].message.content is not None
+
+
 def test_speculative_drafts_and_preemption_keep_constrained_output_exact(checkpoint):
     """ngram drafts a refused token sometimes: it is rejected, and greedy output is unchanged; ngram_tree's trees
     are cut to their first branch for a constrained sequence, with the same result; a tiny KV pool preempts

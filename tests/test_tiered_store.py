@@ -197,7 +197,7 @@ def test_l1_only_store_needs_no_transfer_and_reports_l1():
     assert set(stats["tiers"]) == {"l1"} and stats["promotions"] == {} and stats["demotions"] == {}
     assert set(stats["tiers"]["l1"]) == {
         "hits", "misses", "hit_rate", "entries", "bytes", "evictions", "expirations", "corrupt", "corrupt_indexes",
-        "dropped_writes", "write_errors", "connection_errors", "get_seconds", "put_seconds", "compression_ratio", "blocks_total", "blocks_free",
+        "dropped_writes", "write_errors", "connection_errors", "errors", "get_seconds", "put_seconds", "compression_ratio", "blocks_total", "blocks_free",
         "medium", "capacity_entries", "capacity_bytes",
     }
     assert (stats["tiers"]["l1"]["capacity_entries"], stats["tiers"]["l1"]["medium"]) == (PROMPT_BLOCKS + 1, "arena")
