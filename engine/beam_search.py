@@ -9,9 +9,10 @@ replayed step for step on the backend's logits, so the result equals
     beam 1      [p0][p1][c1···]       p2 ref_count 2 > 1: copy it to c1, then write
     beam 2      [p0][p1][p2···]       p2 ref_count 1: the last holder writes in place
 
-A search runs as one engine core command (``EngineCore.beam_search``): it
-holds the core's thread from prefill to its last step, so running
-generations pause meanwhile.
+A search (``BeamSearch``) runs in slices between the engine core's steps, one
+forward each (a prefill chunk, or the beams' next token): running
+generations keep decoding while it runs, and a search whose client left is
+cancelled at its next slice, its blocks freed.
 """
 
 from __future__ import annotations
@@ -145,11 +146,20 @@ def run_beam_search(
     prefill_budget: int,
     new_seq_id: Callable[[], int],
 ) -> BeamSearchOutput:
-    """Beam-search ``prompt_ids`` on a paged backend and the scheduler's KV manager; the best hypotheses, best first.
+    """A whole ``BeamSearch`` run here, slice after slice (a caller that owns the core's thread)."""
+    search = BeamSearch(backend, kv, prompt_ids, params, eos_token_ids, prefill_budget=prefill_budget,
+                        new_seq_id=new_seq_id)  # fmt: skip
+    while not search.advance():
+        pass
+    return search.result()
 
-    Call it on the engine core's thread (``EngineCore.beam_search`` does): it
-    allocates from the pool the scheduler uses. Every block it takes is freed
-    before it returns or raises.
+
+class BeamSearch:
+    """Beam-search ``prompt_ids`` on a paged backend and the scheduler's KV manager, one forward at a time.
+
+    The engine core advances it between its steps (``EngineCore.beam_search`` hands the loop a busy
+    ``Deferred``), so running generations keep decoding while a search runs, and ``cancel`` (its client left)
+    ends it at the next slice. Every block it takes is freed when it finishes, fails or is cancelled.
 
     Args:
         backend: a paged backend.
@@ -160,36 +170,77 @@ def run_beam_search(
         prefill_budget: tokens per prefill forward (the scheduler's token budget).
         new_seq_id: hands out sequence ids, so a backend keyed by id never confuses a beam with a request.
 
-    Returns:
-        ``params.num_return_sequences`` results, highest score first, with the
-        search's peak KV blocks and its wall time.
-
     Raises:
-        QueueFullError: fewer free blocks than the search may need (running requests hold them).
+        QueueFullError: fewer free blocks than the search may need (running requests hold them); also from
+            ``advance`` when requests that arrived since took the blocks it needs next.
     """
-    started = time.perf_counter()
-    if not prompt_ids:
-        raise RequestError("prompt: must contain at least one token", param="prompt")
-    needed = beam_search_blocks(len(prompt_ids), params, kv.block_size)
-    if needed > kv.num_free_blocks:
-        raise QueueFullError(
-            f"beam_width: {params.beam_width} beams over prompt ({len(prompt_ids)} tokens) + max_tokens "
-            f"({params.max_tokens}) may need {needed} KV blocks and {kv.num_free_blocks} are free "
-            "now; retry later, or lower beam_width or max_tokens"
-        )
-    scorer = _BeamScorer(params, eos_token_ids)
-    beams = _ArenaBeams(backend, kv, params, prefill_budget, new_seq_id)
-    try:
-        logits = beams.prefill(list(prompt_ids)).expand(params.beam_width, -1)
-        while True:
-            parents, tokens, done = scorer.step(logits)
+
+    def __init__(
+        self,
+        backend: ModelBackend,
+        kv: KVCacheManager,
+        prompt_ids: Seq[int],
+        params: BeamSearchParams,
+        eos_token_ids: Collection[int],
+        *,
+        prefill_budget: int,
+        new_seq_id: Callable[[], int],
+    ) -> None:
+        self.started = time.perf_counter()
+        if not prompt_ids:
+            raise RequestError("prompt: must contain at least one token", param="prompt")
+        needed = beam_search_blocks(len(prompt_ids), params, kv.block_size)
+        if needed > kv.num_free_blocks:
+            raise QueueFullError(
+                f"beam_width: {params.beam_width} beams over prompt ({len(prompt_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) may need {needed} KV blocks and {kv.num_free_blocks} are free "
+                "now; retry later, or lower beam_width or max_tokens"
+            )
+        self.params = params
+        self.scorer = _BeamScorer(params, eos_token_ids)
+        self.beams = _ArenaBeams(backend, kv, params, prefill_budget, new_seq_id)
+        self.beams.start(list(prompt_ids))
+        self.logits: torch.Tensor | None = None  # the running beams' next-token logits, once prefilled
+        self.output: BeamSearchOutput | None = None
+        self.cancelled = False
+
+    def advance(self) -> bool:
+        """One slice: a prefill chunk, or a scoring step and the beams' forward. True once the search is over
+        (finished, cancelled or failed: ``result`` then answers)."""
+        if self.output is not None or self.cancelled:
+            return True
+        try:
+            if self.logits is None:
+                logits = self.beams.prefill_chunk()
+                if logits is not None:
+                    self.logits = logits.expand(self.params.beam_width, -1)
+                return False
+            parents, tokens, done = self.scorer.step(self.logits)
             if done:
-                hypotheses = scorer.results()[: params.num_return_sequences]
-                return BeamSearchOutput(hypotheses, beams.peak_blocks, time.perf_counter() - started)
-            beams.fork(parents, tokens)
-            logits = beams.forward()
-    finally:
-        beams.release()
+                hypotheses = self.scorer.results()[: self.params.num_return_sequences]
+                self.output = BeamSearchOutput(hypotheses, self.beams.peak_blocks, time.perf_counter() - self.started)
+                self.beams.release()
+                return True
+            self.beams.fork(parents, tokens)
+            self.logits = self.beams.forward()
+            return False
+        except BaseException:
+            self.beams.release()
+            raise
+
+    def cancel(self) -> None:
+        """Stop at once and free the blocks (its client left)."""
+        self.cancelled = True
+        self.beams.release()
+
+    def result(self) -> BeamSearchOutput:
+        """The best hypotheses, best first, with the search's peak KV blocks and its wall time.
+
+        Raises:
+            RequestError: the search was cancelled."""
+        if self.output is None:
+            raise RequestError("beam_width: the beam search was cancelled (its client left)", param="beam_width")
+        return self.output
 
 
 class _BeamScorer:
@@ -312,25 +363,26 @@ class _ArenaBeams:
         self.width = params.beam_width
         self.params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         self.running: list[Sequence] = []
-        self.baseline = self.pool.num_used_blocks  # blocks other requests held when the search began
-        self.peak_blocks = 0
+        self.peak_blocks = 0  # the most blocks the beams held at once
 
     def _sequence(self, token_ids: list[int], num_prompt_tokens: int) -> Sequence:
         seq_id = self.new_seq_id()
         return Sequence(seq_id, f"beam-{seq_id}", token_ids, num_prompt_tokens, self.params)
 
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Compute the prompt's KV once, in chunks of the scheduler's token budget; next-token logits ``[1, vocab]``."""
+    def start(self, prompt_ids: list[int]) -> None:
+        """Take the prompt's blocks; every beam starts as the prompt."""
         seq = self._sequence(prompt_ids, len(prompt_ids))
-        self.running = [seq] * self.width  # every beam starts as the prompt
+        self.running = [seq] * self.width
         self._allocate(seq)
-        budget = self.prefill_budget
-        logits = None
-        while seq.num_computed_tokens < seq.num_tokens:
-            n = min(budget, seq.num_tokens - seq.num_computed_tokens)
-            logits = self.backend.forward([ScheduledChunk(seq, n)])
-            seq.num_computed_tokens += n
-        return logits
+
+    def prefill_chunk(self) -> torch.Tensor | None:
+        """Compute the next chunk of the prompt's KV (the scheduler's token budget); its next-token logits
+        ``[1, vocab]`` once the whole prompt is in, else None."""
+        seq = self.running[0]
+        n = min(self.prefill_budget, seq.num_tokens - seq.num_computed_tokens)
+        logits = self.backend.forward([ScheduledChunk(seq, n)])
+        seq.num_computed_tokens += n
+        return logits if seq.num_computed_tokens == seq.num_tokens else None
 
     def fork(self, parents: list[int], tokens: list[int]) -> None:
         """Make ``running[parents[i]] + [tokens[i]]`` the running beams, sharing the parents' blocks."""
@@ -374,7 +426,8 @@ class _ArenaBeams:
     def forward(self) -> torch.Tensor:
         """One backend step over every running beam's newest token; logits ``[beam_width, vocab]``."""
         chunks = [ScheduledChunk(seq, 1) for seq in self.running]
-        self.peak_blocks = max(self.peak_blocks, self.pool.num_used_blocks - self.baseline)
+        held = len({block_id for seq in self.running for block_id in seq.block_table})
+        self.peak_blocks = max(self.peak_blocks, held)
         logits = self.backend.forward(chunks)
         for seq in self.running:
             seq.num_computed_tokens += 1

@@ -514,18 +514,22 @@ class EngineClient:
         vectors = [self.driver.call("embed", batch) for batch in batches]
         return torch.cat(vectors), sum(len(ids) for ids in token_ids)
 
-    def beam_search(self, prompt: str | Seq[int], params: BeamSearchParams) -> BeamSearchOutput:
+    def beam_search(
+        self, prompt: str | Seq[int], params: BeamSearchParams, search_id: str | None = None
+    ) -> BeamSearchOutput:
         """Beam search, equal to transformers' ``generate(num_beams=params.beam_width, do_sample=False)``.
 
-        The whole search runs as one command between steps, so a beam request
-        occupies the engine from prefill to its last token. Returns the
-        hypotheses (best first) with the search's peak KV blocks and wall time.
+        The search runs a forward at a time between the engine's steps, so
+        other requests keep decoding meanwhile; ``cancel_beam_search(search_id)``
+        (from another thread) stops it. Returns the hypotheses (best first)
+        with the search's peak KV blocks and wall time.
 
         Raises:
             RequestError: an empty prompt, a backend without a paged KV arena, or
                 prompt + max_tokens beyond the context length or beyond what the
                 whole KV cache can hold for ``beam_width`` beams.
             QueueFullError: too few KV blocks are free now; retry later.
+            RequestError: the search was cancelled.
         """
         from tierserve.engine.beam_search import beam_search_blocks
 
@@ -548,7 +552,11 @@ class EngineClient:
                 f"({info.kv_blocks}); lower max_tokens or beam_width",
                 param="max_tokens",
             )
-        return self.driver.call("beam_search", ids, params)
+        return self.driver.call("beam_search", ids, params, search_id)
+
+    def cancel_beam_search(self, search_id: str) -> bool:
+        """Stop the beam search running under ``search_id`` and free its blocks (False: none runs)."""
+        return self.driver.call("cancel_beam_search", search_id)
 
     # ---- running --------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from tierserve.cache.named_prefixes import Key, NamedPrefix, NamedPrefixes
     from tierserve.cache.store import TieredStore
     from tierserve.core.batch import SchedulerOutput
-    from tierserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from tierserve.engine.beam_search import BeamSearch, BeamSearchParams
     from tierserve.settings.config import Settings
     from tierserve.core.sampling_params import SamplingParams
 
@@ -85,6 +85,7 @@ class EngineCore:
         self.keys = keys
         self._keyed: dict[str, Key] = {}  # request id -> the cache key it registers when it ends normally
         self._warms: dict[str, WarmWrites] = {}  # prompt warms in progress, until finish_warm
+        self._beams: dict[str, BeamSearch] = {}  # beam searches running between steps, by search id
         self._keys_expired_at = 0.0
         self.kv = scheduler.kv
         self.counters = EngineCounters()
@@ -373,19 +374,39 @@ class EngineCore:
         """Embeddings of token id lists (each attends to itself only; no KV is read or kept)."""
         return self.backend.embed(batch).cpu()
 
-    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams) -> BeamSearchOutput:
-        """A whole beam search, run now on the step thread (running generations wait meanwhile)."""
-        from tierserve.engine.beam_search import run_beam_search
+    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, search_id: str | None = None) -> Deferred:
+        """A beam search, answered when it is done: the loop runs it a forward at a time between steps, so running
+        generations go on meanwhile; ``cancel_beam_search(search_id)`` stops it (its client left)."""
+        from tierserve.engine.beam_search import BeamSearch
 
-        return run_beam_search(
-            self.backend,
-            self.kv,
-            prompt_ids,
-            params,
-            self.backend.eos_token_ids,
-            prefill_budget=self.settings.scheduler.max_num_batched_tokens,
-            new_seq_id=self.next_seq_id,
-        )
+        search = BeamSearch(
+            self.backend, self.kv, prompt_ids, params, self.backend.eos_token_ids,
+            prefill_budget=self.settings.scheduler.max_num_batched_tokens, new_seq_id=self.next_seq_id,
+        )  # fmt: skip
+        search_id = search_id or f"beam-{self.next_seq_id()}"
+        self._beams[search_id] = search
+
+        def ready() -> bool:
+            try:
+                done = search.advance()
+            except BaseException:
+                self._beams.pop(search_id, None)
+                raise
+            if done:
+                self._beams.pop(search_id, None)
+                self.counters.beam_searches += not search.cancelled
+            return done
+
+        return Deferred(ready, search.result, busy=True)
+
+    def cancel_beam_search(self, search_id: str) -> bool:
+        """Stop a running beam search and free its blocks; False if none runs under ``search_id``."""
+        search = self._beams.pop(search_id, None)
+        if search is None:
+            return False
+        search.cancel()
+        log.info("beam_search_cancelled", search_id=search_id)
+        return True
 
     def check_integrity(self) -> None:
         """The pool's, index's and tiers' invariants (``AssertionError`` on a violation)."""

@@ -115,7 +115,7 @@ class InProcessDriver:
     def _run(self) -> None:
         while not self._stop.is_set():
             messages = self._drain()
-            if not messages and not self.core.has_unfinished():
+            if not messages and not self.core.has_unfinished() and not self._loop.busy_calls:
                 self._loop.publish_if_stale()
                 self._wakeup.wait(timeout=DEFERRED_POLL_SECONDS if self._loop.waiting_calls else IDLE_WAIT_SECONDS)
                 self._wakeup.clear()

@@ -80,6 +80,11 @@ class CoreLoop:
         self.answer_deferred()
 
     @property
+    def busy_calls(self) -> bool:
+        """A deferred call does work each time it is asked (a beam search): the loop should not sleep."""
+        return any(deferred.busy for _, deferred in self._deferred)
+
+    @property
     def waiting_calls(self) -> bool:
         """Calls answered later (``Deferred``) are outstanding: the loop should come back soon."""
         return bool(self._deferred)

@@ -81,6 +81,7 @@ class Deferred:
 
     ready: Callable[[], bool]
     result: Callable[[], Any]
+    busy: bool = False  # ``ready`` does work each time (a beam search's slice): the loop comes back at once
 
     def wait(self, poll: float = 0.005) -> Any:
         """The answer, waited for here (a caller that drives the core itself)."""

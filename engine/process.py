@@ -77,7 +77,7 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
     loop = CoreLoop(core, conn.send)
     while True:
         messages: list[Any] = []
-        idle = not core.has_unfinished()
+        idle = not core.has_unfinished() and not loop.busy_calls  # a beam search's slices run as steps do
         if conn.poll((DEFERRED_POLL_SECONDS if loop.waiting_calls else IDLE_POLL_SECONDS) if idle else 0):
             try:
                 messages.append(conn.recv())

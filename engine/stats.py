@@ -27,6 +27,7 @@ class EngineCounters:
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    beam_searches: int = 0  # completed; they run between steps, a forward at a time
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 

@@ -36,7 +36,7 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
         if cached and body.use_beam_search and body.beam_width is None:
             body.beam_width = state.settings.speculative.beam_width
         if body.beam_width is not None and body.beam_width > 1:
-            return await respond_with_beams(engine, state, job)
+            return await respond_with_beams(request, engine, state, job)
         submitted = submit_all(engine, job, asyncio.get_running_loop())
     finally:
         job.target.release()  # submitted: the engine tracks them now (an unload waits for them there)
@@ -57,7 +57,7 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job) -> Response:
+async def respond_with_beams(request: Request, engine: EngineClient, state: ServerState, job: Job) -> Response:
     """Beam search: the ``n`` best beams of each prompt become its choices (no streaming)."""
     from tierserve.engine.beam_search import BeamSearchParams
 
@@ -88,7 +88,12 @@ async def respond_with_beams(engine: EngineClient, state: ServerState, job: Job)
     )
     choices: list[Choice] = []
     for prompt_index, prompt in enumerate(job.prompts):
-        searched = await asyncio.to_thread(engine.beam_search, prompt, params)
+        search_id = f"{job.id}-{prompt_index}"
+        try:  # the search runs between the engine's steps; a client that leaves stops it
+            searched = await unless_disconnected(request, asyncio.to_thread(engine.beam_search, prompt, params, search_id))
+        except ClientDisconnected:
+            await asyncio.to_thread(engine.cancel_beam_search, search_id)
+            return Response(None, status_code=CLIENT_CLOSED)
         for rank, beam in enumerate(searched.hypotheses):
             choice = Choice(index=prompt_index * job.n + rank, prompt_index=prompt_index)
             # the search's time and peak KV, once per prompt (the report sums memory over choices)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
+from tests.waiting import wait_until
 from tierserve.engine.beam_search import BeamSearchParams, beam_search_blocks, run_beam_search
 from tierserve.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
@@ -179,6 +180,63 @@ def test_runs_between_steps_of_running_requests(llama):
     assert_same(results, hf_beams(model, tokenizer, tokenizer(PROMPTS[6])["input_ids"], params))
     assert tokens == hf_greedy(llama, [PROMPTS[1]], 24)[0]
     assert_pool_released(engine)
+
+
+LONG_SEARCH = BeamSearchParams(16, 300, num_return_sequences=16, min_tokens=300)  # ~seconds on the tiny model
+
+
+def test_a_long_search_does_not_hold_back_other_requests(llama):
+    """16 beams of 300 tokens run between the engine's steps: a 4-token request sent after the search started
+    is answered while the search still runs (it used to wait for the whole search, seconds)."""
+    import threading
+
+    engine = make_engine(llama)
+    engine.start()
+    try:
+        found: list = []
+        search = threading.Thread(target=lambda: found.append(engine.beam_search(PROMPTS[6], LONG_SEARCH)))
+        search.start()
+        wait_until(lambda: engine.stats().kv_blocks_free < engine.stats().kv_blocks_total, timeout=30,
+                   interval=0.005, what="the search to hold blocks")  # fmt: skip
+        quick = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        [answer] = engine.generate([PROMPTS[1]], quick)
+        assert len(answer.token_ids) == 4 and search.is_alive()  # answered while the search runs
+        search.join(timeout=300)
+        assert len(found[0].hypotheses) == 16 and all(len(h.token_ids) == 300 for h in found[0].hypotheses)
+        wait_until(lambda: engine.stats().counters.beam_searches == 1, timeout=10, what="the count published")
+    finally:
+        engine.shutdown()
+    assert_pool_released(engine)
+
+
+def test_a_search_whose_client_left_is_stopped_and_frees_its_blocks(llama):
+    """Over HTTP: a beam request whose client leaves while its search runs is cancelled at the next slice, its
+    blocks freed, and it is never completed (a search used to run to its end for nobody)."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    import httpx
+
+    from tests.server_helpers import server_starter
+
+    from structlog.testing import capture_logs
+
+    with server_starter(llama) as start, start() as base, capture_logs() as logs:
+        def blocks() -> tuple[int, int]:
+            memory = httpx.get(f"{base}/health").json()["memory"]
+            return memory["kv_blocks_free"], memory["kv_blocks_total"]
+
+        address = urlparse(base)
+        body = json.dumps({"prompt": PROMPTS[6], "max_tokens": 480, "min_tokens": 480, "beam_width": 16}).encode()
+        client = socket.create_connection((address.hostname, address.port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        wait_until(lambda: blocks()[0] < blocks()[1], timeout=30, interval=0.01, what="the search to hold blocks")
+        client.close()  # the client leaves mid-search
+        wait_until(lambda: any(e["event"] == "beam_search_cancelled" for e in logs), timeout=10, what="the cancel")
+        wait_until(lambda: blocks()[0] == blocks()[1], timeout=10, interval=0.02, what="its blocks freed")
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60).status_code == 200
 
 
 @pytest.mark.parametrize(
