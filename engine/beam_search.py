@@ -136,24 +136,6 @@ def beam_search_blocks(prompt_len: int, params: BeamSearchParams, block_size: in
     return shared + params.beam_width * per_beam
 
 
-def run_beam_search(
-    backend: ModelBackend,
-    kv: KVCacheManager,
-    prompt_ids: Seq[int],
-    params: BeamSearchParams,
-    eos_token_ids: Collection[int],
-    *,
-    prefill_budget: int,
-    new_seq_id: Callable[[], int],
-) -> BeamSearchOutput:
-    """A whole ``BeamSearch`` run here, slice after slice (a caller that owns the core's thread)."""
-    search = BeamSearch(backend, kv, prompt_ids, params, eos_token_ids, prefill_budget=prefill_budget,
-                        new_seq_id=new_seq_id)  # fmt: skip
-    while not search.advance():
-        pass
-    return search.result()
-
-
 class BeamSearch:
     """Beam-search ``prompt_ids`` on a paged backend and the scheduler's KV manager, one forward at a time.
 
@@ -227,6 +209,12 @@ class BeamSearch:
         except BaseException:
             self.beams.release()
             raise
+
+    def run(self) -> BeamSearchOutput:
+        """The whole search, slice after slice, here (a caller that owns the core's thread)."""
+        while not self.advance():
+            pass
+        return self.result()
 
     def cancel(self) -> None:
         """Stop at once and free the blocks (its client left)."""

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint, hf_greedy, make_engine
 from tests.waiting import wait_until
-from tierserve.engine.beam_search import BeamSearchParams, beam_search_blocks, run_beam_search
+from tierserve.engine.beam_search import BeamSearch, BeamSearchParams, beam_search_blocks
 from tierserve.engine import RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
@@ -69,9 +69,9 @@ def beams_with_eos(engine, ids, params, eos):
     """Beam search on the engine's own core, with ``eos`` as the tokens that end a hypothesis."""
     core = engine.driver.core
     budget = core.settings.scheduler.max_num_batched_tokens
-    return run_beam_search(
+    return BeamSearch(
         core.backend, core.kv, ids, params, eos, prefill_budget=budget, new_seq_id=core.next_seq_id
-    ).hypotheses
+    ).run().hypotheses
 
 
 def assert_same(results, expected) -> None:
