@@ -50,6 +50,16 @@ class ServerSettings(Section):
         "client stops reading is aborted past it and its blocks freed",
     )
     shutdown_grace_seconds: float = Field(30.0, ge=0)
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="a client must send a request's headers within this (slow clients are disconnected)"
+    )
+    body_timeout_seconds: float = Field(
+        60.0, gt=0, description="...and its body within this, from the end of its headers"
+    )
+    max_connections: int = Field(
+        1024, ge=2, description="open connections at most; past it requests are answered 503 (uvicorn's "
+        "limit_concurrency, which counts the connection asking)"
+    )
     rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
     public_health: bool = True
     public_metrics: bool | None = Field(

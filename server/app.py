@@ -126,11 +126,15 @@ def server_config(loaded: LoadedSettings, on_load_failure: Callable[[str], None]
     see ``create_app``."""
     import uvicorn
 
+    from tierserve.server.http_protocol import timed_protocol
+
     server = loaded.settings.server
     return uvicorn.Config(
         create_app(loaded, on_load_failure=on_load_failure),
         host=server.host,
         port=server.port,
+        http=timed_protocol(server.header_timeout_seconds, server.body_timeout_seconds),
+        limit_concurrency=server.max_connections,
         log_config=None,  # uvicorn's loggers go through tierserve's structlog handler
         access_log=False,  # tierserve logs each request itself, with its request id and timings
         timeout_graceful_shutdown=server.shutdown_grace_seconds,  # type: ignore[arg-type]  # a float is what it waits

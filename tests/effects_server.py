@@ -71,6 +71,51 @@ def server_port(lab: Lab) -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/health/live").json() == {"status": "alive"}
 
 
+def _slow_client(port: int, sent: bytes, wait: float) -> bytes:
+    """What the server sends back (b"" once it closed the connection) to a client that sent ``sent`` and then
+    nothing for ``wait`` seconds."""
+    import socket
+
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(sent)
+    client.settimeout(wait)
+    try:
+        return client.recv(1024)
+    except TimeoutError:
+        return b"(still open)"
+    finally:
+        client.close()
+
+
+def server_header_timeout_seconds(lab: Lab) -> None:
+    partial = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    for values, expected in (({"server.header_timeout_seconds": 0.3}, b""), ({}, b"(still open)")):
+        port = free_port()
+        with serving(lab, {"server.port": port, **values}):
+            assert _slow_client(port, partial, 1.0) == expected
+
+
+def server_body_timeout_seconds(lab: Lab) -> None:
+    partial = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\""
+    for values, expected in (({"server.body_timeout_seconds": 0.3}, b""), ({}, b"(still open)")):
+        port = free_port()
+        with serving(lab, {"server.port": port, **values}):
+            assert _slow_client(port, partial, 1.0) == expected
+
+
+def server_max_connections(lab: Lab) -> None:
+    import socket
+
+    port = free_port()
+    with serving(lab, {"server.port": port, "server.max_connections": 2}):
+        assert httpx.get(f"http://127.0.0.1:{port}/health/live").status_code == 200
+        idle = socket.create_connection(("127.0.0.1", port))  # a second connection, open
+        try:
+            wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health/live").status_code == 503, timeout=5)
+        finally:
+            idle.close()
+
+
 def server_shutdown_grace_seconds(lab: Lab) -> None:
     # cheaper than a shutdown with a request hanging: what serve hands uvicorn, which cancels requests after it
     assert server_config(lab.settings({"server.shutdown_grace_seconds": 2.5})).timeout_graceful_shutdown == 2.5
@@ -298,6 +343,9 @@ PROBES = {
     "server.port": server_port,
     "server.max_request_bytes": server_max_request_bytes,
     "server.shutdown_grace_seconds": server_shutdown_grace_seconds,
+    "server.header_timeout_seconds": server_header_timeout_seconds,
+    "server.body_timeout_seconds": server_body_timeout_seconds,
+    "server.max_connections": server_max_connections,
     "server.rate_limit_per_minute": server_rate_limit_per_minute,
     "server.public_health": server_public_health,
     "server.public_metrics": server_public_metrics,

@@ -182,3 +182,29 @@ def test_constrained_and_free_requests_share_a_batch(checkpoint):
                 assert len(result.token_ids) == 80 or result.finish_reason == "stop"
     finally:
         engine.close()
+
+
+def test_a_schema_is_compiled_once_for_all_its_choices(checkpoint):
+    """``n = 16`` choices of one large schema (300 fields): the engine compiles it once and gives each sequence a
+    copy (it compiled it 16 times on the step thread, seconds for a large schema, while every other request
+    waited); the copies are independent, so every choice still follows the schema on its own draws."""
+    fields = {f"field_{i}": {"type": "integer"} for i in range(300)}
+    schema = {"type": "object", "properties": fields, "required": list(fields)[:2], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    engine = make_engine(checkpoint, backend="native")
+    try:
+        runtime = engine.driver.core.runner.grammar  # white-box: how often it compiled
+        before = runtime.compiled
+        params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, grammar=spec) for i in range(16)]
+        results = engine.generate(["Hello"] * 16, params)
+        assert runtime.compiled == before + 1
+        texts = [result.text for result in results]
+        assert len(set(texts)) > 1  # each copy advanced on its own tokens
+        for result in results:
+            assert result.text.startswith('{"field_')
+            if result.finish_reason == "stop":
+                assert set(json.loads(result.text)) <= set(fields)
+        engine.generate(["Hello"], [SamplingParams(max_tokens=8, temperature=1.0, seed=99, grammar=spec)])
+        assert runtime.compiled == before + 1  # and again from its template, for a later request
+    finally:
+        engine.close()
