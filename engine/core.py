@@ -28,7 +28,7 @@ from tierserve.engine.runner import ModelRunner
 from tierserve.engine.stats import EngineCounters, EngineSnapshot, SpeculationSnapshot, WindowSnapshot
 from tierserve.core.outputs import CoreOutput
 from tierserve.core.scheduler import QueueFullError, Scheduler
-from tierserve.core.sequence import FinishReason, Sequence
+from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from tierserve.cache.frequency import PrefixUse
@@ -43,6 +43,18 @@ log = structlog.get_logger(__name__)
 
 KEY_EXPIRY_INTERVAL_SECONDS = 1.0  # how often the step loop unpins cache keys past their TTL
 LOAD_POLL_SECONDS = 0.005  # an idle step waits this long at most for a prompt prefix being read below L1
+
+
+def raised_in(exc: BaseException) -> str:
+    """Where ``exc`` was raised: the innermost frame's module and qualified name (which plugin's code, when a
+    scheduler's step calls into an eviction policy of another plugin)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "an unknown place"
+    frame = tb.tb_frame
+    return f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_qualname}"
 
 
 def mixed_seed(seed: int) -> int:
@@ -166,7 +178,11 @@ class EngineCore:
             seq = self.requests.pop(request_id, None)
             if seq is None or seq.is_finished:
                 continue
-            self.scheduler.finish_sequence(seq, reason)
+            try:
+                self.scheduler.finish_sequence(seq, reason)
+            except Exception:  # noqa: BLE001 - a plugin raising as the blocks are freed: the request ends anyway
+                log.exception("request_end_failed", request_id=request_id, part=self.phase)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
             self._ended(seq, reason.value)
             if reason is FinishReason.ABORT:
                 self.counters.requests_aborted += 1
@@ -292,8 +308,8 @@ class EngineCore:
         if exc is not None:
             owner = {"scheduler": self.scheduler, "backend": self.backend}.get(self.phase)
             where = f"the {self.phase} plugin {type(owner).__module__}.{type(owner).__name__}" if owner else "the engine"
-            error = (f"{where} raised {type(exc).__name__}: {str(exc)[:200]}; every request of that step was "
-                     "ended (the server log has the traceback)")  # fmt: skip
+            error = (f"{where} raised {type(exc).__name__}: {str(exc)[:200]} (in {raised_in(exc)}); every request "
+                     "of that step was ended (the server log has the traceback)")  # fmt: skip
         return self.abort(list(self.requests), error=error)
 
     def next_seq_id(self) -> int:

@@ -24,6 +24,7 @@ from tierserve.core.plugins import load_plugins
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.speculation import Speculator
 from tierserve.engine import EngineClient
+from tierserve.plugins.backends.native import NativeBackend
 from tierserve.plugins.eviction.lru import LRUPolicy
 from tierserve.plugins.schedulers.fcfs import FCFSScheduler
 from tierserve.plugins.tiers.memory import MemoryTier, MemoryTierSettings
@@ -102,6 +103,18 @@ class BrokenSpeculator(Speculator):
         raise KeyError("broken speculator: lost its n-gram table")
 
 
+class BrokenBackend(NativeBackend):
+    """The native backend, whose third forward raises."""
+
+    forwards = 0
+
+    def forward(self, chunks):
+        BrokenBackend.forwards += 1
+        if BrokenBackend.forwards == 3:
+            raise RuntimeError("broken backend: the device fell off the bus")
+        return super().forward(chunks)
+
+
 class StumblingScheduler(FCFSScheduler):
     """FCFS that raises once, on its fourth schedule."""
 
@@ -131,6 +144,11 @@ def register_speculators(register):
 
 
 @hookimpl
+def register_backends(register):
+    register("broken", BrokenBackend, description="native, whose third forward raises (tests)")
+
+
+@hookimpl
 def register_schedulers(register):
     register("stumbling", StumblingScheduler, description="FCFS that raises once (tests)")
 
@@ -143,7 +161,8 @@ def llama(tmp_path_factory):
 def engine_with(path, **settings) -> tuple[EngineClient, object]:
     plugins = load_plugins(allowlist=[])
     hooks = SimpleNamespace(register_cache_tiers=register_cache_tiers, register_eviction_policies=register_eviction_policies,
-                            register_speculators=register_speculators, register_schedulers=register_schedulers)  # fmt: skip
+                            register_speculators=register_speculators, register_schedulers=register_schedulers,
+                            register_backends=register_backends)  # fmt: skip
     plugins.add_plugin(hooks, "tierserve-faulty-test-plugins", "0", "tests")
     overrides = {("model", "path"): str(path), ("model", "device"): "cpu", ("server", "engine_process"): False,
                  ("logging", "level"): "warning"}  # fmt: skip
@@ -265,6 +284,35 @@ def test_a_raising_scheduler_fails_that_steps_requests_with_a_500_naming_it(llam
             served = http.post("/v1/completions", json=body)
             assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 12
         assert any(e["event"] == "engine_step_failed" and e["exc_info"] for e in logs)
+        assert_pool_released(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("faulty", ["backend", "l1 policy"])
+def test_a_raising_backend_or_l1_policy_fails_that_step_naming_where(llama, faulty):
+    """A backend whose forward raises, or an eviction policy over L1 that raises: the request of that step ends
+    with a 500 naming the part of the step and the code that raised; the next request is served."""
+    from tierserve.server.app import create_app
+
+    BrokenBackend.forwards = 0
+    settings = {"model__backend": "broken"} if faulty == "backend" else {"kv_cache__eviction_policy": "grumpy"}
+    engine, loaded = engine_with(llama, **settings)
+    app = create_app(loaded.settings, engine=engine, plugins=loaded.plugins, load_in_background=False)
+    try:
+        with TestClient(app) as http:
+            body = {"prompt": LONG[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            failed = http.post("/v1/completions", json=body)
+            assert failed.status_code == 500, failed.text
+            message = failed.json()["error"]["message"]
+            if faulty == "backend":
+                assert f"the backend plugin {BrokenBackend.__module__}.BrokenBackend raised RuntimeError" in message
+                assert "BrokenBackend.forward" in message
+            else:
+                assert "GrumpyPolicy.insert" in message, message
+                return  # every registration raises: this engine cannot cache a block
+            served = http.post("/v1/completions", json=body)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 8
         assert_pool_released(engine)
     finally:
         engine.close()
