@@ -1,0 +1,33 @@
+"""The documentation: the site in docs/ builds with ``mkdocs build --strict`` (no broken link or anchor), and
+every page the README links to is one of its pages."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_site_builds_strict(tmp_path):
+    pytest.importorskip("material", reason="the docs theme: pip install -e '.[test]' (or '.[docs]')")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "reliability" / "index.html").is_file()
+
+
+def test_the_readme_links_to_pages_that_exist_and_stays_short():
+    readme = (REPO_ROOT / "README.md").read_text()
+    pages = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
+    assert {"getting-started.md", "kv-cache.md", "reliability.md", "plugins.md", "benchmarks.md"} <= pages
+    assert all((REPO_ROOT / "docs" / page).is_file() for page in pages), pages
+    assert len(readme.splitlines()) <= 300
