@@ -28,9 +28,11 @@ class Section(BaseModel):
 class ServerSettings(Section):
     """[server]: where and how the HTTP server listens."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_request_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    host: str = Field("127.0.0.1", description="the address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="the TCP port to listen on")
+    max_request_bytes: int = Field(
+        10 * 1024 * 1024, gt=0, description="bytes of one request body at most; more is a 413 before it is parsed"
+    )
     max_prompt_bytes: int = Field(
         1024 * 1024,
         gt=0,
@@ -49,7 +51,9 @@ class ServerSettings(Section):
         description="outputs (about one per engine step) a request's reader may leave unread; a stream whose "
         "client stops reading is aborted past it and its blocks freed",
     )
-    shutdown_grace_seconds: float = Field(30.0, ge=0)
+    shutdown_grace_seconds: float = Field(
+        30.0, ge=0, description="at shutdown, requests in flight get this long to finish before they are cancelled"
+    )
     header_timeout_seconds: float = Field(
         10.0, gt=0, description="a client must send a request's headers within this (slow clients are disconnected)"
     )
@@ -61,7 +65,7 @@ class ServerSettings(Section):
         "limit_concurrency, which counts the connection asking)"
     )
     rate_limit_per_minute: int | None = Field(None, gt=0, description="requests per minute per API key (or client address)")
-    public_health: bool = True
+    public_health: bool = Field(True, description="/health and its probes without an API key")
     public_metrics: bool | None = Field(
         None, description="/metrics without an API key; unset: public while no API key is configured, private once "
         "one is (Prometheus then sends a key: bearer_token in its scrape config)"
@@ -115,7 +119,9 @@ class ModelSettings(Section):
         "whose attention goes through transformers' AttentionInterface, on the paged arena), else "
         "transformers-unpaged (no prefix cache); or name one",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the weights' dtype: auto = float32 on a CPU, bfloat16 on a GPU"
+    )
     quantization: Literal[
         "none", "int8", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"
     ] = Field(
@@ -129,8 +135,10 @@ class ModelSettings(Section):
         "in K super-blocks, q4_k_m and q5_k_m in llama-quantize's mixes of them (the head, v and down in Q6_K "
         "where it puts them; a width that is not whole super-blocks of 256 falls back to Q5_0, Q5_1 or Q8_0)",
     )
-    device: str = "auto"
-    max_model_len: int | None = Field(None, gt=0)
+    device: str = Field("auto", description="cpu, cuda, cuda:N; auto: a GPU where torch sees one, else the CPU")
+    max_model_len: int | None = Field(
+        None, gt=0, description="the context length served (prompt + output); unset: all the checkpoint has"
+    )
     seed: int = Field(
         0,
         description="seeds the random draws of requests that bring no seed: an engine started with the same "
@@ -265,10 +273,14 @@ class RegistrySettings(Section):
 class SchedulerSettings(Section):
     """[scheduler]: batching budgets and queue bounds."""
 
-    name: str = "fcfs"
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(2048, gt=0)
-    max_waiting_requests: int = Field(512, gt=0)
+    name: str = Field("fcfs", description="the scheduler plugin: fcfs (first come, first served), priority, or an installed one")
+    max_num_seqs: int = Field(64, gt=0, description="sequences one step runs at most (the decode batch)")
+    max_num_batched_tokens: int = Field(
+        2048, gt=0, description="tokens one step computes at most (prefill chunks and decodes together)"
+    )
+    max_waiting_requests: int = Field(
+        512, gt=0, description="requests queued for a slot at most; past it a request is answered 503 with Retry-After"
+    )
     prefill_group_tokens: int = Field(
         0,
         ge=0,
@@ -296,7 +308,7 @@ class KVCacheSettings(Section):
     fields of their own.
     """
 
-    block_size: int = Field(16, gt=0)
+    block_size: int = Field(16, gt=0, description="tokens per KV block: the unit of caching, sharing and eviction")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="how L1 holds keys and values (and so what L2/L3 store): auto = the model's dtype; "
@@ -309,15 +321,19 @@ class KVCacheSettings(Section):
     tiers: list[TierSettings] = Field(
         default_factory=list, description="the tiers below L1, in order (unset: one memory tier, l2)"
     )
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(
+        True, description="reuse cached KV blocks of a prompt's longest cached prefix; false: no cache and no tiers"
+    )
     reuse_partial_blocks: bool = Field(
         True,
         description="a prompt whose whole cached blocks end inside a block L1 holds (the same prefix, then some "
         "of the prompt's next tokens: a chat's last turn ended there) copies that block's start instead of "
         "recomputing it; false: reuse whole blocks only",
     )
-    warm_prompts: list[str] = Field(default_factory=list)
-    warm_prompts_file: str | None = None
+    warm_prompts: list[str] = Field(
+        default_factory=list, description="prompts computed into the cache at start-up, so their first request hits"
+    )
+    warm_prompts_file: str | None = Field(None, description="a text file of more start-up prompts, one a line")
     warm_frequent_blocks: int = Field(
         256, gt=0, description="blocks POST /v1/cache/warm with no prompts promotes at most (most used prefixes first)"
     )
@@ -369,9 +385,13 @@ class KVCacheSettings(Section):
 class SpeculativeSettings(Section):
     """[speculative]: speculative decoding and beam search defaults."""
 
-    method: str | None = None
-    num_speculative_tokens: int = Field(4, ge=1, le=64)
-    adaptive: bool = True  # shrink k when drafts are rejected, grow it back when they are accepted
+    method: str | None = Field(
+        None, description="the speculator: ngram, draft_model, ngram_tree, medusa or an installed one; unset: none"
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="draft tokens proposed per step at most (k)")
+    adaptive: bool = Field(
+        True, description="shrink k when drafts are rejected and grow it back when they are accepted; false: always k"
+    )
     max_tree_nodes: int = Field(
         16, ge=1, le=128,
         description="tree speculators (ngram_tree, medusa): the most nodes of one sequence's token tree",
@@ -382,25 +402,31 @@ class SpeculativeSettings(Section):
         "(each gets min(max_tree_nodes, step_tree_nodes // sequences), at least 1): a big batch gets smaller "
         "trees; at most half of scheduler.max_num_batched_tokens is used, so real tokens keep the rest",
     )
-    beam_width: int = Field(4, ge=1, le=16)
-    temperature: float = Field(0.8, ge=0)
-    top_k: int = Field(40, ge=-1)
-    top_p: float = Field(0.9, gt=0, le=1)
+    beam_width: int = Field(4, ge=1, le=16, description="beams of use_beam_search when a request names no beam_width")
+    temperature: float = Field(0.8, ge=0, description="the temperature of a /v1/cached/* request that names none (0: greedy)")
+    top_k: int = Field(40, ge=-1, description="...its top_k (0 or -1: off)")
+    top_p: float = Field(0.9, gt=0, le=1, description="...its top_p")
 
 
 class SlidingWindowSettings(Section):
     """[sliding_window]: bounded-memory generation past the KV budget."""
 
-    enabled: bool = False
+    enabled: bool = Field(
+        False, description="streaming mode for every request: sink tokens plus the last window_size tokens are kept"
+    )
     allow_per_request: bool = Field(
         False,
         description="requests may turn streaming mode on (enable_sliding_window: true on /v1/cached/*) while "
         "enabled is false; otherwise that flag is a 400 unless enabled is true",
     )
-    window_size: int = Field(512, gt=0)
-    window_overlap: int = Field(64, ge=0)
-    sink_tokens: int = Field(4, ge=0)
-    use_flash_attention: bool = True
+    window_size: int = Field(512, gt=0, description="tokens of recent context kept in streaming mode")
+    window_overlap: int = Field(
+        64, ge=0, description="tokens the window may run past window_size before old blocks are released in one go"
+    )
+    sink_tokens: int = Field(4, ge=0, description="first tokens kept for good in streaming mode (attention sinks)")
+    use_flash_attention: bool = Field(
+        True, description="let torch pick its fused attention kernel; false: the math kernel (another cache fingerprint)"
+    )
 
     @model_validator(mode="after")
     def _overlap_fits(self) -> SlidingWindowSettings:
@@ -414,15 +440,23 @@ class SlidingWindowSettings(Section):
 class MonitoringSettings(Section):
     """[monitoring]: metrics collection."""
 
-    enabled: bool = True
-    collection_interval_seconds: float = Field(30, gt=0)
-    detailed_profiling: bool = False
-    prometheus: bool = True
+    enabled: bool = Field(True, description="sample the statistics for /v1/cache/stats trends and alerts")
+    collection_interval_seconds: float = Field(30, gt=0, description="seconds between two samples")
+    detailed_profiling: bool = Field(
+        False, description="time each phase of every engine step (schedule, lookup, forward, sample) in /v1/cache/stats"
+    )
+    prometheus: bool = Field(True, description="serve /metrics; false: it is a 404")
     trend_samples: int = Field(120, gt=0, description="samples kept for /v1/cache/stats trends")
-    alert_hit_rate_below: float | None = Field(None, ge=0, le=1)
-    alert_memory_bytes_above: int | None = Field(None, gt=0)
-    alert_dropped_writes_above: int | None = Field(0, ge=0)
-    alert_queue_fraction_above: float | None = Field(0.9, gt=0, le=1)
+    alert_hit_rate_below: float | None = Field(None, ge=0, le=1, description="alert when the hit rate is below this; unset: never")
+    alert_memory_bytes_above: int | None = Field(
+        None, gt=0, description="alert when the cache holds more bytes than this; unset: never"
+    )
+    alert_dropped_writes_above: int | None = Field(
+        0, ge=0, description="alert when more tier writes than this were dropped; unset: never"
+    )
+    alert_queue_fraction_above: float | None = Field(
+        0.9, gt=0, le=1, description="alert when the waiting queue is fuller than this fraction; unset: never"
+    )
 
 
 class PluginSettings(Section):
@@ -448,8 +482,12 @@ class PluginSettings(Section):
 class AuthSettings(Section):
     """[auth]: API keys; with none configured the API is open."""
 
-    api_keys: list[str] = Field(default_factory=list)
-    admin_api_keys: list[str] = Field(default_factory=list)
+    api_keys: list[str] = Field(
+        default_factory=list, description="keys a request must bring (Authorization: Bearer KEY); each is a tenant of its own"
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list, description="keys that may manage caches, models and adapters; with api_keys and none of these, admin routes are refused"
+    )
     tenants: dict[str, list[str]] = Field(
         default_factory=dict,
         description="tenant name -> its API keys: keys of one tenant share cached prefixes, cache keys and "
@@ -476,8 +514,8 @@ class AuthSettings(Section):
 class LoggingSettings(Section):
     """[logging]: structlog output."""
 
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["console", "json"] = "console"
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="the lowest level logged")
+    format: Literal["console", "json"] = Field("console", description="one line of text, or one JSON object, per event")
 
 
 class FleetSettings(Section):

@@ -25,6 +25,18 @@ def test_the_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "reliability" / "index.html").is_file()
 
 
+def test_the_settings_reference_is_the_settings():
+    """``docs/settings.md`` is what ``python -m tierserve.settings.reference`` renders from the settings models
+    (every key, its type, default, presets' values and description): a key added or changed without it fails."""
+    from tierserve.settings.reference import render
+
+    rendered = render()
+    assert (REPO_ROOT / "docs" / "settings.md").read_text() == rendered, (
+        "docs/settings.md is stale: python -m tierserve.settings.reference > docs/settings.md"
+    )
+    assert "| `max_connections` |" in rendered and "### `plugin = \"disk\"`" in rendered
+
+
 def test_the_readme_links_to_pages_that_exist_and_stays_short():
     readme = (REPO_ROOT / "README.md").read_text()
     pages = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
