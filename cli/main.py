@@ -58,7 +58,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"{plugin.name} {plugin.version} ({plugin.source})")
         print(f"  hooks: {', '.join(plugin.hooks) or '-'}")
         for kind, names in plugin.components.items():
-            print(f"  {kind}: {', '.join(names)}")
+            described = []
+            for name in names:
+                description = manager.registry(kind).get(name).metadata.get("description")
+                described.append(f"{name} ({description})" if description else name)
+            print(f"  {kind}: {', '.join(described)}")
         for name, keys in plugin.settings.items():
             print(f"  settings of {name}: {', '.join(keys) or '-'}")
     for failure in manager.failures:

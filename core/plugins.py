@@ -137,6 +137,7 @@ class PluginManager:
         """
         self.reproducible = False
         try:
+            check_hook_names(plugin)
             self.pm.register(plugin, name=name)
         except Exception as exc:  # pluggy validation errors, duplicate plugin names
             self._fail(name, source, exc)
@@ -153,6 +154,9 @@ class PluginManager:
             caller.name for caller in self.pm.get_hookcallers(plugin) or [] if caller.name
         )
         self._info[name] = PluginInfo(name, version, source, hooks, components, settings)
+        if not hooks:
+            log.warning("plugin_without_hooks", plugin=name, source=source,
+                        why="nothing in it is marked @hookimpl (from tierserve.core import hookimpl)")  # fmt: skip
         return True
 
     def remove_plugin(self, name: str) -> None:
@@ -264,14 +268,35 @@ class PluginManager:
         log.error("plugin_failed", plugin=name, source=source, error=error)
 
 
-def _entry_point_allowed(ep: EntryPoint, allowlist: frozenset[str] | None) -> bool:
-    if allowlist is None:
-        return True
+def check_hook_names(plugin: object) -> None:
+    """Refuse a plugin with a function marked ``@hookimpl`` under a name no hookspec has (a misspelling would
+    otherwise register nothing), naming the closest hook.
+
+    Raises:
+        ValueError: the unknown names, each with a suggestion, and the hooks there are."""
+    import difflib
+
+    marker = f"{hookspecs.PROJECT_NAME}_impl"
+    known = sorted(n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT_NAME}_spec"))
+    unknown = [n for n in dir(plugin) if hasattr(getattr(plugin, n, None), marker) and n not in known]
+    if unknown:
+        hints = [f"{n!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(n, known, 1)) else "")
+                 for n in unknown]  # fmt: skip
+        raise ValueError(f"unknown hook {', '.join(hints)}; the hooks are: {', '.join(known)}")
+
+
+def entry_point_names(ep: EntryPoint) -> set[str]:
+    """The names an allowlist entry may give an entry point: its own, its distribution's (with - or _), and
+    ``dist:entry`` as ``tierserve plugins`` prints a second entry point of one distribution."""
     names = {ep.name.lower()}
     if ep.dist is not None:
-        names.add(ep.dist.name.lower())
-        names.add(ep.dist.name.lower().replace("_", "-"))
-    return bool(names & allowlist)
+        dist = ep.dist.name.lower()
+        names |= {dist, dist.replace("_", "-"), f"{dist}:{ep.name.lower()}", f"{dist.replace('_', '-')}:{ep.name.lower()}"}
+    return names
+
+
+def _entry_point_allowed(ep: EntryPoint, allowlist: frozenset[str] | None) -> bool:
+    return allowlist is None or bool(entry_point_names(ep) & allowlist)
 
 
 def load_plugins(
@@ -306,7 +331,14 @@ def load_plugins(
         manager.add_plugin(module, module_name, __version__, "builtin")
 
     seen: set[str] = set()
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    installed = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    if allowed:
+        matched = set().union(*(entry_point_names(ep) for ep in installed)) if installed else set()
+        unmatched = sorted(allowed - matched)
+        if unmatched:
+            log.warning("plugin_allowlist_unmatched", entries=unmatched, variable=ALLOWLIST_ENV,
+                        installed=sorted({ep.dist.name if ep.dist else ep.name for ep in installed}))  # fmt: skip
+    for ep in installed:
         if not _entry_point_allowed(ep, allowed):
             continue
         dist_name = ep.dist.name if ep.dist is not None else ep.name

@@ -96,6 +96,29 @@ def test_broken_plugin_is_reported_not_fatal(install_fake_plugin, source, expect
     assert manager.registry("eviction_policies").names() == ["adaptive", "clock", "lfu", "lru", "mru"]
 
 
+def test_a_misspelled_hook_names_the_one_meant(install_fake_plugin):
+    install_fake_plugin("tierserve-typo", "tierserve_typo", "from tierserve.core import hookimpl\n@hookimpl\n"
+                        "def register_eviction_polices(register):\n    pass\n")  # fmt: skip
+    [failure] = load_plugins(allowlist=None).failures
+    assert "unknown hook 'register_eviction_polices' (did you mean 'register_eviction_policies'?)" in failure.error
+
+
+def test_the_allowlist_takes_the_printed_names_and_warns_on_the_rest(install_fake_plugin):
+    """``TIERSERVE_PLUGINS`` takes a distribution's name, its entry point's, and ``dist:entry`` as ``tierserve
+    plugins`` prints a second entry point; an entry that matches nothing installed is logged, with what is; a
+    module that registers nothing is logged too."""
+    from structlog.testing import capture_logs
+
+    install_fake_plugin("tierserve-mru", "tierserve_mru_allow", GOOD_PLUGIN)
+    install_fake_plugin("tierserve-empty", "tierserve_empty", "VALUE = 1\n")
+    with capture_logs() as logs:
+        manager = load_plugins(allowlist=["tierserve-mru:tierserve_mru_allow", "tierserve-nope", "tierserve-empty"])
+    assert {p.name for p in manager.plugins()} >= {"tierserve-mru", "tierserve-empty"}
+    [unmatched] = [e for e in logs if e["event"] == "plugin_allowlist_unmatched"]
+    assert unmatched["entries"] == ["tierserve-nope"] and "tierserve-mru" in unmatched["installed"]
+    assert [e["plugin"] for e in logs if e["event"] == "plugin_without_hooks"] == ["tierserve-empty"]
+
+
 def test_plugins_json_stays_json_and_the_exit_says_a_plugin_failed(install_fake_plugin, capsys):
     """``tierserve plugins --json`` with a failing plugin: stdout is the JSON alone (the failure's log line goes
     to stderr), the failure is in it, and the exit status is 1."""
@@ -107,7 +130,9 @@ def test_plugins_json_stays_json_and_the_exit_says_a_plugin_failed(install_fake_
     [failure] = json.loads(out)["failures"]
     assert failure["name"] == "tierserve-broken" and "no such dependency" in failure["error"]
     assert main(["plugins"]) == 1
-    assert "FAILED tierserve-broken" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "FAILED tierserve-broken" in listed
+    assert "eviction_policies: adaptive (" in listed  # each component with its description
 
 
 def test_duplicate_name_fails_the_second_plugin_naming_both(install_fake_plugin):
