@@ -85,12 +85,11 @@ class GuardedTier(CacheTier):
         return self._call("put_many", lambda: self.inner.put_many(entries), [])
 
     def put_waiting(self, entry: CacheEntry, tally: WriteTally, deadline: float) -> list[CacheEntry]:
-        def dropped() -> list[CacheEntry]:
+        evicted = self._call("put_waiting", lambda: self.inner.put_waiting(entry, tally, deadline), None)
+        if evicted is None:  # it raised (or is backed off): the write is given up
             tally.dropped += 1
             return []
-
-        written = self._call("put_waiting", lambda: self.inner.put_waiting(entry, tally, deadline), None)
-        return dropped() if written is None else written
+        return evicted
 
     def parent_of(self, key: bytes) -> bytes | None:
         return self._call("parent_of", lambda: self.inner.parent_of(key), None)

@@ -170,7 +170,7 @@ class PluginManager:
 
     def settings_components(self) -> dict[str, Component]:
         """Components that own a ``[plugins.NAME]`` table (every kind but cache tiers), by name."""
-        return {name: component for name, (_, component) in self._table_owners().items()}
+        return {name: component for name, (_, component) in self.table_owners().items()}
 
     def aliases(self) -> dict[str, tuple[str, str]]:
         """Old setting names that components keep: ``"section.key"`` -> ``(component name, key)``."""
@@ -180,7 +180,8 @@ class PluginManager:
             for alias, target in component.aliases.items()
         }
 
-    def _table_owners(self) -> dict[str, tuple[str, Component]]:
+    def table_owners(self) -> dict[str, tuple[str, Component]]:
+        """``settings_components`` with each component's kind (a ``COMPONENT_KINDS`` key), by table name."""
         return {
             component.name: (kind, component)
             for kind, registry in self.registries.items()
@@ -202,7 +203,7 @@ class PluginManager:
             return
         if key == "enabled":
             raise ValueError(f"plugin {plugin!r}: a {label} with settings cannot be called 'enabled' ([plugins] enabled)")
-        owner_kind, owner = self._table_owners().get(key, (kind, None))
+        owner_kind, owner = self.table_owners().get(key, (kind, None))
         if owner is not None and owner_kind != kind:
             raise DuplicateComponentError(
                 f"[plugins.{key}] is claimed twice: {COMPONENT_KINDS[owner_kind][1]} {key!r} of plugin "

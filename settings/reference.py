@@ -23,7 +23,7 @@ _WIDE = 48  # characters of a value shown before it is cut
 
 def render() -> str:
     """The whole page, as markdown."""
-    from tierserve.core.plugins import load_plugins
+    from tierserve.core.plugins import COMPONENT_KINDS, load_plugins
     from tierserve.settings.config import Settings, load_settings
 
     presets = {name: load_settings(name, environ={}).settings for name in PRESETS}
@@ -46,11 +46,11 @@ def render() -> str:
     plugins = load_plugins(allowlist=[])
     out.append(_tier_entries(plugins))
     out.append("## `[plugins.NAME]`: the built-in plugins' tables\n\n")
-    components = plugins.settings_components()
-    for name in sorted(components):
-        component = components[name]
+    owners = plugins.table_owners()
+    for name in sorted(owners):
+        kind, component = owners[name]
         model = component.settings
-        out.append(f"### `[plugins.{name}]`\n\nOf the {_kind(component)} `{component.name}` "
+        out.append(f"### `[plugins.{name}]`\n\nOf the {COMPONENT_KINDS[kind][1]} `{component.name}` "
                    f"({component.plugin}).\n\n")  # fmt: skip
         out.append(_table(model, {}))
     return "".join(out)
@@ -89,11 +89,6 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
     return None
-
-
-def _kind(component: Any) -> str:
-    kind = getattr(component, "kind", "component")
-    return str(kind).rstrip("s").replace("_", " ")
 
 
 def _section_values(settings: Any, section: str) -> dict[str, Any]:

@@ -24,13 +24,13 @@ import structlog
 import torch
 
 from tierserve.models.quant_mix import FILE_TYPES, K_TYPES, Matrix, block_types
+from tierserve.plugins.backends.gguf_weights import KEPT_BLOCK_BYTES, q8_0_groups
 from tierserve.plugins.backends.linear import BlockQ4, BlockQ6K, GroupedInt8
 
 # model.quantization -> (the llama.cpp file type whose block types it takes, whether every matrix gets its one type)
 BLOCK_QUANTIZATIONS = {"q4_0": ("q4_0", True), "q4_1": ("q4_1", True), "q8_0": ("q8_0", True),
                        "q4_k": ("q4_k_m", True), "q5_k": ("q5_k_m", True), "q6_k": ("q6_k", True),
                        "q4_k_m": ("q4_k_m", False), "q5_k_m": ("q5_k_m", False)}  # fmt: skip
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # the Hugging Face names of the matrices llama-quantize's rules name, in its (GGUF) names
 _GGUF_ROLES = {"self_attn.v_proj": "attn_v", "mlp.down_proj": "ffn_down"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
@@ -56,9 +56,7 @@ def quantize_state(state: dict[str, torch.Tensor], quantization: str) -> dict[st
         if kind == "F16":  # no block fits the width: llama-quantize writes F16, the float checkpoint is kept
             kept_float.append(name)
             continue
-        rows = tensor.shape[0]
-        data = np.asarray(quantize_matrix(tensor.float().numpy(), kind)).reshape(rows, -1, _BLOCK_BYTES[kind])
-        out[name] = _held(kind, data)
+        out[name] = _held(kind, np.asarray(quantize_matrix(tensor.float().numpy(), kind)), tensor.shape[0])
     if kept_float:
         log.warning("block_quantize_skipped", quantization=quantization, tensors=kept_float,
                     why="their width is not a multiple of 32")  # fmt: skip
@@ -86,10 +84,9 @@ def _gguf_name(name: str) -> str:
     return f"blk.{match[1]}.{_GGUF_ROLES.get(match[2], match[2])}.weight"
 
 
-def _held(kind: str, data: np.ndarray) -> BlockQ4 | BlockQ6K | GroupedInt8:
+def _held(kind: str, data: np.ndarray, rows: int) -> BlockQ4 | BlockQ6K | GroupedInt8:
+    """A matrix's blocks as a GGUF file of that type is held (``gguf_weights``' layouts)."""
     if kind == "Q8_0":
-        scale = np.ascontiguousarray(data[:, :, :2]).view(np.float16)[:, :, 0].astype(np.float32)
-        values = np.ascontiguousarray(data[:, :, 2:]).view(np.int8).reshape(data.shape[0], -1)
-        return GroupedInt8(torch.from_numpy(values), torch.from_numpy(scale))
-    blocks = torch.from_numpy(np.ascontiguousarray(data))
+        return q8_0_groups(data, rows)
+    blocks = torch.from_numpy(np.ascontiguousarray(data.reshape(rows, -1, KEPT_BLOCK_BYTES[kind])))
     return BlockQ6K(blocks) if kind == "Q6_K" else BlockQ4(kind, blocks)

@@ -76,7 +76,7 @@ def load_gguf_state(
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None  # GGUF lists dims innermost first
         order = processor.process(weights=np.arange(rows), name=tensor.name).weights if rows else None
         if kind == GGMLQuantizationType.Q8_0 and quantization in ("int8", "gguf") and rows:
-            state[name] = _q8_0(data, rows, order)
+            state[name] = q8_0_groups(data, rows, order)
             continue
         if kind.name in KEPT_BLOCK_BYTES and quantization == "gguf" and rows:
             blocks = np.asarray(data).reshape(rows, -1, KEPT_BLOCK_BYTES[kind.name])
@@ -115,7 +115,7 @@ def load_gguf_state(
     return state
 
 
-def _q8_0(data: np.ndarray, rows: int, order: np.ndarray | None) -> GroupedInt8:
+def q8_0_groups(data: np.ndarray, rows: int, order: np.ndarray | None = None) -> GroupedInt8:
     """Q8_0 blocks (a float16 scale, then 32 int8 values) as int8 values and float32 scales, rows reordered."""
     blocks = np.asarray(data).reshape(rows, -1, 2 + GROUP_SIZE)
     if order is not None:
