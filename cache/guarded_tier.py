@@ -22,6 +22,7 @@ from typing import TypeVar
 import structlog
 
 from tierserve.cache.tier import CacheEntry, CacheTier, TierCapacity, WriteTally
+from tierserve.cache.figures import Figures
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +43,7 @@ class GuardedTier(CacheTier):
         self.name, self.medium, self.shared = tier.name, tier.medium, tier.shared
         self.stats = tier.stats
         self.lock = tier.lock
+        self.figures = getattr(tier, "figures", None) or Figures()
         self._backoff = 0.0
         self._resume_at = 0.0
 

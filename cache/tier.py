@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierserve.cache.stats import TierStats
+from tierserve.cache.figures import Figures
 
 if TYPE_CHECKING:
     import torch
@@ -84,12 +85,43 @@ class WriteTally:
 class CacheTier(ABC):
     """A bounded store of ``CacheEntry`` values keyed by block hash. Thread-safe.
 
+    A subclass's constructor is what ``register_cache_tiers`` registers; it is called as
+    ``factory(tier, policy_factory, fingerprint)`` and must call ``super().__init__()``.
+
     Args (of every factory registered through ``register_cache_tiers``):
-        settings: the ``[kv_cache]`` section.
-        policy_factory: ``policy_factory(capacity)`` builds this tier's eviction
-            policy; the tier picks the unit (entries for memory, bytes for disk).
-        fingerprint: the model fingerprint; entries written under another one
+        tier: the tier's ``[[kv_cache.tiers]]`` entry (``TierSettings``): ``name``, ``ttl_seconds``
+            (seconds from ``entry.created``; None or 0: never), and the plugin's own keys as
+            ``tier.options_as(MySettings)``.
+        policy_factory: ``policy_factory(capacity)`` builds this tier's eviction policy; ``capacity``
+            is in entries, and each entry is inserted with size 1.
+        fingerprint: the model fingerprint (a string); entries written under another one
             are foreign and never returned.
+
+    What the base class gives a subclass:
+        stats: a ``TierStats``; count ``hits``, ``misses``, ``puts``, ``evictions``, ``expirations``,
+            ``corrupt``, ``write_errors`` and ``get_seconds``/``put_seconds`` (time spent in ``get`` and
+            ``put``), and keep ``stored_bytes`` (as stored) and ``raw_bytes`` (the tensors' own bytes,
+            ``kv.nbytes``) up to date. ``/v1/cache/stats`` and ``/metrics`` show them per tier.
+            ``errors`` is tierserve's: the calls into the tier that raised (each is contained, answered as a
+            miss or a dropped write, logged, and the tier left alone for a back-off).
+        lock: a ``threading.RLock``. The store calls ``put``/``put_many`` from the engine thread and its
+            writer, and ``get``/``get_many`` from its loader thread, so every method may run on any
+            thread: hold ``self.lock`` around the tier's own state.
+        note_removed(key): call it for every entry that leaves on the tier's own initiative (evicted
+            without being returned by ``put``, expired, found corrupt), so the store's index follows;
+            not for ``remove``/``clear``, which the store asked for, nor for entries ``put`` returns.
+        figures: counters and gauges of the tier's own (``Figures``); they appear under the tier's name
+            in ``/v1/cache/stats`` (``plugin_figures``) and in ``/metrics``.
+
+    Class attributes: ``medium`` (``"memory"``, ``"disk"`` or ``"remote"``: statistics sum bytes by it) and
+    ``shared`` (other processes write into the same store: it is then asked on every lookup and written
+    through).
+
+    ``entry.kv`` may be a view of a larger tensor (the store copies several blocks off the arena at once):
+    a tier may keep the reference (nothing writes into it), and one that serializes it writes the view's own
+    bytes (``torch.save(kv.clone())`` or ``kv.numpy().tobytes()``: ``torch.save(kv)`` writes the whole buffer).
+
+    ``tierserve.testing.check_cache_tier(factory)`` runs the rules below over a tier.
     """
 
     name: str = "tier"
@@ -102,6 +134,7 @@ class CacheTier(ABC):
     def __init__(self) -> None:
         self.stats = TierStats()
         self.lock = threading.RLock()
+        self.figures = Figures()
         self._removed: deque[bytes] = deque()
 
     def note_removed(self, key: bytes) -> None:

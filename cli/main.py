@@ -17,7 +17,7 @@ from tierserve.core.errors import TierserveError
 from tierserve.core.plugins import load_plugins
 
 
-def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_settings_arguments(parser: argparse.ArgumentParser, plugin_modules: bool = True) -> None:
     parser.add_argument("--preset", default="development", help="shipped preset name or a .toml path (default: development)")
     parser.add_argument("--config", dest="config_file", metavar="FILE", help="TOML file layered over the preset")
     parser.add_argument(
@@ -27,6 +27,19 @@ def _add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override one setting (repeatable), e.g. --set kv_cache.l1_capacity=1000 or --set plugins.ngram.max_n=3",
+    )
+    if plugin_modules:  # not for fleet: its replicas load the installed plugins on every node
+        _add_plugin_argument(parser)
+
+
+def _add_plugin_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plugin",
+        dest="plugin_modules",
+        action="append",
+        default=[],
+        metavar="PATH_OR_MODULE",
+        help="load a plugin that is not installed (repeatable): a .py file, a package folder or a module name",
     )
 
 
@@ -41,14 +54,17 @@ def _overrides_from(args: argparse.Namespace, flags: dict[tuple[str, str], Any] 
 
 
 def _settings_from(args: argparse.Namespace, flags: dict[tuple[str, str], Any] | None = None) -> LoadedSettings:
-    return load_settings(preset=args.preset, config_file=args.config_file, overrides=_overrides_from(args, flags))
+    return load_settings(
+        preset=args.preset, config_file=args.config_file, overrides=_overrides_from(args, flags),
+        plugin_modules=getattr(args, "plugin_modules", ()),
+    )  # fmt: skip
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     """The plugins found and their components; exit 1 when any failed to load (named last, or in the JSON)."""
     # structlog's default writes to stdout: a failing plugin's log line belongs on stderr, not in the listing
     with contextlib.redirect_stdout(sys.stderr):
-        manager = load_plugins()
+        manager = load_plugins(modules=args.plugin_modules)
         plugins = manager.plugins()
     status = 1 if manager.failures else 0
     if args.json:
@@ -347,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = commands.add_parser("plugins", help="list loaded plugins and the components they registered")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_plugin_argument(plugins)
     plugins.set_defaults(handler=cmd_plugins)
 
     config = commands.add_parser("config", help="inspect settings")
@@ -366,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser(
         "fleet", help="serve the same API from engine replicas on Ray Serve ([fleet]; pip install 'tierserve[fleet]')"
     )
-    _add_settings_arguments(fleet)
+    _add_settings_arguments(fleet, plugin_modules=False)
     fleet.add_argument("--host", help="bind address of the ingress (server.host)")
     fleet.add_argument("--port", type=int, help="bind port of the ingress (server.port)")
     fleet.add_argument("--model", help="a checkpoint directory or .gguf file, builtin:NAME, a catalogue name (smollm2) or a Hugging Face id (model.path)")

@@ -149,8 +149,12 @@ def register_eviction_policies(register: Register) -> None:
     """Register cache eviction policies.
 
     ``factory(capacity)`` returns a subclass of
-    ``tierserve.cache.eviction.EvictionPolicy``; ``capacity`` is the size the
-    owning tier holds, in the same units as the sizes it will ``insert``.
+    ``tierserve.cache.eviction.EvictionPolicy``; ``capacity`` is how many
+    entries the owning tier holds at most (every built-in tier inserts each
+    entry with size 1). The subclass implements the public hooks ``on_insert``,
+    ``on_touch``, ``on_remove``, ``choose_victim``, ``on_pin`` and ``on_unpin``;
+    ``tierserve.testing.check_eviction_policy(cls)`` runs the rules every
+    policy keeps.
     Every cache tier (the L1 block pool and each ``[[kv_cache.tiers]]``
     entry) asks its policy which entry to evict. The name is what
     ``[kv_cache] eviction_policy`` or a tier's ``eviction_policy`` selects
@@ -212,7 +216,7 @@ def register_cache_tiers(register: Register) -> None:
     each entry (``access_count``, ``add_accesses``). A tier that queues writes
     overrides ``put_waiting`` so a warm's writes wait for room.
 
-    Args:
+    The factory's arguments:
         tier: the entry, a ``tierserve.core.tier_settings.TierSettings``:
             ``name``, ``plugin``, ``eviction_policy`` and ``ttl_seconds``
             (resolved), ``write_through``, and ``options``, the plugin's own
@@ -220,7 +224,9 @@ def register_cache_tiers(register: Register) -> None:
             (the validated instance, or validated then when the Settings
             were built directly).
         policy_factory: the factory of ``tier.eviction_policy``; call it with
-            the capacity, in the units the tier inserts sizes in.
+            the capacity in entries (a tier bound by bytes may start high and
+            lower ``policy.capacity`` once it knows an entry's size), and
+            ``insert`` each entry with size 1.
         fingerprint: identifies the model; never serve another's entries.
 
     Built-in: ``"memory"`` (host RAM: ``capacity``, ``max_bytes``) and

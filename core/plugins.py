@@ -7,21 +7,31 @@ names) restricts which outside plugins load: unset means all installed, empty
 means none. A plugin that fails to import, has a misspelled hook, raises while
 registering or takes a name another plugin already has is unregistered and
 reported in ``failures``; the others keep working.
+
+A plugin under development loads without packaging from a ``.py`` file, a
+package folder or an importable module name (``tierserve serve --plugin``,
+``load_plugins(modules=...)``); the engine core process loads it again from
+the same place.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pluggy
 import structlog
 
 from tierserve.core import hookspecs
+from tierserve.core.component_checks import check_component
 from tierserve.core.errors import DuplicateComponentError
 from tierserve.core.registry import Component, Registry
 from tierserve.core.sections import Settings
@@ -118,6 +128,7 @@ class PluginManager:
         }
         self.failures: list[PluginFailure] = []
         self.allowlist: list[str] | None = None  # the outside plugins asked for (None: all installed)
+        self.modules: list[str] = []  # plugins under development, as given to load_plugins(modules=...)
         # True while another process could load the same plugins from the allowlist alone
         self.reproducible = False
         self._info: dict[str, PluginInfo] = {}
@@ -255,6 +266,7 @@ class PluginManager:
 
                 def register(component_name: str, factory: Any, /, **metadata: Any) -> None:
                     self._check_settings_claim(kind, component_name, name, metadata)
+                    check_component(kind, COMPONENT_KINDS[kind][1], component_name, factory, metadata.get("settings") is not None)
                     added = registry.add(component_name, factory, name, **metadata)
                     components.setdefault(kind, []).append(added.name)
                     if added.settings is not None:
@@ -300,17 +312,69 @@ def _entry_point_allowed(ep: EntryPoint, allowlist: frozenset[str] | None) -> bo
     return allowlist is None or bool(entry_point_names(ep) & allowlist)
 
 
+def import_plugin_module(spec: str) -> ModuleType:
+    """The module ``spec`` names: a ``.py`` file, a package folder (with ``__init__.py``), or a dotted module name.
+
+    A file or folder is imported under its own name (the file's stem, the folder's name), as if its parent
+    folder were on ``sys.path``, so its relative imports work.
+
+    Raises:
+        ImportError: nothing importable is there (the message says what was looked for).
+    """
+    path = Path(spec).expanduser()
+    if spec.endswith(".py") or os.sep in spec or path.exists():
+        if path.is_dir():
+            init = path / "__init__.py"
+            if not init.is_file():
+                raise ImportError(f"plugin folder {spec} has no __init__.py: give the package folder or a .py file")
+            name, location = path.resolve().name, init
+            found = importlib.util.spec_from_file_location(name, location, submodule_search_locations=[str(path.resolve())])
+        elif path.is_file():
+            name = path.stem
+            found = importlib.util.spec_from_file_location(name, path.resolve())
+        else:
+            raise ImportError(f"plugin {spec}: no such file or folder")
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(found.origin):
+            return sys.modules[name]
+        module = importlib.util.module_from_spec(found)
+        sys.modules[name] = module
+        try:
+            found.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
+    return importlib.import_module(spec)
+
+
+def add_plugin_modules(manager: PluginManager, modules: Iterable[str]) -> None:
+    """Add each plugin under development (``import_plugin_module``) to ``manager``, named by its module."""
+    for spec in modules:
+        source = f"--plugin {spec}"
+        manager.modules.append(spec)
+        try:
+            module = import_plugin_module(spec)
+        except Exception as exc:
+            manager._fail(spec, source, exc)
+            continue
+        manager.add_plugin(module, module.__name__, "dev", source)
+
+
 def load_plugins(
     allowlist: Iterable[str] | None | str = "env",
     builtins: Iterable[str] = BUILTIN_PLUGINS,
+    modules: Iterable[str] = (),
 ) -> PluginManager:
-    """Build a plugin manager with the built-ins and the allowed installed plugins.
+    """Build a plugin manager with the built-ins, the allowed installed plugins and the plugins under development.
 
     Args:
         allowlist: names of outside plugins to load; ``None`` loads all of
             them, an empty iterable none; the default ``"env"`` reads
             ``TIERSERVE_PLUGINS``.
         builtins: modules registered as built-in plugins.
+        modules: plugins not installed as packages: ``.py`` files, package
+            folders or importable module names (``import_plugin_module``);
+            they load after the installed ones, whatever the allowlist.
     """
     from tierserve.core import __version__
 
@@ -331,7 +395,6 @@ def load_plugins(
             continue
         manager.add_plugin(module, module_name, __version__, "builtin")
 
-    seen: set[str] = set()
     installed = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
     if allowed:
         matched = set().union(*(entry_point_names(ep) for ep in installed)) if installed else set()
@@ -342,10 +405,8 @@ def load_plugins(
     for ep in installed:
         if not _entry_point_allowed(ep, allowed):
             continue
-        dist_name = ep.dist.name if ep.dist is not None else ep.name
+        name = display_name(ep, installed)
         version = ep.dist.version if ep.dist is not None else "unknown"
-        name = dist_name if dist_name not in seen else f"{dist_name}:{ep.name}"
-        seen.add(name)
         source = f"entry point {ep.value}"
         try:
             plugin = ep.load()
@@ -353,5 +414,17 @@ def load_plugins(
             manager._fail(name, source, exc)
             continue
         manager.add_plugin(plugin, name, version, source)
+    add_plugin_modules(manager, modules)
     manager.reproducible = tuple(builtins) == BUILTIN_PLUGINS
     return manager
+
+
+def display_name(ep: EntryPoint, installed: list[EntryPoint]) -> str:
+    """The plugin's name in listings, errors and ``TIERSERVE_PLUGINS``: its distribution's, or
+    ``dist:entry`` when the distribution has several entry points. It depends on nothing else installed
+    and on no allowlist."""
+    if ep.dist is None:
+        return ep.name
+    dist = ep.dist.name
+    siblings = sum(1 for other in installed if other.dist is not None and other.dist.name == dist)
+    return dist if siblings == 1 else f"{dist}:{ep.name}"

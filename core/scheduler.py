@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierserve.cache.kv_manager import KVCacheManager
+from tierserve.cache.figures import Figures
 from tierserve.core.batch import RunnerOutput, SchedulerOutput
 from tierserve.core.sections import SchedulerSettings
 from tierserve.core.errors import QueueFullError
@@ -80,6 +81,7 @@ class Scheduler(ABC):
         self.kv = kv
         self.model = model or ModelLimits()
         self.stats = SchedulerStats()
+        self.figures = Figures()  # the scheduler's own counters and gauges (cache.figures), published with the engine's
         # called for every sequence that leaves the running set (finished or preempted), so the
         # model runner can drop what it keeps per sequence; the engine core sets it
         self.on_release: Callable[[Sequence], None] = lambda seq: None

@@ -32,6 +32,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tierserve.cache.figures import Figures
+
 if TYPE_CHECKING:
     import torch
 
@@ -91,6 +93,7 @@ class Speculator(ABC):
     def __init__(self, settings: Settings, target: ModelBackend) -> None:
         self.settings = settings
         self.target = target
+        self.figures = Figures()  # the speculator's own counters and gauges (cache.figures), published with the engine's
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:

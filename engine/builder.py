@@ -24,7 +24,9 @@ from tierserve.models.backend_choice import AUTO, UnsupportedModel, backend_cand
 from tierserve.engine.requests import RequestError
 from tierserve.engine.runner import ModelRunner
 from tierserve.core.errors import ConfigError
+from tierserve.cache.figures import Figures, FigureSource
 from tierserve.core.plugins import PluginManager, load_plugins
+from tierserve.core.registry import Component
 from tierserve.core.scheduler import ModelLimits
 
 if TYPE_CHECKING:
@@ -59,9 +61,10 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     extra = {"options": settings.plugin_options(component.name, options)} if options is not None else {}
     scheduler = component.factory(settings.scheduler, manager, model=limits, **extra)
     clock = PhaseClock(CORE_PHASES) if settings.monitoring.detailed_profiling else None
+    speculators = build_speculators(settings, plugins, backend)
     runner = ModelRunner(
         backend,
-        build_speculators(settings, plugins, backend),
+        speculators,
         max_draft_tokens=settings.speculative.num_speculative_tokens,
         adaptive=settings.speculative.adaptive,
         max_tree_nodes=settings.speculative.max_tree_nodes,
@@ -71,6 +74,7 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     )
     keys = build_named_prefixes(settings, store, spec.block_bytes, num_blocks)
     core = EngineCore(settings, scheduler, runner, store, clock, keys)
+    core.figure_sources = figure_sources(settings, plugins, component, scheduler, speculators, store)
     load_lora_adapters(settings, core)
     if backend.device.type == "cpu" or store is not None:  # blocks move through host memory
         keep_large_buffers()
@@ -90,6 +94,30 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         profiling=clock is not None,
     )
     return core
+
+
+def figure_sources(
+    settings: Settings,
+    plugins: PluginManager,
+    scheduler_component: Component,
+    scheduler: object,
+    speculators: dict[str, Speculator],
+    store: TieredStore | None,
+) -> list[FigureSource]:
+    """The components that declared figures of their own (``cache.figures``): the scheduler, the speculators
+    and each tier, with the plugin that registered each."""
+    found = [("scheduler", scheduler_component.plugin, scheduler_component.name, scheduler_component.name, scheduler)]
+    for name, speculator in speculators.items():
+        found.append(("speculator", plugins.registry("speculators").get(name).plugin, name, name, speculator))
+    tier_plugins = {tier.name: tier.plugin for tier in settings.kv_cache.tiers}
+    for store_tier in store.tiers if store is not None else ():
+        component = plugins.registry("cache_tiers").get(tier_plugins[store_tier.name])
+        found.append(("cache_tier", component.plugin, component.name, store_tier.name, store_tier.tier))
+    return [
+        FigureSource(plugin, kind, component, instance, figures)
+        for kind, plugin, component, instance, owner in found
+        if isinstance(figures := getattr(owner, "figures", None), Figures) and len(figures)
+    ]
 
 
 def load_lora_adapters(settings: Settings, core: EngineCore) -> None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from tierserve.core.batch import SchedulerOutput
     from tierserve.engine.beam_search import BeamSearch, BeamSearchParams
     from tierserve.settings.config import Settings
+    from tierserve.cache.figures import FigureSource
     from tierserve.core.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -95,6 +96,7 @@ class EngineCore:
         self.store = store
         self.clock = clock
         self.keys = keys
+        self.figure_sources: list[FigureSource] = []  # components publishing figures of their own (engine.builder sets them)
         self._keyed: dict[str, Key] = {}  # request id -> the cache key it registers when it ends normally
         self._warms: dict[str, WarmWrites] = {}  # prompt warms in progress, until finish_warm
         self._beams: dict[str, BeamSearch] = {}  # beam searches running between steps, by search id
@@ -459,6 +461,7 @@ class EngineCore:
             profiling=core_timings(self.clock) if self.clock is not None else None,
             cache_keys=len(self.keys) if self.keys is not None else 0,
             cache_keys_pinned_bytes=self.keys.pinned_bytes if self.keys is not None else 0,
+            plugin_figures=[source.read() for source in self.figure_sources],
         )
 
     def _window_snapshot(self) -> WindowSnapshot:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tierserve.cache.figures import FigureGroup, metric_name
+
 if TYPE_CHECKING:
     from tierserve.engine.stats import EngineSnapshot
 
@@ -25,6 +27,20 @@ TIER_COUNTERS = {
     "get_seconds": "Time spent reading entries",
     "put_seconds": "Time spent storing entries",
 }
+
+
+def plugin_families(groups: list[FigureGroup]) -> Iterator:
+    """Components' own figures (``cache.figures``): one family per figure, a sample per instance."""
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    for group in groups:
+        for name, figure in group.values.items():
+            family_name = metric_name(group, name)
+            family = families.get(family_name)
+            if family is None:
+                kind = CounterMetricFamily if figure.kind == "counter" else GaugeMetricFamily
+                family = families[family_name] = kind(family_name, figure.description, labels=["plugin", "instance"])
+            family.add_metric([group.plugin, group.instance], figure.value)
+    yield from families.values()
 
 
 class EngineCollector(Collector):
@@ -84,6 +100,7 @@ class EngineCollector(Collector):
             for phase, stats in snapshot.profiling.phases().items():
                 phases.add_metric([phase], stats.cumulative(), sum_value=stats.seconds)
             yield phases
+        yield from plugin_families(snapshot.plugin_figures)
         if cache is None:
             return
         for name, values, help_text in (

@@ -53,8 +53,13 @@ class EngineProcessError(RuntimeError):
     """The engine core process failed to start or is gone."""
 
 
-def core_process_main(conn: Connection, settings: Settings, allowlist: list[str] | None) -> None:
-    """The child's entry point: build the core, say so, then serve messages until ``Shutdown``."""
+def core_process_main(
+    conn: Connection, settings: Settings, allowlist: list[str] | None, modules: tuple[str, ...] = ()
+) -> None:
+    """The child's entry point: build the core, say so, then serve messages until ``Shutdown``.
+
+    It loads the plugins the server's process loaded: the built-ins, the installed ones ``allowlist`` lets in,
+    and the plugins under development in ``modules`` (``tierserve serve --plugin``)."""
     from tierserve.engine.builder import build_core, model_info
     from tierserve.engine.loop import CoreLoop
     from tierserve.settings.logs import configure_logging
@@ -65,7 +70,7 @@ def core_process_main(conn: Connection, settings: Settings, allowlist: list[str]
     configure_logging(settings.logging, secrets=settings_secrets(settings))
     watch_parent(os.getppid())
     try:
-        core = build_core(settings, load_plugins(allowlist=allowlist))
+        core = build_core(settings, load_plugins(allowlist=allowlist, modules=modules))
     except Exception as exc:
         if isinstance(exc, TierserveError):  # a message meant for the user: no traceback
             log.error("engine_core_load_failed", error=f"{type(exc).__name__}: {exc}")
@@ -256,10 +261,11 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
         )
     path = resolve_model_path(settings.model.path, settings.model.gguf_file)  # a builtin checkpoint is written once, here, before the child reads it
     allowlist = None if plugins is None else plugins.allowlist
+    modules = () if plugins is None else tuple(plugins.modules)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(
-        target=core_process_main, args=(child, settings, allowlist), name="tierserve-engine-core", daemon=True
+        target=core_process_main, args=(child, settings, allowlist, modules), name="tierserve-engine-core", daemon=True
     )
     process.start()
     child.close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.engine.profiling import PhaseTimings
+from tierserve.cache.figures import FigureGroup
 from tierserve.core.speculation import SpeculationStats
 
 
@@ -138,6 +139,7 @@ class EngineSnapshot:
     kv_blocks_pinned: int = 0  # L1 blocks kept only by a pin (named prefixes): neither free nor in use
     cache_keys: int = 0  # named prefixes (cache_key) registered
     cache_keys_pinned_bytes: int = 0  # bytes of the distinct blocks they pin
+    plugin_figures: list[FigureGroup] = field(default_factory=list)  # components' own figures (cache.figures)
 
     @property
     def kv_usage(self) -> float:

@@ -112,7 +112,7 @@ def create_app(
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=middleware,
         request_max_body_size=settings.server.max_request_bytes,
-        openapi_config=OpenAPIConfig(title="tierserve", version=__version__, path="/docs"),
+        openapi_config=OpenAPIConfig(title="tierserve", version=__version__, path="/docs", use_handler_docstrings=True),
         debug=False,
         logging_config=None,  # tierserve.settings.logs configures logging; Litestar must not replace it
     )

@@ -191,6 +191,7 @@ def _requested_tiers(tiers: list[str] | str, known: tuple[str, ...]) -> list[str
 
 @post("/v1/cache/clear", opt={"admin": True}, status_code=200)
 async def cache_clear(request: Request, data: JSONBody[ClearRequest | None] = None) -> dict[str, Any]:
+    """Drop cached prefixes from every tier (``"all"``) or the ``tiers`` named; answers the entries removed per tier. Admin key."""
     engine = ready_engine(request)
     known = engine.info.tier_names
     tiers = _requested_tiers((data or ClearRequest()).tiers, known)

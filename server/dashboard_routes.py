@@ -36,11 +36,13 @@ def asset(name: str) -> bytes:
 
 @get("/dashboard", opt=PAGE, include_in_schema=False)
 async def dashboard() -> Response[bytes]:
+    """The live cache dashboard (an HTML page polling ``/v1/cache/stats``)."""
     return Response(asset("index.html"), media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
 
 @get("/dashboard/{name:str}", opt=PAGE, include_in_schema=False)
 async def dashboard_asset(name: FromPath[str]) -> Response[bytes]:
+    """The dashboard's script and style sheet."""
     if name not in ASSETS:
         raise APIError(404, f"no dashboard file {name!r}; the page's files: {', '.join(ASSETS)}", code="not_found")
     return Response(asset(name), media_type=ASSETS[name], headers=SECURITY_HEADERS)

@@ -118,12 +118,14 @@ def health(request: Request) -> Response[dict[str, Any]]:
 
 @get("/health/ready", opt=HEALTH)
 async def health_ready(request: Request) -> dict[str, str]:
+    """200 once the model is loaded and its engine runs (a readiness probe), else 503."""
     ready_engine(request)
     return {"status": "ready"}
 
 
 @get("/health/live", opt=HEALTH)
 async def health_live() -> dict[str, str]:
+    """200 while the server process answers (a liveness probe)."""
     return {"status": "alive"}
 
 

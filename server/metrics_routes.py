@@ -138,6 +138,7 @@ def metrics_of(state: ServerState) -> RequestMetrics | None:
 
 @get("/metrics", opt={"public": "metrics"}, media_type=CONTENT_TYPE, include_in_schema=False)
 async def metrics_endpoint(request: Request) -> Response[bytes]:
+    """Prometheus metrics: requests, latencies, tokens, every tier's cache figures and plugins' own (``tierserve_*``)."""
     metrics = metrics_of(request.app.state.tierserve)
     if metrics is None:
         return Response(b"", media_type=CONTENT_TYPE)

@@ -216,33 +216,39 @@ def model_entry(state: ServerState, name: str) -> dict[str, Any]:
 
 @get("/v1/models", sync_to_thread=False)
 def list_models(request: Request) -> dict[str, Any]:
+    """The models served: every loaded version and alias, with its context length and state."""
     state = state_of(request)
     return {"object": "list", "data": [model_entry(state, name) for name in state.model_names]}
 
 
 @get("/v1/models/{model_id:str}", sync_to_thread=False)
 def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
+    """One served model by id or alias; 404 naming the models there are."""
     state = state_of(request)
     return model_entry(state, model_id)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
+    """OpenAI completions: ``prompt`` (text or token ids), sampling, ``stream: true`` for SSE; ``usage`` counts cached prompt tokens."""
     return await respond(request, data, chat=False, cached=False)
 
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatRequest]) -> Response | Stream:
+    """OpenAI chat completions: ``messages`` through the model's chat template, ``tools``, ``response_format``, ``stream: true`` for SSE."""
     return await respond(request, data, chat=True, cached=False)
 
 
 @post("/v1/cached/completions", status_code=200)
 async def cached_completions(request: Request, data: JSONBody[CachedCompletionRequest]) -> Response | Stream:
+    """Completions that also report what the cache did for this request (``cache_stats``: tokens per tier, timings) and take the cache fields of the serving spec."""
     return await respond(request, data, chat=False, cached=True)
 
 
 @post("/v1/cached/chat/completions", status_code=200)
 async def cached_chat_completions(request: Request, data: JSONBody[CachedChatRequest]) -> Response | Stream:
+    """Chat completions with the per-request cache report and cache fields of ``/v1/cached/completions``."""
     return await respond(request, data, chat=True, cached=True)
 
 

@@ -414,6 +414,7 @@ def get_response(request: Request, response_id: FromPath[str]) -> dict[str, Any]
 
 @delete("/v1/responses/{response_id:str}", status_code=200, sync_to_thread=False)
 def delete_response(request: Request, response_id: FromPath[str]) -> dict[str, Any]:
+    """Delete a stored response (the caller's tenant's only); 404 if there is none."""
     if not response_store(state_of(request)).delete(response_id, caller_of(request.scope).tenant):
         raise APIError(404, f"response {response_id!r} is not stored", param="response_id", code="not_found")
     return {"id": response_id, "object": "response", "deleted": True}

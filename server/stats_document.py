@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierserve.cache.figures import figures_document
+
 if TYPE_CHECKING:
     from tierserve.settings.config import MonitoringSettings
     from tierserve.engine import EngineSnapshot
@@ -264,6 +266,8 @@ def stats_document(
         manager["profiling"] = snapshot.profiling.as_dict()
     return {
         "cache_manager": manager,
+        # components' own counters and gauges (cache.figures): {plugin: {tier entry or component: {name: value}}}
+        "plugin_figures": figures_document(snapshot.plugin_figures),
         "overall": overall(snapshot, activity),
         "alerts": alerts,
         "trends": {"window_seconds": window_seconds, "data_points": len(trend_points)},

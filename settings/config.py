@@ -14,7 +14,7 @@ The schema lives in ``sections`` (re-exported here), tier entries and shorthands
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +170,7 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[tuple[str, str], Any] | None = None,
     plugins: PluginManager | None = None,
+    plugin_modules: Sequence[str] = (),
 ) -> LoadedSettings:
     """Resolve settings from all sources and validate them, components and plugin tables included.
 
@@ -182,6 +183,8 @@ def load_settings(
             table's section is ``plugins.NAME`` (``("plugins.ngram", "max_n")``).
         plugins: the plugin manager to validate against; by default one is
             loaded with the allowlist these settings resolve to.
+        plugin_modules: plugins under development to load beside the installed
+            ones (``tierserve serve --plugin``): files, package folders or module names.
 
     Raises:
         ConfigError: naming the key, the bad value and its source.
@@ -189,7 +192,10 @@ def load_settings(
     environ = os.environ if environ is None else environ
     layers = read_layers(preset, config_file, environ, overrides)
     if plugins is None:
-        plugins = load_plugins(allowlist=_allowlist(layers, environ))
+        plugins = load_plugins(allowlist=_allowlist(layers, environ), modules=plugin_modules)
+        asked = [f for f in plugins.failures if f.source.startswith("--plugin ")]
+        if asked:  # a plugin named on the command line that does not load is not one to serve without
+            raise ConfigError("; ".join(f"{f.source}: {f.error}" for f in asked))
     merged = merge_layers(
         layers, {name: c.settings for name, c in plugins.settings_components().items()},
         plugins.aliases(), plugins.registry(TIER_KIND).names(),

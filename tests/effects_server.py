@@ -324,9 +324,10 @@ def plugins_enabled(lab: Lab) -> None:
         "tierserve_effects_mru",
         """
         from tierserve.core import hookimpl
+        from tierserve.plugins.eviction.lru import LRUPolicy
         @hookimpl
         def register_eviction_policies(register):
-            register("effects-mru", object)
+            register("effects-mru", LRUPolicy)
         """,
     )
     chosen = {("kv_cache", "eviction_policy"): "effects-mru"}

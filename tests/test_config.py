@@ -165,9 +165,10 @@ def test_plugin_allowlist_variable_is_not_a_settings_section(install_fake_plugin
         "tierserve_mru_config",
         """
         from tierserve.core import hookimpl
+        from tierserve.plugins.eviction.lru import LRUPolicy
         @hookimpl
         def register_eviction_policies(register):
-            register("mru", object)
+            register("mru", LRUPolicy)
         """,
     )
     path = toml_file('[kv_cache]\neviction_policy = "MRU"\n')

@@ -43,17 +43,28 @@ def test_installed_plugin_is_listed(plugin_site):
     result = run_with_plugin(plugin_site, ["-m", "tierserve.cli.main", "plugins", "--json"])
     assert result.returncode == 0, result.stderr
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
-    example = plugins["tierserve-example-plugin"]
-    assert example["version"] == "0.1.0"
-    assert example["components"] == {"eviction_policies": ["fifo"]}
-    assert example["source"] == "entry point tierserve_example_plugin"
+    # two entry points of one distribution: each is dist:entry, whatever else is installed or allowed
+    fifo, sjf = plugins["tierserve-example-plugin:fifo"], plugins["tierserve-example-plugin:sjf"]
+    assert fifo["version"] == "0.1.0"
+    assert fifo["components"] == {"eviction_policies": ["fifo"]} and sjf["components"] == {"schedulers": ["sjf"]}
+    assert fifo["source"] == "entry point tierserve_example_plugin"
 
 
-def test_allowlist_can_exclude_it(plugin_site):
-    result = run_with_plugin(
-        plugin_site, ["-m", "tierserve.cli.main", "plugins", "--json"], env={"TIERSERVE_PLUGINS": ""}
-    )
+def test_allowlist_can_exclude_it_or_take_one_entry_point_by_its_listed_name(plugin_site):
+    command = ["-m", "tierserve.cli.main", "plugins", "--json"]
+    result = run_with_plugin(plugin_site, command, env={"TIERSERVE_PLUGINS": ""})
     assert "tierserve-example-plugin" not in result.stdout
+    result = run_with_plugin(plugin_site, command, env={"TIERSERVE_PLUGINS": "tierserve-example-plugin:sjf"})
+    names = [p["name"] for p in json.loads(result.stdout)["plugins"] if p["source"] != "builtin"]
+    assert names == ["tierserve-example-plugin:sjf"]  # the same name as when both load
+
+
+def test_the_example_plugins_own_tests_pass_with_tierserve_testing(plugin_site):
+    """The package's tests (examples/tierserve-example-plugin/tests) use tierserve.testing's suites and fixtures."""
+    result = run_with_plugin(plugin_site, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(EXAMPLE)],
+                             env={"PYTEST_ADDOPTS": "", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "5 passed" in result.stdout
 
 
 def test_selected_by_name_from_toml_and_exercised(plugin_site, tmp_path):
@@ -79,7 +90,7 @@ def test_selected_by_name_from_toml_and_exercised(plugin_site, tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {
         "name": "fifo",
-        "plugin": "tierserve-example-plugin",
+        "plugin": "tierserve-example-plugin:fifo",
         "victims": ["a", "c", "d"],
     }
 
@@ -132,3 +143,16 @@ def test_example_scheduler_serves_shortest_prompts_first_with_unchanged_outputs(
     assert report["order"] == [2, 1, 0]  # shortest prompt first
     assert report["same"] and report["free"]
     assert report["preemptions"] > 0
+
+
+def test_the_sqlite_tier_written_from_the_docs_keeps_the_tier_rules_and_publishes_its_figures():
+    """examples/tierserve-sqlite-tier was written from docs/plugins.md and the plugin API's docstrings alone; its
+    tests run check_cache_tier and read its own counters back from /v1/cache/stats and /metrics."""
+    example = REPO_ROOT / "examples" / "tierserve-sqlite-tier"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERSERVE_", "PYTEST_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(example)],
+        capture_output=True, text=True, timeout=300, cwd=example, env={**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "6 passed" in result.stdout

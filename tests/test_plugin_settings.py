@@ -21,16 +21,20 @@ pytestmark = pytest.mark.unit
 
 ECHO_PLUGIN = """
 from pydantic import BaseModel, ConfigDict, Field
-from tierserve.core import hookimpl
+from tierserve.plugin_api import Proposal, Speculator, hookimpl
 
 class EchoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     depth: int = Field(2, ge=1, description="tokens echoed")
     greeting: str = "hi"
 
-class EchoSpeculator:
+class EchoSpeculator(Speculator):
     def __init__(self, settings, target):
+        super().__init__(settings, target)
         self.options = settings.plugin_options("echo", EchoSettings)
+
+    def propose(self, requests):
+        return [Proposal(list(r.token_ids[-self.options.depth:])[: r.num_tokens]) for r in requests]
 
 @hookimpl
 def register_speculators(register):

@@ -13,11 +13,35 @@ from tierserve.core.registry import Registry
 pytestmark = pytest.mark.unit
 
 GOOD_PLUGIN = """
-from tierserve.core import hookimpl
+from tierserve.plugin_api import EvictionPolicy, hookimpl
 
-class MruPolicy:
+class MruPolicy(EvictionPolicy):
+    # evicts the most recently used key
+
     def __init__(self, capacity):
-        self.capacity = capacity
+        super().__init__(capacity)
+        self.order = {}
+
+    def on_insert(self, key, size):
+        self.order[key] = None
+
+    def on_touch(self, key, pinned):
+        if not pinned:
+            self.order[key] = self.order.pop(key)
+
+    def on_remove(self, key, pinned):
+        self.order.pop(key, None)
+
+    def choose_victim(self):
+        key = next(reversed(self.order))
+        del self.order[key]
+        return key
+
+    def on_pin(self, key):
+        del self.order[key]
+
+    def on_unpin(self, key):
+        self.order[key] = None
 
 @hookimpl
 def register_eviction_policies(register):
@@ -141,10 +165,11 @@ def test_duplicate_name_fails_the_second_plugin_naming_both(install_fake_plugin)
         "tierserve_fake_lru",
         """
         from tierserve.core import hookimpl
+        from tierserve.plugins.eviction.lfu import LFUPolicy
         @hookimpl
         def register_eviction_policies(register):
-            register("mine", object)
-            register("LRU", object)
+            register("mine", LFUPolicy)
+            register("LRU", LFUPolicy)
         """,
     )
     manager = load_plugins(allowlist=None)

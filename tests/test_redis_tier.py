@@ -316,3 +316,16 @@ def test_the_server_evicts_so_an_eviction_policy_in_the_entry_is_refused():
     tier = {"name": "r", "plugin": "redis", "url": "redis://127.0.0.1:1/0", "eviction_policy": "lfu"}
     with pytest.raises(Exception, match=r"kv_cache.tiers\[0\].eviction_policy: .*maxmemory-policy"):
         load_settings(None, environ={}, overrides={("kv_cache", "tiers"): [tier]})
+
+
+def test_the_redis_tier_keeps_the_tier_rules_that_apply_to_a_server_evicting_by_itself(server):
+    """tierserve.testing's suite over the redis tier: its bound is the server's (unknown here), so the bound and
+    pin rules are reported as skipped; every other rule runs against the real server."""
+    from tierserve.plugins.tiers.redis_tier import RedisTier
+    from tierserve.testing import check_cache_tier
+
+    checked = check_cache_tier(RedisTier, {"url": server.url})
+    skipped = [name for name in checked if "skipped" in name]
+    assert [name.split(" ")[0] for name in skipped] == ["keeps_its_bound_and_accounts_for_every_entry",
+                                                        "pinned_entries_outlive_the_bound"]  # fmt: skip
+    assert len(checked) == 13

@@ -250,7 +250,8 @@ def test_request_metrics_api():
 
 def test_cache_stats_shape_and_hits_after_warming(server, engine):
     before = stats(server)
-    assert set(before) == {"cache_manager", "overall", "alerts", "trends", "trend_points", "recent", "latency"}
+    assert set(before) == {"cache_manager", "plugin_figures", "overall", "alerts", "trends", "trend_points", "recent",
+                           "latency"}
     manager = before["cache_manager"]
     assert set(manager["kv_cache"]["tiers"]) == {"l1", "l2", "l3"}
     assert manager["speculation"]["enabled"] is False and manager["speculation"]["proposed"] == 0

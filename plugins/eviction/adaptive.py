@@ -38,13 +38,13 @@ class AdaptivePolicy(EvictionPolicy):
         self._b2_size = 0
         self.target_t1_size = 0.0
 
-    def _on_resize(self, key: Key, old_size: int, new_size: int) -> None:
+    def on_resize(self, key: Key, old_size: int, new_size: int) -> None:
         if self._in_t2[key]:
             self._t2_size += new_size - old_size
         else:
             self._t1_size += new_size - old_size
 
-    def _on_insert(self, key: Key, size: int) -> None:
+    def on_insert(self, key: Key, size: int) -> None:
         if key in self._b1:
             ratio = max(1.0, self._b2_size / self._b1_size)
             self.target_t1_size = min(float(self.capacity), self.target_t1_size + ratio * max(size, 1))
@@ -59,7 +59,7 @@ class AdaptivePolicy(EvictionPolicy):
             self._add_resident(key, size, t2=False)
         self._trim_ghosts()
 
-    def _on_touch(self, key: Key, pinned: bool) -> None:
+    def on_touch(self, key: Key, pinned: bool) -> None:
         if self._in_t2[key]:
             if not pinned:
                 self._t2.move_to_end(key)
@@ -72,7 +72,7 @@ class AdaptivePolicy(EvictionPolicy):
             del self._t1[key]
             self._t2[key] = None
 
-    def _on_remove(self, key: Key, pinned: bool) -> None:
+    def on_remove(self, key: Key, pinned: bool) -> None:
         in_t2 = self._in_t2.pop(key)
         size = self._sizes[key]
         if in_t2:
@@ -84,7 +84,7 @@ class AdaptivePolicy(EvictionPolicy):
             if not pinned:
                 del self._t1[key]
 
-    def _choose_victim(self) -> Key:
+    def choose_victim(self) -> Key:
         if self._t1 and (self._t1_size > self.target_t1_size or not self._t2):
             key, _ = self._t1.popitem(last=False)
             size = self._sizes[key]
@@ -101,10 +101,10 @@ class AdaptivePolicy(EvictionPolicy):
         self._trim_ghosts()
         return key
 
-    def _on_pin(self, key: Key) -> None:
+    def on_pin(self, key: Key) -> None:
         (self._t2 if self._in_t2[key] else self._t1).pop(key)
 
-    def _on_unpin(self, key: Key) -> None:
+    def on_unpin(self, key: Key) -> None:
         (self._t2 if self._in_t2[key] else self._t1)[key] = None
 
     def _add_resident(self, key: Key, size: int, *, t2: bool) -> None:

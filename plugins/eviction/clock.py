@@ -23,22 +23,22 @@ class ClockPolicy(EvictionPolicy):
         self._ring: OrderedDict[Key, bool] = OrderedDict()  # unpinned key -> referenced
         self._pinned_bits: dict[Key, bool] = {}
 
-    def _on_insert(self, key: Key, size: int) -> None:
+    def on_insert(self, key: Key, size: int) -> None:
         self._ring[key] = False
 
-    def _on_touch(self, key: Key, pinned: bool) -> None:
+    def on_touch(self, key: Key, pinned: bool) -> None:
         if pinned:
             self._pinned_bits[key] = True
         else:
             self._ring[key] = True
 
-    def _on_remove(self, key: Key, pinned: bool) -> None:
+    def on_remove(self, key: Key, pinned: bool) -> None:
         if pinned:
             del self._pinned_bits[key]
         else:
             del self._ring[key]
 
-    def _choose_victim(self) -> Key:
+    def choose_victim(self) -> Key:
         while True:
             key, referenced = next(iter(self._ring.items()))
             if not referenced:
@@ -47,10 +47,10 @@ class ClockPolicy(EvictionPolicy):
             self._ring[key] = False
             self._ring.move_to_end(key)
 
-    def _on_pin(self, key: Key) -> None:
+    def on_pin(self, key: Key) -> None:
         self._pinned_bits[key] = self._ring.pop(key)
 
-    def _on_unpin(self, key: Key) -> None:
+    def on_unpin(self, key: Key) -> None:
         self._ring[key] = self._pinned_bits.pop(key)
 
 

@@ -44,11 +44,11 @@ class LFUPolicy(EvictionPolicy):
         if not bucket:
             del self._buckets[count]  # its heap entry is dropped lazily
 
-    def _on_insert(self, key: Key, size: int) -> None:
+    def on_insert(self, key: Key, size: int) -> None:
         self._count[key] = 1
         self._bucket_add(key)
 
-    def _on_touch(self, key: Key, pinned: bool) -> None:
+    def on_touch(self, key: Key, pinned: bool) -> None:
         if pinned:
             self._count[key] += 1
             return
@@ -56,12 +56,12 @@ class LFUPolicy(EvictionPolicy):
         self._count[key] += 1
         self._bucket_add(key)
 
-    def _on_remove(self, key: Key, pinned: bool) -> None:
+    def on_remove(self, key: Key, pinned: bool) -> None:
         if not pinned:
             self._bucket_drop(key)
         del self._count[key]
 
-    def _choose_victim(self) -> Key:
+    def choose_victim(self) -> Key:
         while self._heap[0] not in self._buckets:
             heapq.heappop(self._heap)
         key = next(iter(self._buckets[self._heap[0]]))
@@ -69,10 +69,10 @@ class LFUPolicy(EvictionPolicy):
         del self._count[key]
         return key
 
-    def _on_pin(self, key: Key) -> None:
+    def on_pin(self, key: Key) -> None:
         self._bucket_drop(key)
 
-    def _on_unpin(self, key: Key) -> None:
+    def on_unpin(self, key: Key) -> None:
         self._bucket_add(key)
 
 

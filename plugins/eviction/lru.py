@@ -15,25 +15,25 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._order: OrderedDict[Key, None] = OrderedDict()  # unpinned, oldest first
 
-    def _on_insert(self, key: Key, size: int) -> None:
+    def on_insert(self, key: Key, size: int) -> None:
         self._order[key] = None
 
-    def _on_touch(self, key: Key, pinned: bool) -> None:
+    def on_touch(self, key: Key, pinned: bool) -> None:
         if not pinned:
             self._order.move_to_end(key)
 
-    def _on_remove(self, key: Key, pinned: bool) -> None:
+    def on_remove(self, key: Key, pinned: bool) -> None:
         if not pinned:
             del self._order[key]
 
-    def _choose_victim(self) -> Key:
+    def choose_victim(self) -> Key:
         key, _ = self._order.popitem(last=False)
         return key
 
-    def _on_pin(self, key: Key) -> None:
+    def on_pin(self, key: Key) -> None:
         del self._order[key]
 
-    def _on_unpin(self, key: Key) -> None:
+    def on_unpin(self, key: Key) -> None:
         self._order[key] = None
 
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-_UNBOUNDED = 2**63 - 1  # policy capacity when max_bytes is 0 (no byte bound)
+_UNBOUNDED = 2**63 - 1  # policy capacity (entries) when max_bytes is 0 (no byte bound)
 
 
 class DiskTier(QueuedTier, CacheTier):
@@ -93,7 +93,7 @@ class DiskTier(QueuedTier, CacheTier):
         self.max_bytes = options.max_bytes
         self.ttl = tier.ttl_seconds or None
         self.codec = KVCodec(fingerprint, options.compression_level)
-        self.policy = policy_factory(self.max_bytes or _UNBOUNDED)
+        self.policy = policy_factory(_UNBOUNDED)  # in entries: DiskIndex lowers it once it sees an entry's size
         self._index = DiskIndex(self.policy, self.max_bytes, self.stats)
         self._writer = TierWriter(
             self.lock,

@@ -52,6 +52,7 @@ class DiskIndex:
         self.raw_bytes = 0
         self._entries: dict[bytes, StoredEntry] = {}
         self._children: dict[bytes, int] = {}  # parent -> indexed entries naming it (the parent may not be indexed)
+        self._entries_estimated = False
         self._bare: dict[bytes, None] = {}  # indexed, held, no indexed child: the second round, in order
 
     def __contains__(self, key: object) -> bool:
@@ -69,7 +70,11 @@ class DiskIndex:
     def add(self, key: bytes, stored: StoredEntry) -> None:
         """Index a stored entry (a pinned or held key stays so)."""
         self._entries[key] = stored
-        self.policy.insert(key, stored.size)
+        if self.max_bytes and not self._entries_estimated and stored.size:
+            # the policy counts entries: the byte bound over the first entry's size on disk estimates how many fit
+            self.policy.capacity = max(1, self.max_bytes // stored.size)
+            self._entries_estimated = True
+        self.policy.insert(key)
         if key in self.pinned or key in self.held:
             self.policy.pin(key)
         if stored.parent is not None:
@@ -169,8 +174,8 @@ class DiskIndex:
         if set(self.policy) != set(self._entries):
             problems.append("policy keys differ from indexed keys")
         sizes = sum(stored.size for stored in self._entries.values())
-        if self.policy.total_size != sizes or self.stored_bytes != sizes:
-            problems.append(f"sizes disagree: policy {self.policy.total_size}, index {sizes}")
+        if self.policy.total_size != len(self._entries) or self.stored_bytes != sizes:
+            problems.append(f"sizes disagree: policy {self.policy.total_size} entries, index {sizes} bytes")
         if self.raw_bytes != sum(stored.raw for stored in self._entries.values()):
             problems.append("raw byte count is not the sum of raw sizes")
         if (self.stats.stored_bytes, self.stats.raw_bytes) != (self.stored_bytes, self.raw_bytes):

@@ -30,8 +30,8 @@ class MemoryTier(CacheTier):
     """Holds ``CacheEntry`` objects as given (no copy, no encoding).
 
     Bounds: ``capacity`` entries (0 stores nothing) and ``max_bytes``
-    bytes of tensors (0: no byte bound), from ``MemoryTierSettings``. The policy orders entries by bytes,
-    or by count when there is no byte bound. ``put`` evicts until both bounds
+    bytes of tensors (0: no byte bound), from ``MemoryTierSettings``. The policy's capacity is
+    in entries: ``capacity``, lowered to what ``max_bytes`` holds once the first entry's size is known. ``put`` evicts until both bounds
     hold and returns what it evicted, for demotion; an entry that cannot fit
     (bigger than the tier, or everything else is pinned) is returned without
     being kept.
@@ -58,7 +58,8 @@ class MemoryTier(CacheTier):
         self.max_bytes = options.max_bytes
         self.ttl = tier.ttl_seconds or None
         self._by_bytes = self.max_bytes > 0
-        self.policy = policy_factory(self.max_bytes if self._by_bytes else max(self.max_entries, 1))
+        self.policy = policy_factory(max(self.max_entries, 1))
+        self._sized_policy = not self._by_bytes
         self._entries: dict[bytes, CacheEntry] = {}
         self._bytes = 0
 
@@ -158,8 +159,8 @@ class MemoryTier(CacheTier):
                 problems.append("policy keys differ from stored keys")
             if self._bytes != sum(entry.nbytes for entry in self._entries.values()):
                 problems.append(f"byte count {self._bytes} is not the sum of entry sizes")
-            if self.policy.total_size != sum(map(self._size, self._entries.values())):
-                problems.append("policy sizes differ from entry sizes")
+            if self.policy.total_size != len(self._entries):
+                problems.append("policy sizes differ from the entry count")
             if self.stats.stored_bytes != self._bytes or self.stats.raw_bytes != self._bytes:
                 problems.append("stats bytes differ from bytes held")
             if any(entry.accesses < 0 for entry in self._entries.values()):
@@ -177,7 +178,11 @@ class MemoryTier(CacheTier):
             entry.accesses += self._forget(key).accesses
         self._entries[key] = entry
         self._bytes += entry.nbytes
-        self.policy.insert(key, self._size(entry))  # re-inserting a tracked key resizes and touches it
+        if not self._sized_policy and entry.nbytes:
+            # a KV block's size is the model's: the bound in bytes is a bound in entries
+            self.policy.capacity = max(1, min(self.policy.capacity, self.max_bytes // entry.nbytes))
+            self._sized_policy = True
+        self.policy.insert(key)  # re-inserting a tracked key touches it
 
         evicted: list[CacheEntry] = []
         while self._over_bounds():
@@ -195,9 +200,6 @@ class MemoryTier(CacheTier):
 
     def _over_bounds(self) -> bool:
         return len(self._entries) > self.max_entries or (self._by_bytes and self._bytes > self.max_bytes)
-
-    def _size(self, entry: CacheEntry) -> int:
-        return entry.nbytes if self._by_bytes else 1
 
     def _forget(self, key: bytes) -> CacheEntry:
         """Drop the data of ``key``; the caller settles the policy."""

@@ -12,7 +12,8 @@ entry is ever shared across models, block layouts or tenants.
     get ──► queued? ──► server reachable? ──► GET ──► decode (corrupt: DEL, miss)
 
 The server owns eviction (``maxmemory`` with ``allkeys-lru`` is the setting
-to use) and expiry (``ttl_seconds`` becomes each key's TTL); this tier
+to use) and expiry (each key's TTL is what ``ttl_seconds`` leaves of it since the entry's ``created``, as
+every tier counts it; an entry already older is not written); this tier
 neither pins nor bounds what the server keeps. What this process wrote or
 read is remembered (``max_index_entries`` at most, oldest forgotten first)
 for the store's index and statistics; entries other processes wrote are
@@ -407,6 +408,11 @@ class RedisTier(QueuedTier, CacheTier):
                 known.accesses += entry.accesses
                 if tally is not None:
                     tally.written += 1
+            elif self._remaining_ms(entry) == 0:  # older than ttl_seconds already: it would be expired on arrival
+                self.stats.expirations += 1
+                self.note_removed(key)
+                if tally is not None:
+                    tally.dropped += 1
             elif self._closed or not self._available():
                 self.stats.dropped_writes += 1
                 if tally is not None:
@@ -451,20 +457,20 @@ class RedisTier(QueuedTier, CacheTier):
                 encoded.append(b"")  # not written
 
         def second_trip(pipe: Any) -> None:
-            for name, data in zip(names, encoded):
+            for name, data, entry in zip(names, encoded, current):
                 if data is None:  # another process wrote the same bytes (keys are content hashes): keep it longer
                     if self.ttl_ms is not None:
-                        pipe.pexpire(name, self.ttl_ms)
+                        pipe.pexpire(name, max(1, self._remaining_ms(entry)))
                     pipe.strlen(name)
                 elif data:
-                    pipe.set(name, data, px=self.ttl_ms)
+                    pipe.set(name, data, px=None if self.ttl_ms is None else max(1, self._remaining_ms(entry)))
 
         answers = self._command(lambda: self._pipelined(second_trip))
         if answers is FAILED:
             return self._dropped(entries, current, stored)
         replies = iter(answers)
-        expires = time.time() + self.ttl_ms / 1000 if self.ttl_ms is not None else None
         for entry, data in zip(current, encoded):
+            expires = entry.created + self.ttl_ms / 1000 if self.ttl_ms is not None else None
             if data == b"":
                 stored[id(entry)] = False
                 continue
@@ -480,6 +486,12 @@ class RedisTier(QueuedTier, CacheTier):
                 if self._pending.get(entry.key) is entry:
                     self._remember(entry.key, Known(entry.parent, data_size, entry.nbytes, entry.accesses, expires))
         return [stored[id(entry)] for entry in entries]
+
+    def _remaining_ms(self, entry: CacheEntry) -> int | None:
+        """Milliseconds ``entry`` has left before ``ttl_seconds`` from its ``created`` (0: none left); None: no TTL."""
+        if self.ttl_ms is None:
+            return None
+        return max(0, int(self.ttl_ms - 1000 * (time.time() - entry.created)))
 
     def _pipelined(self, queue_commands: Callable[[Any], Any]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)

@@ -16,24 +16,24 @@ class FifoPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._queue: OrderedDict[Hashable, None] = OrderedDict()
 
-    def _on_insert(self, key: Hashable, size: int) -> None:
+    def on_insert(self, key: Hashable, size: int) -> None:
         self._queue[key] = None
 
-    def _on_touch(self, key: Hashable, pinned: bool) -> None:
+    def on_touch(self, key: Hashable, pinned: bool) -> None:
         pass  # FIFO ignores hits: that is the whole policy
 
-    def _on_remove(self, key: Hashable, pinned: bool) -> None:
+    def on_remove(self, key: Hashable, pinned: bool) -> None:
         if not pinned:
             del self._queue[key]
 
-    def _choose_victim(self) -> Hashable:
+    def choose_victim(self) -> Hashable:
         key, _ = self._queue.popitem(last=False)
         return key
 
-    def _on_pin(self, key: Hashable) -> None:
+    def on_pin(self, key: Hashable) -> None:
         del self._queue[key]
 
-    def _on_unpin(self, key: Hashable) -> None:
+    def on_unpin(self, key: Hashable) -> None:
         self._queue[key] = None
 
 

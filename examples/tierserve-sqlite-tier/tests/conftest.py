@@ -1,0 +1,6 @@
+"""The tests import ``sqlite_tier`` from the folder above, installed or not."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
