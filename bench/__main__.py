@@ -136,12 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     fl = commands.add_parser("fleet", help="tierserve fleet on Ray: cache-aware routing, disaggregation")
     fl.add_argument("--parts", type=_names(("routing", "disaggregation")), default=["routing", "disaggregation"])
-    fl.add_argument("--conversations", type=int, default=16)
-    fl.add_argument("--systems-prompts", type=int, default=4, help="system prompts the conversations share (default: 4)")
-    fl.add_argument("--turns", type=int, default=8)
-    fl.add_argument("--prefix-len", type=int, default=512)
+    fl.add_argument("--replicas", type=int, default=4, help="engine replicas of the routing part (default: 4)")
+    fl.add_argument("--conversations", type=int, default=64)
+    fl.add_argument("--systems-prompts", type=int, default=32, help="tenants, each with its own system prompt (default: 32)")
+    fl.add_argument("--turns", type=int, default=4)
+    fl.add_argument("--prefix-len", type=int, default=1024)
     fl.add_argument("--turn-len", type=int, default=32)
-    fl.add_argument("--output-len", type=int, default=16)
+    fl.add_argument("--output-len", type=int, default=8)
+    fl.add_argument("--arrival-rate", type=float, default=2.0, help="conversations starting per second, Poisson (default: 2)")
+    fl.add_argument("--l1-prefixes", type=float, default=0.25,
+                    help="the fraction of the system prompts one replica's L1 holds (default: 0.25)")
+    fl.add_argument("--tiers", type=_names(("none", "redis")), default=["none", "redis"],
+                    help="below L1: none, and/or a write-through redis tier every replica shares (default: both)")
     fl.add_argument("--decoders", type=int, default=4, help="streams decoding during the long prompts (default: 4)")
     fl.add_argument("--decode-len", type=int, default=192)
     fl.add_argument("--long-prompts", type=int, default=6)

@@ -127,13 +127,17 @@ async def run_clients(
     sessions: Sequence[Sequence[dict]],
     on_done: Callable[[], None] | None = None,
     timeout: float = 3600.0,
+    starts: Sequence[float] | None = None,
 ) -> RunResult:
-    """Each session is one client sending its request bodies in order; all sessions run concurrently."""
+    """Each session is one client sending its request bodies in order; all sessions run concurrently, each from
+    its ``starts`` offset in seconds (default: all at once)."""
     limits = httpx.Limits(max_connections=len(sessions) + 4, max_keepalive_connections=len(sessions) + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         results: list[RequestResult] = []
 
-        async def session(bodies: Sequence[dict]) -> None:
+        async def session(bodies: Sequence[dict], start: float) -> None:
+            if start > 0:
+                await asyncio.sleep(start)
             for turn, body in enumerate(bodies):
                 result = await stream_completion(client, server, body)
                 result.turn = turn
@@ -142,7 +146,7 @@ async def run_clients(
                     on_done()
 
         start = time.perf_counter()
-        await asyncio.gather(*(session(bodies) for bodies in sessions))
+        await asyncio.gather(*(session(bodies, start) for bodies, start in zip(sessions, starts or [0.0] * len(sessions))))
         wall = time.perf_counter() - start
     return RunResult(wall, results)
 

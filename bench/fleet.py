@@ -3,12 +3,18 @@
 Two measurements, each as alternating repeats of the two configurations
 (every run gets fresh prompts, so no run's cache serves another's):
 
-- ``routing``: 2 engine replicas, C conversations of T turns on S system
-  prompts (C/S conversations per prompt), all conversations at once, each
-  turn sent when the previous one finished. Cache-aware routing against
-  Ray Serve's default router (power of two choices, which spreads requests
-  without looking at their prompts). Reported: the prompt-token hit rate
-  (cached / prompt tokens) and TTFT p50/p99.
+- ``routing``: a workload where placement decides. R engine replicas (4), S
+  tenants (32) each with its own system prompt of ``--prefix-len`` tokens
+  (1,024), C conversations of T turns on them arriving as a Poisson process
+  (``--arrival-rate`` per second), each turn sent when the previous one
+  finished; each replica's L1 holds about ``--l1-prefixes`` (a quarter) of
+  the system prompts, so a placement that ignores the cache misses most of
+  the time. The event-driven router (``kv_events``: what the replicas'
+  published block events say they hold), the guess-based one
+  (``cache_aware``: what it sent where) and Ray Serve's default (power of two
+  choices) alternate; with ``--tiers none,redis`` the same again over a
+  write-through Redis tier every replica shares. Reported: the prompt-token
+  hit rate (cached / prompt tokens) and TTFT p50/p99.
 - ``disaggregation``: D streams decoding O tokens each while L long prompts
   (``--long-len`` tokens, one output token) arrive one after another; TPOT
   p50/p99 of the decoding streams, with 2 replicas that prefill and decode,
@@ -38,7 +44,8 @@ from bench.workloads import Conversation, text_with_tokens
 from tests.redis_server import RedisServer  # the tests' own helpers; bench runs from a checkout
 from tests.server_helpers import free_port
 
-ROUTINGS = ("cache_aware", "power_of_two")
+ROUTINGS = ("kv_events", "cache_aware", "power_of_two")
+SHARED_TIERS = ("none", "redis")
 SPLITS = ("together", "disaggregated")
 
 
@@ -58,8 +65,10 @@ class FleetServer:
         return {**body, **extra}
 
 
-def deploy(ctx: BenchContext, port: int, fleet: dict[str, Any], tiers: list[dict] | None = None) -> FleetServer:
-    """(Re)deploy the fleet with these ``[fleet]`` keys; returns once every replica is ready."""
+def deploy(
+    ctx: BenchContext, port: int, fleet: dict[str, Any], tiers: list[dict] | None = None, kv: dict[str, Any] | None = None
+) -> FleetServer:
+    """(Re)deploy the fleet with these ``[fleet]`` keys (and ``[kv_cache]`` ones); returns once every replica is ready."""
     from ray import serve
 
     from tierserve.fleet.app import APP_NAME, build_fleet
@@ -68,11 +77,13 @@ def deploy(ctx: BenchContext, port: int, fleet: dict[str, Any], tiers: list[dict
     overrides: dict[tuple[str, str], Any] = {
         ("model", "path"): str(ctx.checkpoint),
         ("logging", "level"): "warning",
-        ("fleet", "num_cpus"): 1.0,
+        # Ray gives this cluster 2 CPUs: every replica of the deployment must fit in them
+        ("fleet", "num_cpus"): min(1.0, 2.0 / max(1, fleet.get("replicas", 1) + fleet.get("prefill_replicas", 0))),
         **{("fleet", key): value for key, value in fleet.items()},
     }
     if tiers is not None:
         overrides[("kv_cache", "tiers")] = tiers
+    overrides.update({("kv_cache", key): value for key, value in (kv or {}).items()})
     serve.run(build_fleet(SettingsSources.of("development", None, overrides)), name=APP_NAME, route_prefix="/")
     return FleetServer(f"http://127.0.0.1:{port}", str(ctx.checkpoint))  # the name the replicas serve
 
@@ -90,13 +101,28 @@ def conversations(tokenizer, systems: int, per_system: int, turns: int, prefix_l
 
 
 def routing_run(ctx: BenchContext, server: FleetServer, args: Any, seed: int) -> dict:
-    chats = conversations(ctx.tokenizer, args.systems_prompts, args.conversations // args.systems_prompts, args.turns,
-                          args.prefix_len, args.turn_len, seed)  # fmt: skip
+    chats = conversations(ctx.tokenizer, args.systems_prompts, max(1, args.conversations // args.systems_prompts),
+                          args.turns, args.prefix_len, args.turn_len, seed)  # fmt: skip
+    random.Random(seed).shuffle(chats)  # tenants interleaved, as they arrive
     sessions = [[server.completion_body(chat.prompt(t), args.output_len) for t in range(args.turns)] for chat in chats]
-    result: RunResult = asyncio.run(run_clients(server, sessions))
+    rng, clock, starts = random.Random(seed + 1), 0.0, []
+    for _ in sessions:  # Poisson arrivals: exponential gaps
+        starts.append(clock)
+        clock += rng.expovariate(args.arrival_rate) if args.arrival_rate > 0 else 0.0
+    decisions = lambda: httpx.get(f"{server.base_url}/v1/fleet/stats", timeout=30).json()["routing_decisions"]  # noqa: E731
+    before = decisions()
+    result: RunResult = asyncio.run(run_clients(server, sessions, starts=starts))
     summary = result.summary()
     summary["hit_rate"] = summary["cached_tokens"] / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0
+    after = decisions()  # the ingress counts since it started: this run's are the difference
+    summary["routing_decisions"] = {reason: after[reason] - before.get(reason, 0) for reason in after if after[reason] != before.get(reason, 0)}
     return summary
+
+
+def l1_blocks(args: Any, block_size: int = 16) -> int:
+    """An L1 holding ``--l1-prefixes`` of the system prompts, with their conversations' turns."""
+    conversation = args.prefix_len + args.turns * (2 * args.turn_len + args.output_len)
+    return max(64, int(args.l1_prefixes * args.systems_prompts * conversation / block_size))
 
 
 async def mixed_load(server: FleetServer, ctx: BenchContext, args: Any, seed: int) -> dict:
@@ -138,15 +164,26 @@ def run(ctx: BenchContext, args: Any) -> dict:
     redis_server = None
     try:
         if "routing" in args.parts:
-            for repeat in range(args.repeats):
-                for routing in ROUTINGS if repeat % 2 == 0 else ROUTINGS[::-1]:
-                    server = deploy(ctx, port, {"replicas": 2, "routing": routing})
-                    summary = routing_run(ctx, server, args, seed=1000 + len(runs))
-                    runs.append({"part": "routing", "routing": routing, "repeat": repeat, **summary})
-                    print(f"routing {routing}: hit rate {summary['hit_rate']:.3f}, TTFT p50 {summary['ttft_p50_s']}s, "
-                          f"errors {summary['errors']} ({summary['first_error']})")
+            kv = {"l1_capacity": l1_blocks(args), "block_size": 16}
+            for shared in args.tiers:
+                tiers: list[dict] = []  # no tier below L1: what a replica evicts is gone
+                if shared == "redis":
+                    redis_server = redis_server or RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start()
+                    tiers = [{"name": "shared", "plugin": "redis", "url": redis_server.url, "write_through": True}]
+                for repeat in range(args.repeats):
+                    order = ROUTINGS if repeat % 2 == 0 else ROUTINGS[::-1]
+                    for routing in order:
+                        server = deploy(ctx, port, {"replicas": args.replicas, "routing": routing}, tiers, kv)
+                        # fresh prompts every run: a replica the redeploy kept holds nothing a later run asks for
+                        summary = routing_run(ctx, server, args, seed=1000 + len(runs))
+                        if redis_server is not None:
+                            redis_server.client().flushall()
+                        runs.append({"part": "routing", "routing": routing, "tier": shared, "repeat": repeat, **summary})
+                        print(f"routing {routing} ({shared}): hit rate {summary['hit_rate']:.3f}, TTFT p50 "
+                              f"{summary['ttft_p50_s']}s p99 {summary['ttft_p99_s']}s, errors {summary['errors']} "
+                              f"({summary['first_error']}), decisions {summary['routing_decisions']}")
         if "disaggregation" in args.parts:
-            redis_server = RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start()
+            redis_server = redis_server or RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start()
             tier = {"name": "shared", "plugin": "redis", "url": redis_server.url, "write_through": True}
             for repeat in range(args.repeats):
                 for split in SPLITS if repeat % 2 == 0 else SPLITS[::-1]:
@@ -161,8 +198,8 @@ def run(ctx: BenchContext, args: Any) -> dict:
         if redis_server is not None:
             redis_server.stop()
     config = {key: getattr(args, key) for key in (
-        "parts", "conversations", "systems_prompts", "turns", "prefix_len", "turn_len", "output_len", "repeats",
-        "decoders", "decode_len", "long_prompts", "long_len",
+        "parts", "replicas", "conversations", "systems_prompts", "turns", "prefix_len", "turn_len", "output_len",
+        "arrival_rate", "l1_prefixes", "tiers", "repeats", "decoders", "decode_len", "long_prompts", "long_len",
     )}  # fmt: skip
     return {"config": {"model": ctx.model, **config}, "runs": runs, "summary": summarise(runs)}
 
@@ -170,14 +207,21 @@ def run(ctx: BenchContext, args: Any) -> dict:
 def summarise(runs: list[dict]) -> dict:
     """Medians over repeats per configuration, and the ratios the issue's targets name."""
     out: dict[str, Any] = {}
-    for routing in ROUTINGS:
-        mine = [r for r in runs if r.get("routing") == routing]
-        if mine:
-            out[routing] = {key: median([r[key] for r in mine]) for key in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "output_tok_s")}
-    if all(routing in out for routing in ROUTINGS):
-        aware, default = out["cache_aware"], out["power_of_two"]
-        out["hit_rate_ratio"] = aware["hit_rate"] / default["hit_rate"] if default["hit_rate"] else None
-        out["ttft_p50_ratio"] = default["ttft_p50_s"] / aware["ttft_p50_s"] if aware["ttft_p50_s"] else None
+    for shared in SHARED_TIERS:
+        table: dict[str, Any] = {}
+        for routing in ROUTINGS:
+            mine = [r for r in runs if r.get("routing") == routing and r.get("tier") == shared]
+            if mine:
+                table[routing] = {key: median([r[key] for r in mine]) for key in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "output_tok_s")}
+        default = table.get("power_of_two")
+        for routing in ("kv_events", "cache_aware"):
+            if routing in table and default:
+                mine = table[routing]
+                mine["hit_rate_vs_power_of_two"] = mine["hit_rate"] / default["hit_rate"] if default["hit_rate"] else None
+                mine["ttft_p50_lower_by"] = default["ttft_p50_s"] / mine["ttft_p50_s"] if mine["ttft_p50_s"] else None
+                mine["ttft_p99_lower_by"] = default["ttft_p99_s"] / mine["ttft_p99_s"] if mine["ttft_p99_s"] else None
+        if table:
+            out[f"routing_{shared}"] = table
     for split in SPLITS:
         mine = [r for r in runs if r.get("split") == split]
         if mine:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from tierserve.cache.block_pool import BlockPool
 from tierserve.cache.hash_index import BlockHashIndex
+from tierserve.cache.kv_events import KVEventLog
 from tierserve.cache.pins import PinLedger, State
 from tierserve.cache.tier import CacheTier
 
@@ -44,6 +45,7 @@ class Placement:
         self.index = BlockHashIndex()
         self.last = len(self.tiers) or None
         self.pins = PinLedger(self.index, self._set_pinned, self.last)
+        self.events: KVEventLog | None = None  # told of every block arriving at or leaving a position
 
     def holds(self, key: bytes, position: int) -> bool:
         return bool(self.index.tiers_of(key) & (1 << position))
@@ -51,6 +53,8 @@ class Placement:
     def add(self, key: bytes, parent: bytes | None, position: int) -> None:
         """Record that the tier at ``position`` holds ``key`` now, and pin it there if it must be."""
         had_children = parent is not None and self.index.num_children(parent) > 0
+        if self.events is not None and not self.holds(key, position):
+            self.events.record(True, position, key)
         self.index.add(key, parent, 1 << position)
         if self.last is not None and parent is not None and not had_children and self.index.num_children(parent):
             self.pins.pin_in_last(parent)  # a cached child needs it: not a victim any more
@@ -59,6 +63,8 @@ class Placement:
     def discard(self, key: bytes, position: int) -> None:
         """Record that the tier at ``position`` no longer holds ``key``."""
         parent = self.index.parent_of(key)
+        if self.events is not None and self.holds(key, position):
+            self.events.record(False, position, key)
         gone = self.index.discard(key, 1 << position)
         if gone and self.last is not None and parent is not None and not self.index.num_children(parent):
             self.pins.unpin_in_last(parent)

@@ -33,6 +33,7 @@ import structlog
 from tierserve.cache import frequency, warming
 from tierserve.cache.block_pool import Block, BlockPool
 from tierserve.cache.hashing import extend_hashes, root_hash
+from tierserve.cache.kv_events import KVEventLog
 from tierserve.cache.placement import L1, Placement
 from tierserve.cache.stats import CacheSnapshot, PrefixMatch, StoreStats, TierSnapshot, TierStats
 from tierserve.cache.store_tier import KVTransfer, StoreTier
@@ -139,6 +140,9 @@ class TieredStore:
         self.tiers = list(tiers)
         self.tier_names = ["l1", *names]
         self.placement = Placement(pool, [t.tier for t in self.tiers], self.tier_names)
+        private = {p: name for p, name in enumerate(self.tier_names) if p == L1 or not self.tiers[p - 1].tier.shared}
+        # what a fleet's router follows: L1 and the tiers only this engine reads (a shared tier is everyone's)
+        self.events = self.placement.events = KVEventLog(private, lambda p: self.index.keys_held_by(1 << p))
         self.index = self.placement.index
         self.pins = self.placement.pins
         self.stats = StoreStats.for_tiers(names)

@@ -533,9 +533,11 @@ class FleetSettings(Section):
     load_window_seconds: float = Field(30.0, gt=0, description="ongoing requests are averaged over this window (reported a few times per window)")
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine replica")
-    routing: Literal["cache_aware", "power_of_two"] = Field(
+    routing: Literal["kv_events", "cache_aware", "power_of_two"] = Field(
         "cache_aware",
-        description="cache_aware: the replica holding the longest prefix (or the cache_key); power_of_two: Ray's default",
+        description="kv_events: the replica whose cache holds the longest prefix of the request's blocks, as the "
+        "replicas' published block events say, weighed against load, free KV blocks and TTFT; cache_aware: the "
+        "replica this router last sent the longest prefix (or the cache_key) to; power_of_two: Ray's default",
     )
     max_imbalance: int = Field(
         8,

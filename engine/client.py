@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.cache.frequency import PrefixUse
+    from tierserve.cache.kv_events import KVEvents
     from tierserve.cache.named_prefixes import NamedPrefix
     from tierserve.cache.warming import WarmReport
     from tierserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -424,6 +425,11 @@ class EngineClient:
                 "warm: prefix caching is off (kv_cache.enable_prefix_caching) or the backend is not paged", param="prompts"
             )
         return self.driver.call("warm_frequent", limit_blocks)
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVEvents | None:
+        """The cache's block events after batch ``seq`` of ``epoch``, or a snapshot (``cache.kv_events``); None
+        without prefix caching. What a fleet replica publishes for the router."""
+        return self.driver.call("kv_events", epoch, seq)
 
     def top_prefixes(self, limit: int) -> list[PrefixUse]:
         """The ``limit`` cached prefixes used most (uses in every tier counted), best first."""

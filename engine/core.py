@@ -32,6 +32,7 @@ from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from tierserve.cache.frequency import PrefixUse
+    from tierserve.cache.kv_events import KVEvents
     from tierserve.cache.named_prefixes import Key, NamedPrefix, NamedPrefixes
     from tierserve.cache.store import TieredStore
     from tierserve.core.batch import SchedulerOutput
@@ -263,6 +264,11 @@ class EngineCore:
     def top_prefixes(self, limit: int) -> list[PrefixUse]:
         """The cached prefixes used most (every tier counted), best first; none without prefix caching."""
         return self.store.top_prefixes(limit) if self.store is not None else []
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVEvents | None:
+        """The blocks stored in and removed from L1 and the private tiers after batch ``seq`` of ``epoch``, or a
+        snapshot to start over from (``cache.kv_events``); None without prefix caching."""
+        return self.store.events.since(epoch, seq) if self.store is not None else None
 
     def warm_frequent(self, limit_blocks: int) -> Deferred:
         """Promote the most used cached prefixes into the faster tiers (at most ``limit_blocks`` blocks); the

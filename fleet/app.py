@@ -27,7 +27,7 @@ def replica_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
     }
 
 
-def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
+def engine_options(fleet: FleetSettings, settings: Settings, sources: SettingsSources | None = None) -> dict[str, Any]:
     """The engine deployment's Ray Serve options (what ``[fleet]`` controls)."""
     options = replica_options(fleet, settings)
     if fleet.autoscaling:
@@ -50,6 +50,17 @@ def engine_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=CacheAwareRouter,
             request_router_kwargs={"max_imbalance": fleet.max_imbalance},
+        )
+    elif fleet.routing == "kv_events":
+        from ray.serve.config import RequestRouterConfig
+
+        from tierserve.fleet.router import KVEventRouter
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=KVEventRouter,
+            request_router_kwargs={
+                "max_imbalance": fleet.max_imbalance, "sources": sources.as_json() if sources else None, "app_name": APP_NAME,
+            },  # fmt: skip
         )
     return options
 
@@ -82,17 +93,22 @@ def build_fleet(sources: SettingsSources) -> Any:
     from ray import serve
 
     from tierserve.fleet.deployments import EngineReplica, Ingress
+    from tierserve.fleet.kv_hub import HUB_DEPLOYMENT, KVHub
 
     loaded = sources.load()
     check_disaggregation(loaded)
     settings = loaded.settings
-    engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings))
+    hub = None
+    if settings.fleet.routing == "kv_events":  # the replicas publish their cache events to it; routers ask it
+        options = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 10_000}
+        hub = serve.deployment(KVHub, name=HUB_DEPLOYMENT).options(**options).bind()
+    engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings, sources))
     ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
     prefill = None
     if settings.fleet.prefill_replicas:
         deployment = serve.deployment(EngineReplica, name="prefill").options(**prefill_options(settings.fleet, settings))
         prefill = deployment.bind(sources)
-    return ingress.bind(engine.bind(sources), sources, prefill)
+    return ingress.bind(engine.bind(sources, hub), sources, prefill, hub)
 
 
 def run_fleet(sources: SettingsSources, address: str | None = None, blocking: bool = True) -> None:

@@ -51,7 +51,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 class EngineReplica:
     """One tierserve server in a Ray Serve replica: uvicorn on a loopback port in a thread of this actor."""
 
-    def __init__(self, sources: SettingsSources) -> None:
+    def __init__(self, sources: SettingsSources, hub: Any | None = None) -> None:
         import uvicorn
         from ray import serve
 
@@ -80,6 +80,15 @@ class EngineReplica:
         unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=None, limits=unbounded)
         self.health_client = httpx.AsyncClient(base_url=self.base_url, timeout=10)  # never queued behind streams
+        self.publisher = None
+        if hub is not None:  # fleet.routing = "kv_events": the router follows this replica's cache through the hub
+            from tierserve.fleet.kv_hub import EventPublisher
+            from tierserve.server.recent import latency_window
+
+            state = self.app.state.tierserve
+            self.publisher = EventPublisher(
+                self.name, state.engine, hub, lambda: latency_window(state).document()["ttft_seconds"]["p50"]
+            ).start()
         log.info("fleet_replica_ready", replica=self.name, url=self.base_url)
 
     def _wait_ready(self) -> None:
@@ -140,6 +149,8 @@ class EngineReplica:
             raise RuntimeError(f"/health answered {response.status_code}: {response.text[:200]}")
 
     def __del__(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.stop()
         server = getattr(self, "server", None)
         if server is not None:
             server.should_exit = True
@@ -148,16 +159,17 @@ class EngineReplica:
 class Ingress:
     """The fleet's HTTP entry point: forwards every request to an engine replica and streams the answer."""
 
-    def __init__(self, engine: Any, sources: SettingsSources, prefill: Any | None = None) -> None:
+    def __init__(self, engine: Any, sources: SettingsSources, prefill: Any | None = None, hub: Any | None = None) -> None:
         self.engine = engine.options(stream=True)
         self.prefill = prefill
+        self.hub = hub
         settings = sources.load().settings
         self.admin_keys = set(settings.auth.admin_api_keys or settings.auth.api_keys)
         self.max_body = settings.server.max_request_bytes
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/v1/fleet/stats":
-            return self._fleet_stats(request)
+            return await self._fleet_stats(request)
         forwarded = {
             "method": request.method,
             "path": request.url.path,
@@ -203,12 +215,15 @@ class Ingress:
         if done.get("status") != 200:
             log.info("fleet_prefill_refused", path=forwarded["path"], status=done.get("status"))
 
-    def _fleet_stats(self, request: Request) -> Response:
+    async def _fleet_stats(self, request: Request) -> Response:
         if self.admin_keys:
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if given not in self.admin_keys:
                 return _error(401, "a valid admin API key is required for /v1/fleet/stats", "authentication_error")
-        return JSONResponse({"routing_decisions": dict(DECISIONS)})
+        document: dict[str, Any] = {"routing_decisions": dict(DECISIONS)}
+        if self.hub is not None:  # what the replicas' published events say they hold
+            document["replicas"] = await self.hub.summary.remote()
+        return JSONResponse(document)
 
 
 async def _body(stream: Any, event_stream: bool):

@@ -16,21 +16,31 @@ import random
 from collections import Counter, OrderedDict
 from typing import Any
 
+import structlog
+
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from tierserve.fleet import prefix_affinity
+from tierserve.fleet.kv_index import choose as choose_by_cache
 from tierserve.fleet.prefix_affinity import PrefixAffinity, RouteKey, choose, route_key
+
+log = structlog.get_logger(__name__)
 
 SEEN_REQUESTS = 100_000  # requests in flight this router keeps track of
 
 
-def request_route_key(args: list[Any]) -> RouteKey | None:
-    """The route key of a forwarded request (its first argument, as ``Ingress`` builds it)."""
+def forwarded_request(args: list[Any]) -> tuple[dict[str, str], bytes] | None:
+    """The headers (lower-case names) and body of a forwarded request (its first argument, as ``Ingress`` builds it)."""
     if not args or not isinstance(args[0], dict):
         return None
     request = args[0]
-    headers = {_text(name).lower(): _text(value) for name, value in request.get("headers", [])}
-    return route_key(headers, request.get("body", b""))
+    return {_text(name).lower(): _text(value) for name, value in request.get("headers", [])}, request.get("body", b"")
+
+
+def request_route_key(args: list[Any]) -> RouteKey | None:
+    """The route key of a forwarded request."""
+    forwarded = forwarded_request(args)
+    return route_key(*forwarded) if forwarded is not None else None
 
 
 def _text(value: str | bytes) -> str:
@@ -52,7 +62,7 @@ class CacheAwareRouter(RequestRouter):
         self.affinity = PrefixAffinity(max_chunks=max_chunks)
         self.max_imbalance = max_imbalance
         self._metric = _decision_metric()
-        self._routing: dict[int, tuple[RouteKey | None, str]] = {}  # id(routing future) -> (key, reason), until it resolves
+        self._routing: dict[int, tuple[Any, str]] = {}  # id(routing future) -> (key, reason), until it resolves
         self._placed: OrderedDict[str, str] = OrderedDict()  # internal request id -> replica, until completed
         self._ongoing: Counter[str] = Counter()
 
@@ -62,16 +72,21 @@ class CacheAwareRouter(RequestRouter):
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         if not by_name:
             return []
-        key = request_route_key(pending_request.args) if pending_request is not None else None
-        preferred, reason, _ = self.affinity.prefer(key, by_name)
         ongoing = {name: self._ongoing[name] for name in by_name}
-        chosen, kept = choose(preferred, ongoing, self.max_imbalance, random.choice)
-        if preferred is not None and not kept:
-            reason = "overloaded"
+        chosen, reason, key = self._decide(pending_request, ongoing)
         if pending_request is not None:
             self._follow(pending_request, key, reason)
         others = [replica for name, replica in by_name.items() if name != chosen]
         return [[by_name[chosen]], others] if others else [[by_name[chosen]]]
+
+    def _decide(self, pending_request: PendingRequest | None, ongoing: dict[str, int]) -> tuple[str, str, Any]:
+        """The replica (among ``ongoing``'s) for the request, the reason, and the key ``_placed_on`` records."""
+        key = request_route_key(pending_request.args) if pending_request is not None else None
+        preferred, reason, _ = self.affinity.prefer(key, ongoing)
+        chosen, kept = choose(preferred, ongoing, self.max_imbalance, random.choice)
+        if preferred is not None and not kept:
+            reason = "overloaded"
+        return chosen, reason, key
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._release(self._placed.pop(internal_request_id, None))
@@ -81,7 +96,7 @@ class CacheAwareRouter(RequestRouter):
         self.affinity.forget_replica(replica_id.unique_id)
         self._ongoing.pop(replica_id.unique_id, None)
 
-    def _follow(self, pending_request: PendingRequest, key: RouteKey | None, reason: str) -> None:
+    def _follow(self, pending_request: PendingRequest, key: Any, reason: str) -> None:
         """Remember the latest decision for this routing attempt; record it once Ray assigns a replica."""
         future = pending_request.future
         first = id(future) not in self._routing
@@ -95,7 +110,7 @@ class CacheAwareRouter(RequestRouter):
         if future.cancelled() or future.exception() is not None:
             return  # cancelled before a replica took it: nothing to count
         replica = future.result().replica_id.unique_id
-        self.affinity.record(key, replica)
+        self._placed_on(key, replica)
         self._release(self._placed.pop(request_id, None))  # a retried request moves
         self._placed[request_id] = replica
         self._ongoing[replica] += 1
@@ -106,9 +121,50 @@ class CacheAwareRouter(RequestRouter):
         if self._metric is not None:
             self._metric.inc(tags={"reason": reason})
 
+    def _placed_on(self, key: Any, replica: str) -> None:
+        """Ray handed the request with ``key`` to ``replica``: its prefix now points there."""
+        self.affinity.record(key, replica)
+
     def _release(self, replica: str | None) -> None:
         if replica is not None:
             self._ongoing[replica] = max(0, self._ongoing[replica] - 1)
+
+
+class KVEventRouter(CacheAwareRouter):
+    """Routes on what the replicas' caches actually hold, as their published block events say (``kv_hub``):
+    the replica holding the longest prefix of the request's prompt blocks (L1 first, private tiers below at a
+    discount), unless it is overloaded, short of free KV blocks or slow (``kv_index.choose``); the least loaded
+    otherwise. The prompt's token ids and salt are made here as the replicas' servers make them
+    (``request_tokens``), and matched against this router's mirror of the hub (``kv_hub.HubMirror``): no call
+    leaves the process while a request is routed.
+    """
+
+    def initialize_state(self, max_imbalance: int = 8, sources: dict[str, Any] | None = None, app_name: str = "tierserve") -> None:
+        """``sources``: the fleet's ``SettingsSources.as_json()`` (the model's tokenizer and the tenants come from
+        them); ``app_name``: the Serve application whose hub to follow."""
+        from tierserve.fleet.kv_hub import HubMirror
+        from tierserve.fleet.request_tokens import RequestTokens
+        from tierserve.fleet.settings_sources import SettingsSources
+
+        super().initialize_state(max_imbalance=max_imbalance)
+        self.tokens = RequestTokens(SettingsSources.from_json(sources).load().settings) if sources is not None else None
+        self.mirror = HubMirror(app_name).start()
+
+    def _decide(self, pending_request: PendingRequest | None, ongoing: dict[str, int]) -> tuple[str, str, Any]:
+        forwarded = forwarded_request(pending_request.args) if pending_request is not None else None
+        read = self.tokens.of(*forwarded) if forwarded is not None and self.tokens is not None else None
+        matches, blocks = self.mirror.match(*read) if read is not None else ({}, 0)
+        chosen, reason = choose_by_cache(matches, ongoing, blocks, self.max_imbalance, random.choice)
+        return chosen, reason if read is not None else "unparsed", read
+
+    def _placed_on(self, key: Any, replica: str) -> None:
+        """The prompt (``key``: its ids and salt) counts as held where Ray sent it until its events arrive."""
+        if key is not None:
+            self.mirror.expect(replica, *key)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.mirror.forget(replica_id.unique_id)  # the hub ages it out by itself (stale_seconds)
 
 
 def _decision_metric() -> Any:

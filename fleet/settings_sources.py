@@ -28,6 +28,15 @@ class SettingsSources:
         config = str(Path(config_file).resolve()) if config_file else None
         return cls(preset, config, tuple((section, key, value) for (section, key), value in overrides.items()))
 
+    def as_json(self) -> dict[str, Any]:
+        """Plain JSON (Ray Serve's router kwargs must be): ``from_json`` gives these sources back."""
+        return {"preset": self.preset, "config_file": self.config_file, "overrides": [list(o) for o in self.overrides]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SettingsSources:
+        overrides = tuple((section, key, value) for section, key, value in data.get("overrides", ()))
+        return cls(data.get("preset"), data.get("config_file"), overrides)
+
     def load(self, **more: Any) -> LoadedSettings:
         """The settings, with ``more`` (``"section__key"``) over the overrides."""
         overrides = {(section, key): value for section, key, value in self.overrides}

@@ -71,6 +71,8 @@ def fleet_routing(lab: Lab) -> None:
     router = options(lab)["request_router_config"]
     assert router.request_router_class.endswith("CacheAwareRouter")
     assert "request_router_config" not in options(lab, routing="power_of_two")  # Ray's default router
+    events = options(lab, routing="kv_events")["request_router_config"]
+    assert events.request_router_class.endswith("KVEventRouter") and events.request_router_kwargs["max_imbalance"] == 8
 
 
 def fleet_max_imbalance(lab: Lab) -> None:

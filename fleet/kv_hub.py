@@ -1,0 +1,197 @@
+"""The fleet's KV event hub: one Ray Serve deployment that every engine replica publishes its cache events to,
+and every ingress router follows.
+
+    EngineReplica ── every PUBLISH_SECONDS: engine.kv_events(cursor) + load ──► KVHub.publish ──► FleetKVIndex
+    KVEventRouter's HubMirror ── every MIRROR_SECONDS: KVHub.updates(version) ──► its own FleetKVIndex
+    KVEventRouter ── per request, locally: mirror.match(prompt ids, salt) ──► {replica: ReplicaMatch}
+
+One hub serves every router, so several ingress replicas see the same
+events; a router's mirror applies them in the hub's order, or takes the
+hub's whole state when it is too far behind (or the hub restarted). A publication that does not follow the last one (``FleetKVIndex``)
+makes the hub drop that replica's holdings and answer ``False``: the replica
+starts over with a snapshot. A replica that stops publishing (dead, or its
+node gone) is stale after ``kv_index.STALE_SECONDS`` and routed to as holding
+nothing; the router also tells the hub when Ray reports a replica dead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from tierserve.cache.kv_events import KVEvents
+from tierserve.fleet.kv_index import FleetKVIndex, ReplicaLoad, ReplicaMatch
+
+log = structlog.get_logger(__name__)
+
+HUB_DEPLOYMENT = "kv-hub"
+PUBLISH_SECONDS = 0.05
+MIRROR_SECONDS = 0.02
+
+
+class KVHub:
+    """The hub's state: a ``FleetKVIndex``, and a numbered log of what it applied for the routers' mirrors (a Serve
+    replica of its own, with no CPU reserved)."""
+
+    def __init__(self, max_log: int = 4096) -> None:
+        self.index = FleetKVIndex()
+        self.version = 0
+        self.log: deque[tuple[int, str, KVEvents | None, ReplicaLoad | None]] = deque(maxlen=max_log)
+
+    async def publish(self, replica: str, events: KVEvents, load: ReplicaLoad) -> bool:
+        """Apply a replica's events; False: they did not follow the last ones, publish a snapshot next."""
+        applied = self.index.apply(replica, events, load)
+        self.version += 1
+        self.log.append((self.version, replica, events if applied else None, load))  # None: start over
+        if not applied:
+            log.info("fleet_kv_resync", replica=replica, epoch=events.epoch, seq=events.seq)
+        return applied
+
+    async def forget(self, replica: str) -> None:
+        self.index.forget(replica)
+        self.version += 1
+        self.log.append((self.version, replica, None, None))
+
+    async def updates(self, since: int) -> HubUpdates:
+        """What a router's mirror needs after ``since``: the publications applied since then, in order, or (too far
+        behind, or a hub that restarted) every replica's state as a snapshot."""
+        oldest = self.log[0][0] if self.log else self.version + 1
+        if since < oldest - 1 or since > self.version:
+            full = {}
+            for replica in list(self.index.replicas):
+                state = self.index.snapshot_of(replica)
+                if state is not None:
+                    full[replica] = state
+            return HubUpdates(self.version, full=full)
+        return HubUpdates(self.version, entries=tuple(entry for entry in self.log if entry[0] > since))
+
+    async def summary(self) -> dict[str, Any]:
+        return self.index.summary()
+
+
+@dataclass(frozen=True, slots=True)
+class HubUpdates:
+    """The hub's answer to a mirror: ``entries`` ``(version, replica, events or None to start over, load)`` after its
+    version, or ``full``: replica -> (snapshot, load, seconds since it published)."""
+
+    version: int
+    entries: tuple[tuple[int, str, KVEvents | None, ReplicaLoad | None], ...] = ()
+    full: dict[str, tuple[KVEvents, ReplicaLoad, float]] | None = None
+
+
+class HubMirror:
+    """A router's copy of the hub's index, kept current by a thread that asks the hub for updates every
+    ``MIRROR_SECONDS`` (a handle's blocking call: never on the router's event loop). Reads are locked."""
+
+    def __init__(self, app_name: str) -> None:
+        self.app_name = app_name
+        self.index = FleetKVIndex()
+        self.lock = threading.Lock()
+        self.version = -1
+        self._stop = threading.Event()
+        self._failing = False
+        self.thread = threading.Thread(target=self._run, name="tierserve-kv-mirror", daemon=True)
+
+    def start(self) -> HubMirror:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def match(self, token_ids: Sequence[int], cache_salt: str | None) -> tuple[dict[str, ReplicaMatch], int]:
+        """Each live replica's hold on a prompt, and the prompt's full blocks."""
+        with self.lock:
+            matches = self.index.match(token_ids, cache_salt)
+            sizes = [s.load.block_size for s in self.index.live().values() if s.load is not None]
+        return matches, (len(token_ids) // sizes[0]) if sizes else 0
+
+    def forget(self, replica: str) -> None:
+        with self.lock:
+            self.index.forget(replica)
+
+    def expect(self, replica: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """This router just sent the prompt to ``replica`` (``FleetKVIndex.expect``)."""
+        with self.lock:
+            self.index.expect(replica, token_ids, cache_salt)
+
+    def apply(self, updates: HubUpdates) -> None:
+        with self.lock:
+            if updates.full is not None:
+                self.index.replicas.clear()
+                for replica, (events, load, age) in updates.full.items():
+                    self.index.apply(replica, events, load)
+                    self.index.age(replica, age)
+            for _, replica, events, load in updates.entries:
+                if events is None or load is None:
+                    self.index.forget(replica)
+                elif not self.index.apply(replica, events, load):
+                    self.version = -1  # out of step with the hub: take its whole state next time
+                    return
+            self.version = updates.version
+
+    def _run(self) -> None:
+        from ray import serve
+
+        hub = None
+        while not self._stop.wait(MIRROR_SECONDS):
+            try:
+                hub = hub or serve.get_deployment_handle(HUB_DEPLOYMENT, app_name=self.app_name)
+                self.apply(hub.updates.remote(self.version).result(timeout_s=10))
+                if self._failing:
+                    log.info("fleet_kv_mirror_recovered")
+                    self._failing = False
+            except Exception as exc:  # the hub restarting: route by load meanwhile (its replicas go stale)
+                if not self._failing:
+                    log.warning("fleet_kv_mirror_failed", error=repr(exc))
+                    self._failing = True
+                time.sleep(MIRROR_SECONDS * 10)
+
+
+class EventPublisher:
+    """A replica's thread that publishes its engine's cache events to the hub (see the module docstring)."""
+
+    def __init__(self, replica: str, engine: Any, hub: Any, ttft_p50: Any) -> None:
+        self.replica, self.engine, self.hub, self.ttft_p50 = replica, engine, hub, ttft_p50
+        self.cursor: tuple[str | None, int] = (None, -1)
+        self._stop = threading.Event()
+        self._failing = False
+        self.thread = threading.Thread(target=self._run, name="tierserve-kv-events", daemon=True)
+
+    def start(self) -> EventPublisher:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def publish_once(self) -> bool:
+        """One publication (nothing when the cache is off); False when the hub asked for a snapshot."""
+        events = self.engine.kv_events(*self.cursor)
+        if events is None:
+            return True
+        stats = self.engine.stats()
+        load = ReplicaLoad(self.engine.info.fingerprint, self.engine.info.block_size, stats.kv_blocks_free,
+                           stats.kv_blocks_total, self.ttft_p50())  # fmt: skip
+        applied = self.hub.publish.remote(self.replica, events, load).result()
+        self.cursor = (events.epoch, events.seq) if applied else (None, -1)
+        return applied
+
+    def _run(self) -> None:
+        while not self._stop.wait(PUBLISH_SECONDS):
+            try:
+                self.publish_once()
+                if self._failing:
+                    log.info("fleet_kv_publish_recovered", replica=self.replica)
+                    self._failing = False
+            except Exception as exc:  # the hub restarting, the engine gone: keep the cursor, try again
+                if not self._failing:
+                    log.warning("fleet_kv_publish_failed", replica=self.replica, error=repr(exc))
+                    self._failing = True
+                time.sleep(PUBLISH_SECONDS * 10)

@@ -1,0 +1,214 @@
+"""An engine publishes what its cache holds as numbered batches of block events, and the fleet's index follows
+them: what it believes a replica holds is what the replica holds, after stores, evictions, demotions and
+clears; a lost, repeated or out-of-order batch or a restarted engine forces a snapshot, never a wrong belief;
+and the router's reading of a request gives the block hashes the replica computed for it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierserve.cache.kv_events import KVEventBatch, KVEventLog, KVEvents
+from tierserve.core.sampling_params import SamplingParams
+from tierserve.fleet.kv_index import FleetKVIndex, ReplicaLoad, ReplicaMatch, choose
+from tierserve.fleet.request_tokens import RequestTokens
+from tierserve.testing import http_client, tiny_engine, tiny_settings
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+PROMPTS = [
+    "the first prompt is long enough to fill a good number of KV blocks of four tokens each",
+    "a second prompt, different from the very first token on, also several blocks long",
+]
+SETTINGS = {"kv_cache.block_size": 4, "kv_cache.l1_capacity": 8, "kv_cache.tiers": [{"name": "l2", "plugin": "memory", "capacity": 200}]}
+
+
+def load_of(engine) -> ReplicaLoad:
+    stats = engine.stats()
+    return ReplicaLoad(engine.info.fingerprint, engine.info.block_size, stats.kv_blocks_free, stats.kv_blocks_total)
+
+
+def follow(engine, index: FleetKVIndex, name: str = "r1") -> bool:
+    epoch, seq = index.cursor(name)
+    return index.apply(name, engine.kv_events(epoch, seq), load_of(engine))
+
+
+def believed(index: FleetKVIndex, name: str = "r1") -> dict[bytes, int]:
+    return dict(index.replicas[name].holds)
+
+
+def actual(engine) -> dict[bytes, int]:
+    """Positions (bits) of every block the engine's cache holds, from its own index."""
+    store = engine.driver.core.store
+    return {key: node.tiers for key, node in store.index.nodes.items() if node.tiers}
+
+
+def test_the_index_follows_stores_evictions_demotions_and_clears():
+    with tiny_engine(SETTINGS) as engine:
+        index = FleetKVIndex()
+        assert follow(engine, index)  # a snapshot of nothing
+        engine.generate([PROMPTS[0]], GREEDY)
+        assert follow(engine, index) and believed(index) == actual(engine) and believed(index)
+        for _ in range(3):  # each prompt's blocks push the other's out of L1 into L2
+            engine.generate(PROMPTS, GREEDY)
+            assert follow(engine, index)
+            assert believed(index) == actual(engine)
+        assert any(bits == 0b10 for bits in believed(index).values())  # some blocks are in L2 only
+        engine.clear_cache("all")
+        assert follow(engine, index) and believed(index) == actual(engine) == {}
+
+
+def test_a_lost_batch_a_repeated_one_or_a_restarted_engine_forces_a_snapshot():
+    with tiny_engine(SETTINGS) as engine:
+        index = FleetKVIndex()
+        follow(engine, index)
+        engine.generate([PROMPTS[0]], GREEDY)
+        epoch, seq = index.cursor("r1")
+        first = engine.kv_events(epoch, seq)  # read, then lost on its way
+        engine.generate([PROMPTS[1]], GREEDY)
+        second = engine.kv_events(first.epoch, first.seq)
+        assert second.batches and second.batches[0].seq == first.seq + 1
+        assert not index.apply("r1", second, load_of(engine))  # a gap: refused, belief dropped at once
+        assert believed(index) == {} and index.cursor("r1") == (None, -1)
+        snapshot = engine.kv_events(*index.cursor("r1"))
+        assert snapshot.snapshot is not None
+        assert index.apply("r1", snapshot, load_of(engine)) and believed(index) == actual(engine)
+        assert not index.apply("r1", second, load_of(engine))  # replayed: out of order, refused again
+        assert follow(engine, index) and believed(index) == actual(engine)
+        other_epoch = KVEvents("another-engine", 5, (KVEventBatch(5, ((True, 0, b"x" * 16),)),))
+        assert not index.apply("r1", other_epoch, load_of(engine)) and believed(index) == {}
+
+
+def test_a_reader_further_behind_than_the_log_gets_a_snapshot():
+    holdings = {0: [b"a"]}
+    log = KVEventLog({0: "l1"}, lambda position: holdings[position], max_batches=2)
+    first = log.since(None, -1)
+    for key in (b"b", b"c", b"d"):
+        log.record(True, 0, key)
+        log.since(first.epoch, log.seq)  # seal a batch
+    assert log.since(first.epoch, first.seq).snapshot == {0: [b"a"]}  # three batches behind, two kept
+    assert [b.seq for b in log.since(first.epoch, log.seq - 2).batches] == [log.seq - 1, log.seq]
+    log.record(True, 1, b"shared")  # a position not reported (a shared tier)
+    assert log.since(first.epoch, log.seq).batches == ()
+
+
+def test_the_routers_reading_of_a_request_gives_the_hashes_the_replica_holds():
+    """Completions and chat, with and without an API key's tenant and a cache_salt: after the replica served
+    the request, the index built from its events says it holds every full block of that prompt in L1."""
+    settings = {**SETTINGS, "kv_cache.l1_capacity": 64, "auth.api_keys": ["key-a"], "auth.tenants": {"acme": ["key-a"]}}
+    loaded = tiny_settings(settings)
+    tokens = RequestTokens(loaded.settings)
+    requests = [
+        {"prompt": PROMPTS[0]},
+        {"prompt": PROMPTS[1], "cache_salt": "s1"},
+        {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPTS[0]}]},
+    ]
+    headers = {"authorization": "Bearer key-a"}
+    with http_client(settings) as client:
+        for body in requests:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            response = client.post(path, json={**body, "max_tokens": 1}, headers={"Authorization": "Bearer key-a"})
+            assert response.status_code == 200, response.text
+            index = FleetKVIndex()
+            follow(client.engine, index)
+            ids, salt = tokens.of(headers, json.dumps(body).encode())
+            assert len(ids) == response.json()["usage"]["prompt_tokens"]
+            [match] = index.match(ids, salt).values()
+            assert match.l1_blocks == match.tier_blocks == len(ids) // 4, body
+            assert index.match(ids, "another-salt")["r1"].tier_blocks == 0  # another tenant's hashes hold nothing
+    assert tokens.of({}, b'{"prompt": "hi"}') is None  # no key: the replica will refuse it, no routing by prefix
+    assert tokens.of(headers, b"not json") is None
+
+
+def match(l1: int, tiers: int | None = None, free: int = 100, ttft: float | None = 0.1) -> ReplicaMatch:
+    return ReplicaMatch(l1, l1 if tiers is None else tiers, free, ttft)
+
+
+def first(names: list[str]) -> str:
+    return sorted(names)[0]
+
+
+@pytest.mark.parametrize(
+    "matches, ongoing, chosen",
+    [
+        ({"a": match(10), "b": match(2)}, {"a": 0, "b": 0}, ("a", "kv_l1")),
+        ({"a": match(0, 10), "b": match(2)}, {"a": 0, "b": 0}, ("a", "kv_tier")),  # 10 blocks below L1 beat 2 in it
+        ({"a": match(0), "b": match(0)}, {"a": 3, "b": 1}, ("b", "no_match")),
+        ({"a": match(10), "b": match(2)}, {"a": 12, "b": 1}, ("b", "kv_l1")),  # a is overloaded: the next best
+        ({"a": match(10, free=2), "b": match(0)}, {"a": 0, "b": 0}, ("b", "kv_pressure")),  # 16 - 10 = 6 > 2 free
+        ({"a": match(10, ttft=2.0), "b": match(2, ttft=0.2)}, {"a": 0, "b": 0}, ("b", "kv_l1")),  # a is slow
+        ({"a": match(10, ttft=2.0), "b": match(0, ttft=0.2)}, {"a": 0, "b": 0}, ("b", "slow")),
+    ],
+)
+def test_choose_weighs_the_prefix_against_load_kv_pressure_and_ttft(matches, ongoing, chosen):
+    assert choose(matches, ongoing, prompt_blocks=16, max_imbalance=8, pick=first) == chosen
+
+
+def test_the_hub_hands_a_mirror_its_updates_in_order_or_its_whole_state():
+    """A router's mirror applies the hub's publications in order; a mirror further behind than the hub's log, or
+    ahead of a restarted hub, takes the hub's whole state; a replica the hub had to resync is dropped by both."""
+    import asyncio
+
+    from tierserve.fleet.kv_hub import HubMirror, KVHub
+
+    hub, mirror = KVHub(max_log=2), HubMirror("tierserve")  # the mirror's thread is not started: applied by hand
+    cursor = (None, -1)
+
+    def publish(engine) -> bool:
+        nonlocal cursor
+        events = engine.kv_events(*cursor)
+        applied = asyncio.run(hub.publish("r1", events, load_of(engine)))
+        cursor = (events.epoch, events.seq) if applied else (None, -1)
+        return applied
+
+    def sync() -> None:
+        mirror.apply(asyncio.run(hub.updates(mirror.version)))
+
+    def same() -> bool:
+        return mirror.index.replicas["r1"].holds == hub.index.replicas["r1"].holds == actual(engine)
+
+    with tiny_engine(SETTINGS) as engine:
+        assert publish(engine)
+        sync()
+        engine.generate([PROMPTS[0]], GREEDY)
+        publish(engine)
+        updates = asyncio.run(hub.updates(mirror.version))
+        assert updates.full is None and len(updates.entries) == 1  # one publication since: a delta
+        mirror.apply(updates)
+        assert same()
+        for prompt in PROMPTS * 2:  # four publications: more than the log keeps
+            engine.generate([prompt], GREEDY)
+            publish(engine)
+        assert asyncio.run(hub.updates(mirror.version)).full is not None
+        sync()
+        assert same()
+        engine.generate([PROMPTS[0]], GREEDY)
+        lost = engine.kv_events(*cursor)  # read by the replica, never applied by the hub
+        cursor = (lost.epoch, lost.seq)
+        engine.generate([PROMPTS[1]], GREEDY)
+        assert not publish(engine)  # the next publication does not follow: the hub resyncs the replica
+        sync()
+        assert "r1" not in mirror.index.replicas and hub.index.replicas["r1"].holds == {}
+        assert publish(engine)  # the snapshot
+        sync()
+        assert same()
+    restarted = KVHub()
+    mirror.apply(asyncio.run(restarted.updates(mirror.version)))  # ahead of a new hub: its (empty) whole state
+    assert mirror.index.replicas == {} and mirror.version == 0
+
+
+def test_a_prompt_just_routed_counts_as_held_until_its_events_arrive_or_the_expectation_lapses():
+    now = [100.0]
+    index = FleetKVIndex(clock=lambda: now[0])
+    load = ReplicaLoad("fp", 4, 50, 64)
+    index.apply("a", KVEvents("e", 0, snapshot={}), load)
+    index.apply("b", KVEvents("e", 0, snapshot={}), load)
+    ids = list(range(40))
+    index.expect("a", ids, None)
+    assert index.match(ids, None)["a"].l1_blocks == 10 and index.match(ids, None)["b"].l1_blocks == 0
+    assert index.match(ids, "other-tenant")["a"].l1_blocks == 0
+    now[0] += 6.0  # EXPECT_SECONDS later, no events came (the request failed): no belief left
+    index.apply("a", KVEvents("e", 0), load)  # a publication with nothing new keeps it live
+    assert index.match(ids, None)["a"].l1_blocks == 0
