@@ -55,11 +55,16 @@ def _names(allowed: tuple[str, ...]):
     return parse
 
 
+#: a scenario's checkpoint when --model is not given (builtin:bench otherwise)
+SCENARIO_MODELS = {"fleet": "builtin:fleet"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bench import cold_prefill, prefix, roofline, throughput
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="builtin:bench", help="checkpoint directory or builtin:NAME (default: builtin:bench)")
+    parser.add_argument("--model", default=None, help="checkpoint directory or builtin:NAME (default: builtin:bench; "
+                        "fleet: builtin:fleet, small enough that 4 replicas share 2 cores)")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help=f"results folder (default: {DEFAULT_RESULTS})")
     commands = parser.add_subparsers(dest="scenario", required=True)
 
@@ -185,7 +190,7 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         written = report.write(args.results)
         print(f"wrote {', '.join(str(p) for p in written)}")
         return
-    ctx = BenchContext.create(args.model, args.results)
+    ctx = BenchContext.create(args.model or SCENARIO_MODELS.get(name, "builtin:bench"), args.results)
     if name == "throughput":
         payload = throughput.run(ctx, args.concurrency, args.prompt_len, args.output_len, args.repeats, args.systems)
     elif name == "prefix":

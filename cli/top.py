@@ -1,4 +1,5 @@
-"""``tierserve top``: a running server's cache in the terminal, live (the figures of ``/dashboard``, from the same API).
+"""``tierserve top``: a running server's cache in the terminal, live (the figures of ``/dashboard``, from the same API);
+``--fleet``: a fleet's replicas (``cli.top_fleet``).
 
 Each frame is one ``GET /v1/cache/stats``; the most used prefixes and the
 named prefixes (``/v1/cache/prefixes``, ``/v1/cache/keys``: they walk the
@@ -219,25 +220,30 @@ def add_top_command(commands: Any, add_server_arguments: Callable[[argparse.Argu
 
         if args.interval <= 0:
             raise TierserveError(f"--interval: got {args.interval}; allowed: a number of seconds above 0")
-        frame = read_frame(call, args, Frame(server_url(args)), lists=True)
+        read, draw = read_frame, render
+        if args.fleet:
+            from tierserve.cli.top_fleet import read_fleet_frame, render_fleet
+
+            read, draw = read_fleet_frame, render_fleet
+        frame = read(call, args, Frame(server_url(args)), lists=True)
         if args.once:
             console = Console()
             if not console.is_terminal:
                 console = Console(width=ONCE_WIDTH)
-            console.print(render(frame))
+            console.print(draw(frame))
             return 0
         frames = 1
         try:
-            with Live(render(frame), auto_refresh=False, screen=False) as live:
+            with Live(draw(frame), auto_refresh=False, screen=False) as live:
                 while True:
                     time.sleep(args.interval)
                     try:
-                        frame = read_frame(call, args, frame, lists=frames % LISTS_EVERY == 0)
+                        frame = read(call, args, frame, lists=frames % LISTS_EVERY == 0)
                         frame.error = None
                     except TierserveError as exc:  # a restart or a blip: keep the last figures, say why they are old
                         frame.error = f"not updated: {exc}"
                     frames += 1
-                    live.update(render(frame), refresh=True)
+                    live.update(draw(frame), refresh=True)
         except KeyboardInterrupt:
             return 0
 
@@ -245,4 +251,6 @@ def add_top_command(commands: Any, add_server_arguments: Callable[[argparse.Argu
     add_server_arguments(top)
     top.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default: 2)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--fleet", action="store_true",
+                     help="a fleet's replicas, load, hit rates and routing (/v1/fleet/stats at `tierserve fleet`'s address)")
     top.set_defaults(handler=cmd_top)

@@ -533,6 +533,10 @@ class FleetSettings(Section):
     load_window_seconds: float = Field(30.0, gt=0, description="ongoing requests are averaged over this window (reported a few times per window)")
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine replica")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, description="engine (and prefill) replicas Ray places on one node at most, so losing a node loses "
+        "at most this many (Ray Serve's max_replicas_per_node); unset: as many as the node's resources hold",
+    )
     routing: Literal["kv_events", "cache_aware", "power_of_two"] = Field(
         "cache_aware",
         description="kv_events: the replica whose cache holds the longest prefix of the request's blocks, as the "

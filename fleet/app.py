@@ -14,6 +14,7 @@ from tierserve.core.sections import FleetSettings, Settings
 from tierserve.fleet.settings_sources import SettingsSources
 
 APP_NAME = "tierserve"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 
 
 def replica_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
@@ -24,6 +25,7 @@ def replica_options(fleet: FleetSettings, settings: Settings) -> dict[str, Any]:
         "max_ongoing_requests": settings.scheduler.max_num_seqs + settings.scheduler.max_waiting_requests,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
+        **({"max_replicas_per_node": fleet.max_replicas_per_node} if fleet.max_replicas_per_node else {}),
     }
 
 
@@ -98,16 +100,18 @@ def build_fleet(sources: SettingsSources) -> Any:
     loaded = sources.load()
     check_disaggregation(loaded)
     settings = loaded.settings
-    hub = None
-    if settings.fleet.routing == "kv_events":  # the replicas publish their cache events to it; routers ask it
-        options = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 10_000}
-        hub = serve.deployment(KVHub, name=HUB_DEPLOYMENT).options(**options).bind()
+    # the replicas publish their cache events and figures to the hub; kv_events routers, the dashboard and
+    # /v1/fleet/stats read it. The hub and the ingress live on the head node: they go when the cluster goes, and
+    # losing any other node leaves them standing.
+    on_head = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    hub_options = {"num_replicas": 1, "ray_actor_options": on_head, "max_ongoing_requests": 10_000}
+    hub = serve.deployment(KVHub, name=HUB_DEPLOYMENT).options(**hub_options).bind()
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings, sources))
-    ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options=on_head, max_ongoing_requests=10_000)
     prefill = None
     if settings.fleet.prefill_replicas:
         deployment = serve.deployment(EngineReplica, name="prefill").options(**prefill_options(settings.fleet, settings))
-        prefill = deployment.bind(sources)
+        prefill = deployment.bind(sources, hub)
     return ingress.bind(engine.bind(sources, hub), sources, prefill, hub)
 
 

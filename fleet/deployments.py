@@ -32,7 +32,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tierserve.fleet.prefix_affinity import DECISIONS
+from tierserve.fleet.fleet_view import fleet_document
+from tierserve.fleet.prefix_affinity import DECISIONS, REPLICA_DECISIONS
 from tierserve.fleet.settings_sources import SettingsSources, replica_settings
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,13 @@ START_ATTEMPTS = 3
 REPLICA_GONE = (RayActorError, ActorUnavailableError, BackPressureError, DeploymentUnavailableError)
 READY_TIMEOUT_SECONDS = 600.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# the ingress's own page, by the name after /dashboard/: the fleet's view, not one replica's
+FLEET_PAGE = {
+    "": ("fleet.html", "text/html; charset=utf-8"),
+    "common.js": ("common.js", "text/javascript; charset=utf-8"),
+    "fleet.js": ("fleet.js", "text/javascript; charset=utf-8"),
+    "dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
 
 
 class EngineReplica:
@@ -77,17 +85,21 @@ class EngineReplica:
         self.base_url = f"http://127.0.0.1:{loaded.settings.server.port}"
         self._wait_ready()
         # streams hold their connection for the whole generation: no pool bound below the engine's own
-        unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # idle connections closed before uvicorn's 5 s keep-alive ends them: reusing one it is closing is a ReadError
+        unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=None, limits=unbounded)
         self.health_client = httpx.AsyncClient(base_url=self.base_url, timeout=10)  # never queued behind streams
         self.publisher = None
-        if hub is not None:  # fleet.routing = "kv_events": the router follows this replica's cache through the hub
+        if hub is not None:  # the fleet's views follow this replica through the hub; kv_events routing too
+            import ray
+
             from tierserve.fleet.kv_hub import EventPublisher
             from tierserve.server.recent import latency_window
 
             state = self.app.state.tierserve
+            where = {"deployment": context.deployment, "node": ray.get_runtime_context().get_node_id()}
             self.publisher = EventPublisher(
-                self.name, state.engine, hub, lambda: latency_window(state).document()["ttft_seconds"]["p50"]
+                self.name, state.engine, hub, lambda: latency_window(state).document()["ttft_seconds"]["p50"], where
             ).start()
         log.info("fleet_replica_ready", replica=self.name, url=self.base_url)
 
@@ -164,12 +176,15 @@ class Ingress:
         self.prefill = prefill
         self.hub = hub
         settings = sources.load().settings
+        self.routing = settings.fleet.routing
         self.admin_keys = set(settings.auth.admin_api_keys or settings.auth.api_keys)
         self.max_body = settings.server.max_request_bytes
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/v1/fleet/stats":
             return await self._fleet_stats(request)
+        if request.method == "GET" and (request.url.path == "/dashboard" or request.url.path.startswith("/dashboard/")):
+            return fleet_page(request.url.path)
         forwarded = {
             "method": request.method,
             "path": request.url.path,
@@ -220,10 +235,21 @@ class Ingress:
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if given not in self.admin_keys:
                 return _error(401, "a valid admin API key is required for /v1/fleet/stats", "authentication_error")
-        document: dict[str, Any] = {"routing_decisions": dict(DECISIONS)}
-        if self.hub is not None:  # what the replicas' published events say they hold
-            document["replicas"] = await self.hub.summary.remote()
-        return JSONResponse(document)
+        replicas = await self.hub.summary.remote() if self.hub is not None else {}
+        return JSONResponse(fleet_document(self.routing, DECISIONS, REPLICA_DECISIONS, replicas))
+
+
+def fleet_page(path: str) -> Response:
+    """The fleet dashboard's files (``server/dashboard/fleet.*``, polling ``/v1/fleet/stats``): public, as the single
+    server's page is, for they hold no figures; the data is behind the admin key."""
+    from tierserve.server.dashboard_routes import SECURITY_HEADERS, asset
+
+    name = path.removeprefix("/dashboard").lstrip("/")
+    if name not in FLEET_PAGE:
+        files = ", ".join(f"/dashboard/{file}".rstrip("/") for file in FLEET_PAGE)
+        return _error(404, f"no fleet dashboard file {name!r}; the page's files: {files}", "not_found")
+    file, media_type = FLEET_PAGE[name]
+    return Response(asset(file), media_type=media_type, headers=SECURITY_HEADERS)
 
 
 async def _body(stream: Any, event_stream: bool):

@@ -26,13 +26,15 @@ from typing import Any
 import structlog
 
 from tierserve.cache.kv_events import KVEvents
-from tierserve.fleet.kv_index import FleetKVIndex, ReplicaLoad, ReplicaMatch
+from tierserve.fleet.kv_index import STALE_SECONDS, FleetKVIndex, ReplicaLoad, ReplicaMatch
 
 log = structlog.get_logger(__name__)
 
 HUB_DEPLOYMENT = "kv-hub"
 PUBLISH_SECONDS = 0.05
 MIRROR_SECONDS = 0.02
+FORGET_SECONDS = 60.0  # a replica silent this long leaves the hub (and the fleet's views); stale ones are listed till then
+REPORT_SECONDS = 1.0  # a replica's figures for the fleet's views (dashboard, top --fleet) go with a publication this often
 
 
 class KVHub:
@@ -43,9 +45,13 @@ class KVHub:
         self.index = FleetKVIndex()
         self.version = 0
         self.log: deque[tuple[int, str, KVEvents | None, ReplicaLoad | None]] = deque(maxlen=max_log)
+        self.reports: dict[str, dict[str, Any]] = {}  # replica -> its latest ``replica_report``, for the fleet's views
 
-    async def publish(self, replica: str, events: KVEvents, load: ReplicaLoad) -> bool:
-        """Apply a replica's events; False: they did not follow the last ones, publish a snapshot next."""
+    async def publish(self, replica: str, events: KVEvents, load: ReplicaLoad, report: dict[str, Any] | None = None) -> bool:
+        """Apply a replica's events (and keep its ``report``); False: they did not follow the last ones, publish a
+        snapshot next."""
+        if report is not None:
+            self.reports[replica] = report
         applied = self.index.apply(replica, events, load)
         self.version += 1
         self.log.append((self.version, replica, events if applied else None, load))  # None: start over
@@ -55,6 +61,7 @@ class KVHub:
 
     async def forget(self, replica: str) -> None:
         self.index.forget(replica)
+        self.reports.pop(replica, None)
         self.version += 1
         self.log.append((self.version, replica, None, None))
 
@@ -72,7 +79,16 @@ class KVHub:
         return HubUpdates(self.version, entries=tuple(entry for entry in self.log if entry[0] > since))
 
     async def summary(self) -> dict[str, Any]:
-        return self.index.summary()
+        """Per replica: what it holds (``FleetKVIndex.summary``) and its latest report (``replica_report``); a
+        replica stale for ``STALE_SECONDS`` is listed with ``stale: true``."""
+        summary: dict[str, Any] = self.index.summary()
+        for replica in [name for name, state in summary.items() if state["seconds_since_update"] > FORGET_SECONDS]:
+            await self.forget(replica)  # long gone: no longer listed
+            del summary[replica]
+        for replica, state in summary.items():
+            state.update(self.reports.get(replica, {}))
+            state["stale"] = state["seconds_since_update"] > STALE_SECONDS
+        return summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +173,10 @@ class HubMirror:
 class EventPublisher:
     """A replica's thread that publishes its engine's cache events to the hub (see the module docstring)."""
 
-    def __init__(self, replica: str, engine: Any, hub: Any, ttft_p50: Any) -> None:
-        self.replica, self.engine, self.hub, self.ttft_p50 = replica, engine, hub, ttft_p50
+    def __init__(self, replica: str, engine: Any, hub: Any, ttft_p50: Any, where: dict[str, str] | None = None) -> None:
+        """``where``: what the fleet's views show of the replica's place (its deployment, node), sent with reports."""
+        self.replica, self.engine, self.hub, self.ttft_p50, self.where = replica, engine, hub, ttft_p50, where or {}
+        self.reported = 0.0
         self.cursor: tuple[str | None, int] = (None, -1)
         self._stop = threading.Event()
         self._failing = False
@@ -179,7 +197,10 @@ class EventPublisher:
         stats = self.engine.stats()
         load = ReplicaLoad(self.engine.info.fingerprint, self.engine.info.block_size, stats.kv_blocks_free,
                            stats.kv_blocks_total, self.ttft_p50())  # fmt: skip
-        applied = self.hub.publish.remote(self.replica, events, load).result()
+        report = None
+        if time.monotonic() - self.reported >= REPORT_SECONDS:
+            report, self.reported = {**self.where, **replica_report(stats)}, time.monotonic()
+        applied = self.hub.publish.remote(self.replica, events, load, report).result()
         self.cursor = (events.epoch, events.seq) if applied else (None, -1)
         return applied
 
@@ -195,3 +216,25 @@ class EventPublisher:
                     log.warning("fleet_kv_publish_failed", replica=self.replica, error=repr(exc))
                     self._failing = True
                 time.sleep(PUBLISH_SECONDS * 10)
+
+
+def replica_report(snapshot: Any) -> dict[str, Any]:
+    """What the fleet's views show of one replica, from its engine's ``EngineSnapshot``: its requests, prompt
+    tokens served from cache, L1 blocks, and each tier below L1 (those on a ``remote`` medium are the shared ones)."""
+    cache = snapshot.cache
+    cached = cache.cached_tokens if cache is not None else 0
+    computed = cache.computed_tokens if cache is not None else 0
+    tiers = {
+        name: {"medium": tier.medium, "entries": tier.entries, "bytes": tier.bytes, "hits": tier.hits, "misses": tier.misses}
+        for name, tier in (cache.tiers.items() if cache is not None else ())
+        if name != "l1"
+    }
+    return {
+        "requests_running": snapshot.requests_running,
+        "requests_waiting": snapshot.requests_waiting,
+        "prompt_tokens_cached": cached,
+        "prompt_tokens_computed": computed,
+        "hit_rate": round(cached / (cached + computed), 4) if cached + computed else None,
+        "kv_blocks_used": snapshot.kv_blocks_total - snapshot.kv_blocks_empty,
+        "tiers": tiers,
+    }

@@ -30,9 +30,15 @@ from tierserve.cache.hashing import extend_hashes, root_hash
 from tierserve.cache.kv_events import KVEvents
 
 L1 = 0
-STALE_SECONDS = 10.0
+STALE_SECONDS = 5.0  # a replica publishes every 50 ms: silent this long, it is gone (its node lost, its process dead)
 LOWER_TIER_WEIGHT = 0.5  # a block in a private tier below L1 saves its compute but costs a read
-SLOW_FACTOR = 3.0  # a replica whose TTFT p50 is over three times the fleet's best loses the prefix's claim
+# a replica whose TTFT p50 is over eight times the other replicas' median loses the prefix's claim: a degraded
+# replica, not one that served more misses lately (a p50 mixing hits and misses swings fourfold on shared cores;
+# at four times it sent 15 requests a run away from their prefix, at three times the fleet's best 66)
+SLOW_FACTOR = 8.0
+# a replica's hold counts when it covers at least this share of the prompt's blocks (SGLang's cache_threshold):
+# a chat template's or a BOS's first block, held everywhere, would otherwise send every new prompt to one replica
+MIN_MATCH_SHARE = 0.5
 EXPECT_SECONDS = 5.0  # a prompt just routed counts as held there until its events arrive (or this passes)
 
 
@@ -231,15 +237,15 @@ def choose(
 ) -> tuple[str, str]:
     """The replica a request goes to among ``ongoing``'s (the live candidates), and why.
 
-    The replica holding the most of the prompt (``ReplicaMatch.value``) takes it, unless it has more than
+    The replica holding the most of the prompt (``ReplicaMatch.value``, at least ``MIN_MATCH_SHARE`` of its blocks)
+    takes it, unless it has more than
     ``max_imbalance`` ongoing requests beyond the least loaded (``overloaded``), too few free blocks for the part
-    it would compute (``kv_pressure``), or a TTFT p50 over ``SLOW_FACTOR`` times the fleet's best (``slow``):
+    it would compute (``kv_pressure``), or a TTFT p50 over ``SLOW_FACTOR`` times the other replicas' median (``slow``):
     then the next best that has none of these does; with no hold anywhere, the least loaded (``no_match``).
     """
     shortest = min(ongoing.values())
-    held = {name: match for name, match in matches.items() if name in ongoing and match.value > 0}
-    ttfts = [m.ttft_p50 for m in matches.values() if m.ttft_p50]
-    best_ttft = min(ttfts) if ttfts else None
+    enough = max(1e-9, MIN_MATCH_SHARE * prompt_blocks)
+    held = {name: match for name, match in matches.items() if name in ongoing and match.value >= enough}
     refused: dict[str, str] = {}
     for name in sorted(held, key=lambda name: (-held[name].value, ongoing[name], name)):
         match = held[name]
@@ -247,7 +253,7 @@ def choose(
             refused[name] = "overloaded"
         elif match.free_blocks < prompt_blocks - match.l1_blocks:
             refused[name] = "kv_pressure"
-        elif best_ttft and match.ttft_p50 and match.ttft_p50 > SLOW_FACTOR * best_ttft:
+        elif _slow(name, matches):
             refused[name] = "slow"
         else:
             return name, "kv_l1" if match.l1_blocks * 2 >= match.tier_blocks else "kv_tier"
@@ -255,3 +261,14 @@ def choose(
     fewest = min(ongoing[name] for name in candidates)
     reason = next(iter(refused.values()), "no_match")
     return pick([name for name in candidates if ongoing[name] == fewest]), reason
+
+
+def _slow(name: str, matches: Mapping[str, ReplicaMatch]) -> bool:
+    """``name``'s TTFT p50 is over ``SLOW_FACTOR`` times the other replicas' median."""
+    mine = matches[name].ttft_p50
+    others = sorted(m.ttft_p50 for other, m in matches.items() if other != name and m.ttft_p50)
+    if not mine or not others:
+        return False
+    middle = len(others) // 2
+    median = others[middle] if len(others) % 2 else (others[middle - 1] + others[middle]) / 2
+    return mine > SLOW_FACTOR * median

@@ -93,8 +93,24 @@ class CacheAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
-        self.affinity.forget_replica(replica_id.unique_id)
-        self._ongoing.pop(replica_id.unique_id, None)
+        self._forget(replica_id.unique_id)
+
+    def on_replica_actor_unavailable(self, replica_id: Any) -> None:
+        """A call to the replica could not reach it (its node lost, its process gone): what it held is not counted
+        on until it is heard from again; Ray routes around it meanwhile."""
+        super().on_replica_actor_unavailable(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's new set of running replicas: those no longer in it are forgotten."""
+        before = {replica_id.unique_id for replica_id in self._replica_id_set}
+        super().update_replicas(replicas)
+        for gone in before - {replica.replica_id.unique_id for replica in replicas}:
+            self._forget(gone)
+
+    def _forget(self, replica: str) -> None:
+        self.affinity.forget_replica(replica)
+        self._ongoing.pop(replica, None)
 
     def _follow(self, pending_request: PendingRequest, key: Any, reason: str) -> None:
         """Remember the latest decision for this routing attempt; record it once Ray assigns a replica."""
@@ -118,6 +134,7 @@ class CacheAwareRouter(RequestRouter):
             self._release(self._placed.popitem(last=False)[1])
         # through the module: Ray ships this router module by value, so a name imported here would be a copy
         prefix_affinity.DECISIONS[reason] += 1
+        prefix_affinity.REPLICA_DECISIONS[replica][reason] += 1
         if self._metric is not None:
             self._metric.inc(tags={"reason": reason})
 
@@ -162,9 +179,9 @@ class KVEventRouter(CacheAwareRouter):
         if key is not None:
             self.mirror.expect(replica, *key)
 
-    def on_replica_actor_died(self, replica_id: Any) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.mirror.forget(replica_id.unique_id)  # the hub ages it out by itself (stale_seconds)
+    def _forget(self, replica: str) -> None:
+        super()._forget(replica)
+        self.mirror.forget(replica)  # the hub ages it out by itself (kv_index.STALE_SECONDS)
 
 
 def _decision_metric() -> Any:

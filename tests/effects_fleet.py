@@ -67,6 +67,14 @@ def fleet_num_gpus(lab: Lab) -> None:
     assert options(lab, num_gpus=1)["ray_actor_options"]["num_gpus"] == 1
 
 
+def fleet_max_replicas_per_node(lab: Lab) -> None:
+    assert options(lab, max_replicas_per_node=1)["max_replicas_per_node"] == 1
+    assert "max_replicas_per_node" not in options(lab)  # unset: Ray places by resources alone
+    tier = {"name": "shared", "plugin": "redis", "url": "redis://127.0.0.1:1/0", "write_through": True}
+    loaded = lab.settings({"fleet.prefill_replicas": 1, "fleet.max_replicas_per_node": 2, "kv_cache.tiers": [tier]})
+    assert prefill_options(loaded.settings.fleet, loaded.settings)["max_replicas_per_node"] == 2
+
+
 def fleet_routing(lab: Lab) -> None:
     router = options(lab)["request_router_config"]
     assert router.request_router_class.endswith("CacheAwareRouter")
@@ -104,6 +112,7 @@ PROBES = {
     "fleet.load_window_seconds": fleet_load_window_seconds,
     "fleet.num_cpus": fleet_num_cpus,
     "fleet.num_gpus": fleet_num_gpus,
+    "fleet.max_replicas_per_node": fleet_max_replicas_per_node,
     "fleet.routing": fleet_routing,
     "fleet.max_imbalance": fleet_max_imbalance,
 }

@@ -287,9 +287,9 @@ def test_a_changed_spec_gets_a_new_directory(cache_root, monkeypatch):
 
 
 def test_unknown_builtin_lists_the_available_ones(cache_root):
-    with pytest.raises(ValueError, match="unknown builtin model 'huge'; available: bench, bench-gpt2, bench-qwen, tiny"):
+    with pytest.raises(ValueError, match="unknown builtin model 'huge'; available: bench, bench-gpt2, bench-qwen, fleet, tiny"):
         ensure_builtin_checkpoint("huge")
-    with pytest.raises(ConfigError, match="available: bench, bench-gpt2, bench-qwen, tiny"):
+    with pytest.raises(ConfigError, match="available: bench, bench-gpt2, bench-qwen, fleet, tiny"):
         resolve_model_path("builtin:huge")
 
 

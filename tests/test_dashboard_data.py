@@ -182,7 +182,7 @@ def test_dashboard_files_are_the_packages_own_with_a_strict_policy(server):
     missing = httpx.get(f"{server}/dashboard/../server/app.py")
     assert missing.status_code == 404
     unknown = httpx.get(f"{server}/dashboard/other.js")
-    assert unknown.status_code == 404 and "dashboard.js, dashboard.css" in unknown.json()["error"]["message"]
+    assert unknown.status_code == 404 and "common.js, dashboard.js, dashboard.css" in unknown.json()["error"]["message"]
 
 
 def rows(output: str, first_cells: set[str]) -> dict[str, list[str]]:

@@ -92,3 +92,74 @@ def test_a_conversation_goes_where_its_blocks_are_and_leaves_when_they_are_gone(
     after = fleet_stats(url)["routing_decisions"]
     assert after.get("no_match", 0) - before.get("no_match", 0) == 1  # no belief in blocks that are gone
     assert after.get("kv_l1", 0) == before.get("kv_l1", 0)
+
+
+def test_the_fleet_dashboard_and_top_show_each_replica(fleet, capsys):
+    url = fleet
+    question = "Which platform does the 9:15 to the coast leave from?"
+    homes = {chat(url, question).headers["x-tierserve-replica"], chat(url, question, "And on Sundays?").headers["x-tierserve-replica"]}
+    home = homes.pop()
+    assert not homes, "the conversation's second turn went where its first one's blocks are"
+
+    def reported() -> dict | None:
+        stats = fleet_stats(url)
+        mine = stats["replicas"].get(home, {})
+        return stats if (mine.get("prompt_tokens_cached") or 0) > 0 else None
+
+    stats = wait_until(reported, timeout=30, interval=0.2, what="the home replica's report at the hub")
+    node = ray.get_runtime_context().get_node_id()
+    assert stats["routing"] == "kv_events" and len(stats["replicas"]) == 2
+    for name, replica in stats["replicas"].items():
+        assert replica["deployment"] == "engine" and replica["node"] == node and not replica["stale"]
+        assert replica["total_blocks"] > 0 and replica["kv_blocks_used"] >= 0
+    per_replica = {}
+    for replica in stats["replicas"].values():
+        for reason, count in replica["routing_decisions"].items():
+            per_replica[reason] = per_replica.get(reason, 0) + count
+    assert per_replica == stats["routing_decisions"]  # each decision is counted against the replica it chose
+    assert stats["replicas"][home]["routing_decisions"].get("kv_l1", 0) >= 1
+    assert stats["shared_tiers"] == {}  # no redis tier in this fleet
+
+    page = httpx.get(f"{url}/dashboard", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "fleet dashboard" in page.text and "/dashboard/fleet.js" in page.text
+    assert "content-security-policy" in page.headers
+    script = httpx.get(f"{url}/dashboard/fleet.js", timeout=30)
+    assert script.status_code == 200 and "/v1/fleet/stats" in script.text
+    missing = httpx.get(f"{url}/dashboard/index.html", timeout=30)
+    assert missing.status_code == 404 and "/dashboard/fleet.js" in missing.json()["error"]["message"]
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.browser import headless_chromium
+
+    with headless_chromium() as chrome:  # the page as a person sees it: each replica's row, drawn from the document
+        chrome.get(f"{url}/dashboard")
+        chrome.find_element(By.ID, "api-key").send_keys(KEY)
+        chrome.find_element(By.ID, "key-use").click()
+        WebDriverWait(chrome, 20, poll_frequency=0.2).until(
+            lambda c: len(c.find_elements(By.CSS_SELECTOR, "#replicas tbody tr[data-replica]")) == 2
+        )
+        shown = chrome.execute_script(
+            "return [...document.querySelectorAll('#replicas tbody tr[data-replica]')].map(r => "
+            "[r.dataset.replica, r.cells[1].textContent, r.cells[6].dataset.value])"
+        )
+        held = {name: str(state["blocks_held"].get("0", 0)) for name, state in fleet_stats(url)["replicas"].items()}
+        assert {name: (deployment, l1) for name, deployment, l1 in shown} == {name: ("engine", held[name]) for name in held}
+        assert chrome.find_element(By.ID, "fig-routing").text == "kv_events"
+        # script errors only: the first poll, before the key was given, was a 401 and said so
+        severe = [e for e in chrome.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+        assert not severe, severe
+
+    from tierserve.cli.main import main
+
+    assert main(["top", "--fleet", "--once", "--url", url, "--api-key", KEY]) == 0
+    output = capsys.readouterr().out
+    assert "kv_events" in output and "2 live / 2" in output
+    for name, replica in fleet_stats(url)["replicas"].items():
+        row = next(line for line in output.splitlines() if name in line)
+        rate = replica["hit_rate"]  # None: a replica that served no prompt yet
+        assert "engine" in row and ("–" if rate is None else f"{100 * rate:.1f}%") in row
+    assert main(["top", "--fleet", "--once", "--url", url]) == 2  # the fleet's stats need the admin key
+    assert "HTTP 401" in capsys.readouterr().err

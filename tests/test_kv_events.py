@@ -133,13 +133,16 @@ def first(names: list[str]) -> str:
 @pytest.mark.parametrize(
     "matches, ongoing, chosen",
     [
-        ({"a": match(10), "b": match(2)}, {"a": 0, "b": 0}, ("a", "kv_l1")),
-        ({"a": match(0, 10), "b": match(2)}, {"a": 0, "b": 0}, ("a", "kv_tier")),  # 10 blocks below L1 beat 2 in it
+        ({"a": match(12), "b": match(9)}, {"a": 0, "b": 0}, ("a", "kv_l1")),
+        ({"a": match(0, 20), "b": match(9)}, {"a": 0, "b": 0}, ("a", "kv_tier")),  # 20 blocks below L1 beat 9 in it
+        ({"a": match(2), "b": match(0)}, {"a": 3, "b": 1}, ("b", "no_match")),  # 2 of 16 blocks: a template's, not a prefix
         ({"a": match(0), "b": match(0)}, {"a": 3, "b": 1}, ("b", "no_match")),
-        ({"a": match(10), "b": match(2)}, {"a": 12, "b": 1}, ("b", "kv_l1")),  # a is overloaded: the next best
+        ({"a": match(10), "b": match(8)}, {"a": 12, "b": 1}, ("b", "kv_l1")),  # a is overloaded: the next best
         ({"a": match(10, free=2), "b": match(0)}, {"a": 0, "b": 0}, ("b", "kv_pressure")),  # 16 - 10 = 6 > 2 free
-        ({"a": match(10, ttft=2.0), "b": match(2, ttft=0.2)}, {"a": 0, "b": 0}, ("b", "kv_l1")),  # a is slow
+        ({"a": match(10, ttft=2.0), "b": match(8, ttft=0.2)}, {"a": 0, "b": 0}, ("b", "kv_l1")),  # a is slow
         ({"a": match(10, ttft=2.0), "b": match(0, ttft=0.2)}, {"a": 0, "b": 0}, ("b", "slow")),
+        # four times the others' median is a replica serving misses, not a slow one: it keeps its prefix
+        ({"a": match(10, ttft=0.4), "b": match(0, ttft=0.1), "c": match(0, ttft=0.05)}, {"a": 0, "b": 0, "c": 0}, ("a", "kv_l1")),
     ],
 )
 def test_choose_weighs_the_prefix_against_load_kv_pressure_and_ttft(matches, ongoing, chosen):
@@ -212,3 +215,18 @@ def test_a_prompt_just_routed_counts_as_held_until_its_events_arrive_or_the_expe
     now[0] += 6.0  # EXPECT_SECONDS later, no events came (the request failed): no belief left
     index.apply("a", KVEvents("e", 0), load)  # a publication with nothing new keeps it live
     assert index.match(ids, None)["a"].l1_blocks == 0
+
+
+def test_the_fleet_document_merges_the_shared_tiers_and_counts_decisions_per_replica():
+    from tierserve.fleet.fleet_view import fleet_document
+
+    redis = {"medium": "remote", "entries": 40, "bytes": 4000, "hits": 3, "misses": 1}
+    replicas = {
+        "r2": {"stale": False, "tiers": {"shared": {**redis, "entries": 42, "hits": 5}, "l2": {**redis, "medium": "memory"}}},
+        "r1": {"stale": False, "tiers": {"shared": redis}},
+        "r3": {"stale": True, "tiers": {"shared": {**redis, "hits": 100}}},  # gone: its figures are not the tier's now
+    }
+    document = fleet_document("kv_events", {"kv_l1": 3, "no_match": 1}, {"r1": {"kv_l1": 3}, "r2": {"no_match": 1}}, replicas)
+    assert list(document["replicas"]) == ["r1", "r2", "r3"]
+    assert document["replicas"]["r1"]["routing_decisions"] == {"kv_l1": 3} and document["replicas"]["r3"]["routing_decisions"] == {}
+    assert document["shared_tiers"] == {"shared": {"entries": 42, "bytes": 4000, "hits": 8, "misses": 2, "replicas": 2}}

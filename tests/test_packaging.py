@@ -39,6 +39,9 @@ def test_wheel_contains_packages_presets_and_entry_point(tmp_path):
         "tierserve/server/dashboard/index.html",  # /dashboard serves these from the installed package
         "tierserve/server/dashboard/dashboard.js",
         "tierserve/server/dashboard/dashboard.css",
+        "tierserve/server/dashboard/common.js",
+        "tierserve/server/dashboard/fleet.html",  # the fleet's ingress serves its own page
+        "tierserve/server/dashboard/fleet.js",
     ):
         assert required in names, required
     x86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -1,0 +1,137 @@
+"""A Ray cluster of two nodes on this machine, for the fleet's node-loss test and bench part.
+
+``ray start --head`` and a second ``ray start --address``, each blocking in a
+process of its own (so each node is one process tree: ``ray start``, its raylet
+and agents, the raylet's workers, their children). Both take an auth token of
+their own temp folder, and detect a lost node in about 3 s
+(``health_check_period_ms`` 1,000 x 3 misses; Ray's default is 5 x 3 s). A node
+is killed as a lost machine would be: SIGKILL to every process of its tree, by
+PID. ``stop`` ends both trees the same way once ``ray start`` had its chance
+to stop them itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.server_helpers import free_port
+
+HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                "RAY_health_check_initial_delay_ms": "1000"}  # fmt: skip
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from ``/proc``: parent links), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while listed
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        tree.append(pid)
+        queue.extend(children.get(pid, []))
+    return tree
+
+
+class RayNode:
+    """One ``ray start --block`` process and what it starts."""
+
+    def __init__(self, arguments: list[str], env: dict[str, str], log: Path) -> None:
+        ray = str(Path(sys.executable).with_name("ray"))
+        self.log = log
+        with open(log, "wb") as output:
+            self.process = subprocess.Popen([ray, "start", *arguments, "--block"], env=env, stdout=output,
+                                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def kill(self) -> None:
+        """SIGKILL to every process of the node, as a machine lost at once."""
+        for pid in process_tree(self.process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM (``ray start --block`` stops its processes), then SIGKILL to whatever is left of the tree."""
+        if self.process.poll() is None:
+            left = process_tree(self.process.pid)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.process.wait(timeout=30)
+
+
+class TwoNodes:
+    """A head node and a worker node with ``cpus`` CPUs each; ``env`` is what a driver needs to connect
+    (``ray.init(address=cluster.address)`` with ``env`` in ``os.environ``)."""
+
+    def __init__(self, directory: Path, cpus: int = 1) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.cpus = cpus
+        # the driver's Ray reads its auth mode once, when imported (before any fixture runs): the nodes use the mode a
+        # driver has by default (no token); they listen on this machine only for the test's length
+        self.env = {"RAY_AUTH_MODE": "disabled"}
+        self.head: RayNode | None = None
+        self.worker: RayNode | None = None
+        self.temp: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> TwoNodes:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, **HEALTH_CHECK}
+        env.pop("RAY_ADDRESS", None)
+        common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus), "--disable-usage-stats",
+                  "--dashboard-agent-listen-port", "0", "--min-worker-port", "0", "--max-worker-port", "0"]  # fmt: skip
+        # Ray's sockets live under its temp folder, and a socket's path has at most 107 bytes: a short one
+        self.temp = tempfile.mkdtemp(prefix="tsray-")
+        self.head = RayNode(["--head", "--port", str(self.port), "--include-dashboard", "false", "--temp-dir",
+                             self.temp, *common], env, self.directory / "head.log")  # fmt: skip
+        self._wait_for("Ray runtime started", self.head, timeout)
+        self.worker = RayNode(["--address", self.address, *common], env, self.directory / "worker.log")
+        self._wait_for("Ray runtime started", self.worker, timeout)
+        return self
+
+    def _wait_for(self, line: str, node: RayNode, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while line not in node.log.read_text(errors="replace"):
+            if node.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ray start did not come up: {node.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+
+    def kill_worker(self) -> None:
+        assert self.worker is not None
+        self.worker.kill()
+
+    def stop(self) -> None:
+        for node in (self.worker, self.head):
+            if node is not None:
+                node.stop()
+        if self.temp is not None:
+            shutil.rmtree(self.temp, ignore_errors=True)
+
