@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, of {','.join(tier_stall.CASES)} (default: all)")  # fmt: skip
 
     fl = commands.add_parser("fleet", help="tierserve fleet on Ray: cache-aware routing, disaggregation")
-    fl.add_argument("--parts", type=_names(("routing", "disaggregation")), default=["routing", "disaggregation"])
+    fl.add_argument("--parts", type=_names(("routing", "disaggregation", "nodes")), default=["routing", "disaggregation", "nodes"],
+                    help="routing, disaggregation, nodes: two Ray nodes, one lost mid-run (default: all three)")
     fl.add_argument("--replicas", type=int, default=4, help="engine replicas of the routing part (default: 4)")
     fl.add_argument("--conversations", type=int, default=64)
     fl.add_argument("--systems-prompts", type=int, default=32, help="tenants, each with its own system prompt (default: 32)")
@@ -158,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--long-prompts", type=int, default=6)
     fl.add_argument("--long-len", type=int, default=1536)
     fl.add_argument("--repeats", type=int, default=2)
+    fl.add_argument("--node-clients", type=int, default=4, help="nodes: clients sending requests (default: 4)")
+    fl.add_argument("--node-seconds", type=float, default=30.0, help="nodes: how long they send (default: 30)")
+    fl.add_argument("--kill-at", type=float, default=10.0, help="nodes: when the worker node is killed (default: 10 s)")
 
     lr = commands.add_parser("lora", help="a batch mixing LoRA adapters vs the base model alone")
     lr.add_argument("--requests", type=int, default=32)

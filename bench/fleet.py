@@ -20,6 +20,12 @@ Two measurements, each as alternating repeats of the two configurations
   p50/p99 of the decoding streams, with 2 replicas that prefill and decode,
   against 1 prefill replica + 1 decode replica handing prompts over through
   a redis tier (a ``redis-server`` is started on a free loopback port).
+- ``nodes``: two Ray nodes on this machine (``tests.ray_nodes``), an engine
+  replica on each; clients send requests (not streamed) for
+  ``--node-seconds`` and every process of the worker node is SIGKILLed at
+  ``--kill-at``. Reported: requests failed (the target: none; those in
+  flight on the lost node are sent again by the ingress), the replicas
+  serving before and after, and how long after the loss requests were slow.
 
 On one 2-core machine both replicas share the same two cores (Ray gives each
 one CPU), so this shows what routing changes (hits, and the prefill work they
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import random
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,9 +173,11 @@ def run(ctx: BenchContext, args: Any) -> dict:
     from ray import serve
 
     port = free_port()
+    runs: list[dict] = []
+    if set(args.parts) <= {"nodes"}:
+        return finish(ctx, args, [node_loss(ctx, args)])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    runs: list[dict] = []
     redis_server = None
     try:
         if "routing" in args.parts:
@@ -207,11 +216,104 @@ def run(ctx: BenchContext, args: Any) -> dict:
         ray.shutdown()
         if redis_server is not None:
             redis_server.stop()
+    if "nodes" in args.parts:
+        runs.append(node_loss(ctx, args))
+    return finish(ctx, args, runs)
+
+
+def finish(ctx: BenchContext, args: Any, runs: list[dict]) -> dict:
     config = {key: getattr(args, key) for key in (
         "parts", "replicas", "conversations", "systems_prompts", "turns", "prefix_len", "turn_len", "output_len",
         "arrival_rate", "l1_prefixes", "tiers", "repeats", "decoders", "decode_len", "long_prompts", "long_len",
+        "node_clients", "node_seconds", "kill_at",
     )}  # fmt: skip
-    return {"config": {"model": ctx.model, **config}, "runs": runs, "summary": summarise(runs)}
+    summary = summarise(runs)
+    lost = [r for r in runs if r.get("part") == "nodes"]
+    if lost:
+        summary["nodes"] = lost[0]
+    return {"config": {"model": ctx.model, **config}, "runs": runs, "summary": summary}
+
+
+def node_loss(ctx: BenchContext, args: Any) -> dict:
+    """Two Ray nodes on this machine (``tests.ray_nodes``), an engine replica on each; ``--node-clients`` clients
+    send conversations (not streamed) for ``--node-seconds``; every process of the worker node is SIGKILLed at
+    ``--kill-at`` seconds. Counts the requests that failed, and how long after the loss requests were slow."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+    from ray import serve
+
+    from tests.ray_nodes import TwoNodes
+    from tierserve.fleet.app import APP_NAME, build_fleet
+    from tierserve.fleet.settings_sources import SettingsSources
+
+    nodes = TwoNodes(Path(tempfile.mkdtemp(prefix="tierserve-nodes-"))).start()
+    os.environ.update(nodes.env)
+    port = free_port()
+    try:
+        ray.init(address=nodes.address, log_to_driver=False)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        overrides = {
+            ("model", "path"): str(ctx.checkpoint), ("logging", "level"): "warning", ("fleet", "replicas"): 2,
+            ("fleet", "num_cpus"): 0.5, ("fleet", "max_replicas_per_node"): 1, ("fleet", "routing"): "kv_events",
+        }  # fmt: skip
+        serve.run(build_fleet(SettingsSources.of("development", None, overrides)), name=APP_NAME, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        rng = random.Random(7)
+        systems = [text_with_tokens(ctx.tokenizer, args.prefix_len // 4, rng) for _ in range(8)]
+        results: list[tuple[float, float, int, str]] = []  # start, end (since the run began), status, replica
+        stop = threading.Event()
+        began = time.monotonic()
+
+        def client(index: int) -> None:
+            turn = 0
+            with httpx.Client(timeout=120) as http:
+                while not stop.is_set():
+                    prompt = systems[(index + turn) % len(systems)] + text_with_tokens(ctx.tokenizer, 16, rng)
+                    body = {"model": str(ctx.checkpoint), "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+                            "ignore_eos": True}  # fmt: skip
+                    started = time.monotonic() - began
+                    try:
+                        answer = http.post(f"{url}/v1/completions", json=body)
+                        status, replica = answer.status_code, answer.headers.get("x-tierserve-replica", "")
+                    except httpx.HTTPError:
+                        status, replica = 0, ""
+                    results.append((started, time.monotonic() - began, status, replica))
+                    turn += 1
+
+        with ThreadPoolExecutor(args.node_clients) as pool:
+            for index in range(args.node_clients):
+                pool.submit(client, index)
+            time.sleep(args.kill_at)
+            killed = time.monotonic() - began
+            nodes.kill_worker()
+            time.sleep(max(0.0, args.node_seconds - args.kill_at))
+            stop.set()
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            nodes.stop()
+    replicas_before = {r[3] for r in results if r[1] < killed and r[2] == 200}
+    after = [r for r in results if r[0] > killed]
+    slow_until = max((r[0] for r in after if r[1] - r[0] > 3 * median([b[1] - b[0] for b in results if b[1] < killed] or [1.0])),
+                     default=killed)  # fmt: skip
+    summary = {
+        "requests": len(results),
+        "failed": sum(1 for r in results if r[2] != 200),
+        "in_flight_at_kill": sum(1 for r in results if r[0] < killed < r[1]),
+        "replicas_before": len(replicas_before),
+        "replicas_after": len({r[3] for r in after if r[2] == 200}),
+        "latency_p50_before_s": median([r[1] - r[0] for r in results if r[1] < killed]),
+        "latency_max_in_flight_s": max((r[1] - r[0] for r in results if r[0] < killed < r[1]), default=None),
+        "slow_for_s": round(slow_until - killed, 3),  # the last request started after the loss that took 3x the usual
+        "latency_p50_after_s": median([r[1] - r[0] for r in after if r[0] > killed + 10]),
+    }
+    print(f"node loss: {summary}")
+    return {"part": "nodes", **summary}
 
 
 def summarise(runs: list[dict]) -> dict:
