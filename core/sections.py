@@ -113,6 +113,12 @@ class ModelSettings(Section):
         description="the names clients may send as 'model' (one or a list, as vLLM's --served-model-name); "
         "the first is the one responses carry by default; unset: model.path",
     )
+    accepted_names: list[str] = Field(
+        default_factory=list,
+        description="more names clients may send as 'model' for this model, answered as its own and not listed in "
+        "/v1/models (the presets accept the serving spec's example names, 'default-model' and 'advanced-model'); "
+        "the single [model] only: a [[models]] entry has aliases",
+    )
     backend: str = Field(
         "auto",
         description="auto: native for Llama/Mistral/Qwen2/Qwen3 (fastest), else transformers (any architecture "
@@ -242,6 +248,8 @@ class ModelEntry(ModelSettings):
     def _no_served_names(self) -> ModelEntry:
         if self.served_model_name is not None:
             raise ValueError("served_model_name: a [[models]] entry names itself with name and aliases")
+        if self.accepted_names:
+            raise ValueError("accepted_names: a [[models]] entry names itself with name and aliases")
         return self
 
     @property

@@ -149,6 +149,8 @@ class ModelRegistry:
             for name in names[1:]:
                 self.aliases[name] = served.id
             self._unlisted[settings.model.path] = served.id  # the path answers too, as before served names
+            for name in settings.model.accepted_names:
+                self._unlisted.setdefault(name, served.id)
 
     def _add(self, entry: ModelEntry, settings: Settings) -> ServedModel:
         served = ServedModel(entry.id, settings, entry.name, entry.version)

@@ -3,7 +3,10 @@ the bounds on max_tokens and prompt text."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.effects_lab import Lab, greedy, run
+from tierserve.core.sections import ModelEntry
 
 PROMPT = "The lighthouse keeper counted the ships that passed"
 
@@ -49,6 +52,16 @@ def model_served_model_name(lab: Lab) -> None:
         assert cached(client, model="spare-name", temperature=0)["model"] == "spare-name"
 
 
+def model_accepted_names(lab: Lab) -> None:
+    with lab.http({"model.accepted_names": ["spec-example"]}) as client:
+        assert "spec-example" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        cached(client, model="spec-example", temperature=0)  # 200, answered by the one model
+    with pytest.raises(ValueError, match="accepted_names: a \\[\\[models\\]\\] entry names itself"):
+        ModelEntry(name="m", path="builtin:tiny", accepted_names=["x"])  # never silently ignored
+    with lab.http({"model.accepted_names": []}) as client:
+        assert client.post("/v1/completions", json={"model": "spec-example", "prompt": PROMPT}).status_code == 404
+
+
 def server_timeout_seconds(lab: Lab) -> None:
     # 20 ms: the fused decode makes the tiny test model fast enough to finish the whole context in 0.2 s
     with lab.http({"server.timeout_seconds": 0.02}) as client:
@@ -83,6 +96,7 @@ PROBES = {
     "speculative.top_p": speculative_top_p,
     "speculative.beam_width": speculative_beam_width,
     "model.served_model_name": model_served_model_name,
+    "model.accepted_names": model_accepted_names,
     "server.timeout_seconds": server_timeout_seconds,
     "server.max_tokens_limit": server_max_tokens_limit,
     "server.max_prompt_bytes": server_max_prompt_bytes,
