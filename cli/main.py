@@ -207,8 +207,20 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     finally:
         if args.address:  # a shared cluster: remove only this application
             serve.delete(APP_NAME)
-        else:
+        else:  # the cluster this command started: every process of it ends with it
+            import os
+
+            import ray
+            import structlog
+
+            from tierserve.fleet.processes import end_processes, process_tree
+
+            started = process_tree(os.getpid())[1:]
             serve.shutdown()
+            ray.shutdown()
+            killed = end_processes(started)
+            if killed:
+                structlog.get_logger(__name__).warning("fleet_processes_killed", count=len(killed), reason="still running after ray.shutdown")
     return 0
 
 

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 from tierserve.settings.config import LoadedSettings
@@ -104,7 +106,8 @@ def build_fleet(sources: SettingsSources) -> Any:
     # /v1/fleet/stats read it. The hub and the ingress live on the head node: they go when the cluster goes, and
     # losing any other node leaves them standing.
     on_head = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
-    hub_options = {"num_replicas": 1, "ray_actor_options": on_head, "max_ongoing_requests": 10_000}
+    hub_options = {"num_replicas": 1, "ray_actor_options": on_head, "max_ongoing_requests": 10_000,
+                   "logging_config": {"enable_access_log": False}}  # a call every 20-50 ms per replica and router
     hub = serve.deployment(KVHub, name=HUB_DEPLOYMENT).options(**hub_options).bind()
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings, sources))
     ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options=on_head, max_ongoing_requests=10_000)
@@ -122,8 +125,16 @@ def run_fleet(sources: SettingsSources, address: str | None = None, blocking: bo
 
     settings = sources.load().settings
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
+    if threading.current_thread() is threading.main_thread():
+        # after ray.init, whose own handler aborts the process: SIGTERM stops the fleet as Ctrl-C does, so the
+        # caller's cleanup runs (tierserve fleet: every process it started ends)
+        signal.signal(signal.SIGTERM, _interrupt)
     serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
     serve.run(build_fleet(sources), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def app_builder(args: dict[str, Any]) -> Any:

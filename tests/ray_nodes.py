@@ -22,28 +22,10 @@ import time
 from pathlib import Path
 
 from tests.server_helpers import free_port
+from tierserve.fleet.processes import process_tree
 
 HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                 "RAY_health_check_initial_delay_ms": "1000"}  # fmt: skip
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process below it (from ``/proc``: parent links), parents first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended while listed
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    tree, queue = [], [root]
-    while queue:
-        pid = queue.pop(0)
-        tree.append(pid)
-        queue.extend(children.get(pid, []))
-    return tree
 
 
 class RayNode:
