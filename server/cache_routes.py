@@ -191,22 +191,30 @@ def _requested_tiers(tiers: list[str] | str, known: tuple[str, ...]) -> list[str
 
 @post("/v1/cache/clear", opt={"admin": True}, status_code=200)
 async def cache_clear(request: Request, data: JSONBody[ClearRequest | None] = None) -> dict[str, Any]:
-    """Drop cached prefixes from every tier (``"all"``) or the ``tiers`` named; answers the entries removed per tier. Admin key."""
+    """Drop cached prefixes from every tier (``"all"``) or the ``tiers`` named; answers the entries removed per tier.
+    Clearing every tier also releases every named prefix (``cache_key``: its pins, and its entry in
+    ``/v1/cache/keys``), counted in ``released_keys``; clearing some tiers keeps the keys, whose pinned blocks stay
+    where they are (``kept_pinned_keys`` says how many). Admin key."""
     engine = ready_engine(request)
     known = engine.info.tier_names
     tiers = _requested_tiers((data or ClearRequest()).tiers, known)
+    everything = "all" in tiers or set(tiers) >= set(known)
 
-    def clear() -> dict[str, int]:
+    def clear() -> tuple[dict[str, int], int, int]:
+        released = 0
+        if everything:  # a pin outlives any clear: the keys go first, so their blocks go with the rest
+            for key in engine.list_cache_keys():
+                released += int(engine.delete_cache_key(key.namespace, key.name))
         cleared: dict[str, int] = {}
         for tier in tiers:
             for name in known if tier == "all" else (tier,):
                 cleared.setdefault(name, 0)
             cleared.update(engine.clear_cache(tier))
-        return cleared
+        return cleared, released, len(engine.list_cache_keys())
 
-    cleared = await asyncio.to_thread(clear)
-    log.info("cache_cleared", tiers=tiers, cleared=cleared)
-    return {"cleared": cleared}
+    cleared, released, kept = await asyncio.to_thread(clear)
+    log.info("cache_cleared", tiers=tiers, cleared=cleared, released_keys=released, kept_pinned_keys=kept)
+    return {"cleared": cleared, "released_keys": released, "kept_pinned_keys": kept}
 
 
 @post("/v1/cache/offload", opt={"admin": True}, status_code=200)
