@@ -238,65 +238,56 @@ def node_loss(ctx: BenchContext, args: Any) -> dict:
     """Two Ray nodes on this machine (``tests.ray_nodes``), an engine replica on each; ``--node-clients`` clients
     send conversations (not streamed) for ``--node-seconds``; every process of the worker node is SIGKILLed at
     ``--kill-at`` seconds. Counts the requests that failed, and how long after the loss requests were slow."""
-    import os
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    import ray
-    from ray import serve
-
-    from tests.ray_nodes import TwoNodes
-    from tierserve.fleet.app import APP_NAME, build_fleet
+    from tests.ray_nodes import TwoNodes, serving
+    from tierserve.fleet.app import build_fleet
     from tierserve.fleet.settings_sources import SettingsSources
 
     nodes = TwoNodes(Path(tempfile.mkdtemp(prefix="tierserve-nodes-"))).start()
-    os.environ.update(nodes.env)
-    port = free_port()
+    overrides = {
+        ("model", "path"): str(ctx.checkpoint), ("logging", "level"): "warning", ("fleet", "replicas"): 2,
+        ("fleet", "num_cpus"): 0.5, ("fleet", "max_replicas_per_node"): 1, ("fleet", "routing"): "kv_events",
+    }  # fmt: skip
+    rng = random.Random(7)
+    systems = [text_with_tokens(ctx.tokenizer, args.prefix_len // 4, rng) for _ in range(8)]
+    results: list[tuple[float, float, int, str]] = []  # start, end (since the run began), status, replica
+    failures: list[str] = []
+    stop = threading.Event()
     try:
-        ray.init(address=nodes.address, log_to_driver=False)
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        overrides = {
-            ("model", "path"): str(ctx.checkpoint), ("logging", "level"): "warning", ("fleet", "replicas"): 2,
-            ("fleet", "num_cpus"): 0.5, ("fleet", "max_replicas_per_node"): 1, ("fleet", "routing"): "kv_events",
-        }  # fmt: skip
-        serve.run(build_fleet(SettingsSources.of("development", None, overrides)), name=APP_NAME, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        rng = random.Random(7)
-        systems = [text_with_tokens(ctx.tokenizer, args.prefix_len // 4, rng) for _ in range(8)]
-        results: list[tuple[float, float, int, str]] = []  # start, end (since the run began), status, replica
-        stop = threading.Event()
-        began = time.monotonic()
+        with serving(nodes, build_fleet(SettingsSources.of("development", None, overrides))) as url:
+            began = time.monotonic()
 
-        def client(index: int) -> None:
-            turn = 0
-            with httpx.Client(timeout=120) as http:
-                while not stop.is_set():
-                    prompt = systems[(index + turn) % len(systems)] + text_with_tokens(ctx.tokenizer, 16, rng)
-                    body = {"model": str(ctx.checkpoint), "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
-                            "ignore_eos": True}  # fmt: skip
-                    started = time.monotonic() - began
-                    try:
-                        answer = http.post(f"{url}/v1/completions", json=body)
-                        status, replica = answer.status_code, answer.headers.get("x-tierserve-replica", "")
-                    except httpx.HTTPError:
-                        status, replica = 0, ""
-                    results.append((started, time.monotonic() - began, status, replica))
-                    turn += 1
+            def client(index: int) -> None:
+                turn = 0
+                with httpx.Client(timeout=120) as http:
+                    while not stop.is_set():
+                        prompt = systems[(index + turn) % len(systems)] + text_with_tokens(ctx.tokenizer, 16, rng)
+                        body = {"model": str(ctx.checkpoint), "prompt": prompt, "max_tokens": args.output_len,
+                                "temperature": 0, "ignore_eos": True}  # fmt: skip
+                        started = time.monotonic() - began
+                        try:
+                            answer = http.post(f"{url}/v1/completions", json=body)
+                            status, replica = answer.status_code, answer.headers.get("x-tierserve-replica", "")
+                            if status != 200:
+                                failures.append(f"HTTP {status}: {answer.text[:300]}")
+                        except httpx.HTTPError as exc:
+                            status, replica = 0, ""
+                            failures.append(repr(exc))
+                        results.append((started, time.monotonic() - began, status, replica))
+                        turn += 1
 
-        with ThreadPoolExecutor(args.node_clients) as pool:
-            for index in range(args.node_clients):
-                pool.submit(client, index)
-            time.sleep(args.kill_at)
-            killed = time.monotonic() - began
-            nodes.kill_worker()
-            time.sleep(max(0.0, args.node_seconds - args.kill_at))
-            stop.set()
+            with ThreadPoolExecutor(args.node_clients) as pool:
+                for index in range(args.node_clients):
+                    pool.submit(client, index)
+                time.sleep(args.kill_at)
+                killed = time.monotonic() - began
+                nodes.kill_worker()
+                time.sleep(max(0.0, args.node_seconds - args.kill_at))
+                stop.set()
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.stop()
+        nodes.stop()
     replicas_before = {r[3] for r in results if r[1] < killed and r[2] == 200}
     after = [r for r in results if r[0] > killed]
     slow_until = max((r[0] for r in after if r[1] - r[0] > 3 * median([b[1] - b[0] for b in results if b[1] < killed] or [1.0])),
@@ -304,6 +295,7 @@ def node_loss(ctx: BenchContext, args: Any) -> dict:
     summary = {
         "requests": len(results),
         "failed": sum(1 for r in results if r[2] != 200),
+        "failures": failures[:5],  # what the first failed requests were answered
         "in_flight_at_kill": sum(1 for r in results if r[0] < killed < r[1]),
         "replicas_before": len(replicas_before),
         "replicas_after": len({r[3] for r in after if r[2] == 200}),

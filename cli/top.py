@@ -90,17 +90,24 @@ def read_frame(call: CallServer, args: argparse.Namespace, frame: Frame, lists: 
     return new
 
 
+def heading(frame: Frame, command: str) -> list[Any]:
+    """A frame's first lines: the command, the server, the time, and why the figures are old if they are."""
+    from rich.text import Text
+
+    stamp = datetime.now().strftime("%H:%M:%S")
+    parts: list[Any] = [Text.assemble((command, "bold"), f"  {frame.url}  ", (f"updated {stamp}", "dim"))]
+    if frame.error:
+        parts.append(Text(frame.error, style="red"))
+    return parts
+
+
 def render(frame: Frame) -> Any:
     """The frame as a ``rich`` renderable."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    stamp = datetime.now().strftime("%H:%M:%S")
-    title = Text.assemble(("tierserve top", "bold"), f"  {frame.url}  ", (f"updated {stamp}", "dim"))
-    parts: list[Any] = [title]
-    if frame.error:
-        parts.append(Text(frame.error, style="red"))
+    parts = heading(frame, "tierserve top")
     stats = frame.stats
     if stats is None:
         return Group(*parts)

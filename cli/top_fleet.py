@@ -9,10 +9,9 @@ tiers.
 from __future__ import annotations
 
 import argparse
-from datetime import datetime
 from typing import Any
 
-from tierserve.cli.top import CallServer, Frame, integer, millis, plain, size
+from tierserve.cli.top import CallServer, Frame, heading, integer, millis, plain, size
 
 
 def read_fleet_frame(call: CallServer, args: argparse.Namespace, frame: Frame, lists: bool = False) -> Frame:
@@ -45,13 +44,8 @@ def render_fleet(frame: Frame) -> Any:
     """The frame as a ``rich`` renderable."""
     from rich.console import Group
     from rich.table import Table
-    from rich.text import Text
 
-    stamp = datetime.now().strftime("%H:%M:%S")
-    title = Text.assemble(("tierserve top --fleet", "bold"), f"  {frame.url}  ", (f"updated {stamp}", "dim"))
-    parts: list[Any] = [title]
-    if frame.error:
-        parts.append(Text(frame.error, style="red"))
+    parts = heading(frame, "tierserve top --fleet")
     fleet = frame.stats
     if fleet is None:
         return Group(*parts)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from tests.server_helpers import free_port
-from tierserve.fleet.processes import process_tree
+from tierserve.fleet.processes import end_processes, process_tree
 
 HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                 "RAY_health_check_initial_delay_ms": "1000"}  # fmt: skip
@@ -40,11 +41,7 @@ class RayNode:
 
     def kill(self) -> None:
         """SIGKILL to every process of the node, as a machine lost at once."""
-        for pid in process_tree(self.process.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end_processes(process_tree(self.process.pid), grace_seconds=0)
         self.process.wait(timeout=30)
 
     def stop(self) -> None:
@@ -56,11 +53,7 @@ class RayNode:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 pass
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            end_processes(left, grace_seconds=0)
             self.process.wait(timeout=30)
 
 
@@ -117,3 +110,33 @@ class TwoNodes:
         if self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
 
+
+@contextmanager
+def serving(nodes: TwoNodes, application: object) -> Iterator[str]:
+    """A driver connected to ``nodes`` (their ``env`` in ``os.environ`` meanwhile) serving the Ray Serve
+    ``application`` (``build_fleet(...)``) as tierserve's fleet app; yields its base URL. One HTTP proxy, on the
+    head: two nodes on one machine cannot both listen on the port. Serve, the driver and the environment are
+    put back on exit (the nodes are the caller's to stop)."""
+    import ray
+    from ray import serve
+
+    from tierserve.fleet.app import APP_NAME
+
+    saved = {name: os.environ.get(name) for name in nodes.env}
+    os.environ.update(nodes.env)
+    try:
+        ray.init(address=nodes.address, log_to_driver=False)
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

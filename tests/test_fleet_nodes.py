@@ -5,7 +5,6 @@ cache within seconds."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,17 +13,15 @@ import httpx
 import pytest
 
 from tests.conftest import require_service
-from tests.ray_nodes import TwoNodes
-from tests.server_helpers import free_port
+from tests.ray_nodes import TwoNodes, serving
 from tests.waiting import wait_until
-from tierserve.fleet.app import APP_NAME, build_fleet
+from tierserve.fleet.app import build_fleet
 from tierserve.fleet.settings_sources import SettingsSources
 
 pytestmark = pytest.mark.fleet
 
 try:
     import ray
-    from ray import serve
 except ImportError:
     require_service("Ray", "pip install -e '.[test]' installs ray[serve]")
 
@@ -46,26 +43,11 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     nodes = TwoNodes(tmp_path_factory.mktemp("ray-nodes")).start()
-    saved = {name: os.environ.get(name) for name in nodes.env}
-    os.environ.update(nodes.env)  # this driver connects with the cluster's token
     try:
-        ray.init(address=nodes.address, log_to_driver=False)
-        port = free_port()
-        # one HTTP proxy, on the head: two nodes on one machine cannot both listen on the port
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_fleet(SettingsSources.of("development", None, SETTINGS)), name=APP_NAME, route_prefix="/")
-        yield nodes, f"http://127.0.0.1:{port}"
+        with serving(nodes, build_fleet(SettingsSources.of("development", None, SETTINGS))) as url:
+            yield nodes, url
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.stop()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        nodes.stop()
 
 
 def fleet_stats(url: str) -> dict:
