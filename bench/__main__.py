@@ -9,7 +9,8 @@ into ``report.md`` and PNG plots):
     cold-prefill TTFT of 512- and 2048-token prompts no cache holds, vs llama-server
     roofline     batch-1 decode tokens/s against the memory-bandwidth limit, per weight precision
     quality      int8 and bfloat16 weights against float32: greedy agreement and mean KL; for a GGUF file
-                 (--model smollm2), perplexity per precision next to llama.cpp's llama-perplexity
+                 (--model smollm2), perplexity per precision next to llama.cpp's llama-perplexity;
+                 --api: that perplexity through a running server's echo + logprobs, next to in-process
     cache-store  put/get speed of the memory and disk tiers, zstd levels
     tier-stall   streams decoding while long prefixes load from L2, L3 or Redis (1 ms away), vs recomputing
     startup      serve to ready on a GGUF file (--model smollm2) vs llama-server, and where the time goes
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     ql.add_argument("--architectures", type=_names(("llama", "qwen2", "qwen3", "mistral")),
                     default=["llama", "qwen2", "qwen3", "mistral"],
                     help="tiny seeded checkpoints to measure besides --model (default: llama,qwen2,qwen3,mistral)")  # fmt: skip
+    ql.add_argument("--api", action="store_true",
+                    help="a GGUF file's perplexity through a running server's echo + logprobs, next to the same "
+                         "figure computed in-process (bench/api_perplexity.py)")  # fmt: skip
 
     su = commands.add_parser("startup", help="serve to ready on a GGUF file vs llama-server, and where the time goes")
     su.add_argument("--model", default=argparse.SUPPRESS, help="as the global --model (e.g. smollm2)")
@@ -206,6 +210,11 @@ def run_scenario(name: str, args: argparse.Namespace) -> None:
         payload = cold_prefill.run(ctx, args.prompt_lens, args.requests, args.repeats, args.systems)
     elif name == "roofline":
         payload = roofline.run(ctx, args.prompt_len, args.decode_tokens, args.repeats, args.systems)
+    elif name == "quality" and args.api:
+        from bench import api_perplexity
+
+        payload = api_perplexity.run(ctx)
+        name = "perplexity-api"
     elif name == "quality":
         payload = quality.run(ctx, args.architectures)
     elif name == "fleet":

@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.stats import median, ratio
 
 SCENARIOS = ("throughput", "prefix", "cold-prefill", "roofline", "cache-store", "tier-stall", "fleet", "perplexity",
-             "startup")
+             "perplexity-api", "startup")
 
 
 def _ms(seconds: float | None) -> str:
@@ -238,6 +238,27 @@ def perplexity_section(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def perplexity_api_section(payload: dict) -> str:
+    ppl = payload["perplexity_api"]
+    lines = [
+        f"Perplexity of {payload['config']['file']} over `bench/data/{ppl['text']}` ({ppl['chunks']} chunks of "
+        f"{ppl['n_ctx']} tokens, the second half of each scored) through a running server's `echo` + `logprobs` "
+        "(`max_tokens: 0`), as an evaluation harness reads it, next to an engine in this process with the same "
+        "settings and to the whole-sequence model (`bench perplexity`'s figure). Differences are the largest "
+        "per-token difference in negative log-likelihood from the API's, in nats.",
+        "",
+        "| precision | through the API | in-process engine | whole-sequence model | max diff engine | max diff whole |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in ppl["rows"]:
+        api, engine, whole = row["api"], row["engine"], row["whole_sequence"]
+        lines.append(
+            f"| {row['precision']} | {api['ppl']:.4f} ± {api['stderr']:.3f} | {engine['ppl']:.4f} | {whole['ppl']:.4f} "
+            f"| {row['max_difference_engine']:.1e} | {row['max_difference_whole_sequence']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
 def startup_section(payload: dict) -> str:
     config, summary = payload["config"], payload["summary"]
     lines = [
@@ -452,6 +473,7 @@ SECTIONS = {
     "cache-store": ("Cache tiers and compression", cache_store_section),
     "quality": ("Reduced precisions against float32", quality_section),
     "perplexity": ("A GGUF file's perplexity per precision, against llama.cpp", perplexity_section),
+    "perplexity-api": ("Perplexity through the API (echo + logprobs) against in-process", perplexity_api_section),
     "startup": ("Start-up: serve to ready on a GGUF file", startup_section),
 }
 

@@ -21,6 +21,8 @@ ARC's ghost lists describe content coming back, not a slot being reused.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,6 +46,7 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     follows: bytes | None = None  # the hash it is listed after in ``BlockPool.children`` (parent, or a root)
     accesses: int = 0  # prefix hits on the registered content; carried down a tier when the block is evicted
+    created: float = 0.0  # time.time() when its content was first computed (a promoted block keeps its entry's)
 
 
 class BlockPool:
@@ -166,16 +169,19 @@ class BlockPool:
         parent: bytes | None,
         token_ids: tuple[int, ...],
         root: bytes | None = None,
+        created: float | None = None,
     ) -> bool:
         """Publish an in-use, fully computed block under its hash; False if that hash is already cached
         or the block already carries one. It is listed among ``parent``'s children (``longest_child``), a
-        first block (no parent) among ``root``'s where one is given."""
+        first block (no parent) among ``root``'s where one is given. ``created``: when its content was
+        computed (a block promoted from a tier keeps its entry's time); None: now."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
             raise ValueError(f"block {block_id} is free; only a block in use can be registered")
         if block_hash in self.cached or block.block_hash is not None:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
+        block.created = time.time() if created is None else created
         self.cached[block_hash] = block_id
         block.follows = parent if parent is not None else root
         if block.follows is not None and token_ids:

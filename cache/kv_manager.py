@@ -61,6 +61,13 @@ class StreamingWindow:
     window_size: int
     window_overlap: int
 
+    def sized(self, window_size: int | None) -> StreamingWindow:
+        """This window with a request's own ``window_size`` (None: unchanged); the overlap stays below
+        half of it, so a small window still releases blocks as it slides."""
+        if window_size is None or window_size == self.window_size:
+            return self
+        return StreamingWindow(self.sink_tokens, window_size, min(self.window_overlap, window_size // 2))
+
 
 @dataclass(slots=True)
 class WindowStats:
@@ -144,7 +151,7 @@ class KVCacheManager:
         if free < seq.blocks_wanted:
             return False
         shared = revived = 0
-        if self.store is not None and seq.use_prefix_cache:
+        if self.store is not None and seq.reads_prefix_cache:
             shared, revived = self.store.l1_prefix(seq)
         cached = shared * self.block_size
         total = self.blocks_needed(cached + min(seq.num_tokens - cached, budget), 0)
@@ -155,7 +162,7 @@ class KVCacheManager:
         blocks of its prompt that sit below L1 (``TieredStore.start_load``); until they are read (or the read
         fails or runs late) it waits and the scheduler admits others. Nothing to read off host memory: at once
         (the match reads a memory tier itself)."""
-        if self.store is None or seq.block_table or seq.num_computed_tokens or not seq.use_prefix_cache:
+        if self.store is None or seq.block_table or seq.num_computed_tokens or not seq.reads_prefix_cache:
             return True
         if seq.kv_load is None:
             load = self.store.start_load(seq)
@@ -189,11 +196,12 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch | None:
         """Start a sequence that holds no blocks from its longest cached prefix, and record the
         accounting on it (``seq.cache_info``). Returns what the store found, or ``None`` when
-        nothing was looked up (no store, caching off for the request, or blocks already held)."""
+        nothing was looked up (no store, caching off for the request, its prompt needs logits for its
+        logprobs, or blocks already held)."""
         if seq.block_table or seq.num_computed_tokens:
             return None
         match = None
-        if self.store is not None and seq.use_prefix_cache:
+        if self.store is not None and seq.reads_prefix_cache:  # a prompt scored for its logprobs is recomputed
             load, seq.kv_load = seq.kv_load, None  # a later admission (after preemption) reads again
             # not read in the background (a memory tier, or not through the scheduler: a warm): the store asks
             # the tiers itself
@@ -206,6 +214,7 @@ class KVCacheManager:
             usable = (seq.num_tokens - 1) // self.block_size  # never the last token: its logits are needed
             info = RequestCacheInfo(lookup_blocks=usable)
         if self.windowed(seq):
+            info.windowed = True
             self.window_stats.cache_hits += info.hit_blocks
             self.window_stats.cache_misses += info.lookup_blocks - info.hit_blocks
         seq.cache_info = info
@@ -221,7 +230,8 @@ class KVCacheManager:
         if self.spec.sliding_window is not None:
             tokens = self.spec.sliding_window
         else:
-            tokens = self.streaming.sink_tokens + self.streaming.window_size + self.streaming.window_overlap
+            window = self.streaming.sized(seq.window_size)
+            tokens = window.sink_tokens + window.window_size + window.window_overlap
         return -(-tokens // self.block_size) + 1
 
     def held_blocks(self, seq: Sequence) -> int:
@@ -261,7 +271,7 @@ class KVCacheManager:
         if self.spec.sliding_window is not None:
             start, end = 0, max(0, (seq.num_computed_tokens - self.spec.sliding_window) // bs) * bs
         elif seq.streaming and self.streaming is not None:
-            window = self.streaming
+            window = self.streaming.sized(seq.window_size)
             start = -(-window.sink_tokens // bs) * bs  # sinks are kept in whole blocks
             kept_from = max(seq.kv_drop_end, start)
             if seq.num_computed_tokens - kept_from <= window.window_size + window.window_overlap:

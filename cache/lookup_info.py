@@ -15,12 +15,15 @@ class RequestCacheInfo:
         hits: blocks served, per tier name (``"l1"`` first); tiers without hits may be absent.
         cached_tokens: prompt tokens whose KV came from the cache.
         lookup_seconds: time spent finding and loading those blocks.
+        windowed: a sliding window bounds the request's KV (streaming mode, or a trained window), so
+            its hits are attention states reused across overlapping windows (``window_reuse``).
     """
 
     lookup_blocks: int = 0
     hits: dict[str, int] = field(default_factory=dict)
     cached_tokens: int = 0
     lookup_seconds: float = 0.0
+    windowed: bool = False
 
     @property
     def hit_blocks(self) -> int:

@@ -104,6 +104,9 @@ class TieredStore:
             block into a new one of the sequence's and reuse those tokens too (``match_prefix``).
         partial_min_tokens: the fewest tokens worth that copy (where recomputing a few tokens costs less
             than moving a block through ``transfer``, as on a GPU).
+        l1_ttl_seconds: an L1 block computed longer ago than this is no longer a hit: a lookup that meets it
+            withdraws it (counted in L1's ``expirations``), unless a sequence uses it or it is pinned, as the
+            tiers below expire their entries (``[kv_cache] ttl_seconds``); None or 0: never.
 
     Attributes:
         tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
@@ -120,6 +123,7 @@ class TieredStore:
         reuse_partial_blocks: bool = True,
         partial_min_tokens: int = 1,
         load_timeout: float = LOAD_TIMEOUT_SECONDS,
+        l1_ttl_seconds: float | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         for name in names:
@@ -147,6 +151,7 @@ class TieredStore:
         self.pins = self.placement.pins
         self.stats = StoreStats.for_tiers(names)
         self.l1_stats = TierStats()
+        self.l1_ttl = l1_ttl_seconds or None
         self._write_through = [position for position, t in enumerate(self.tiers, 1) if t.write_through]
         self.load_timeout = load_timeout
         self._loader: ThreadPoolExecutor | None = None  # one thread: reads below L1 for waiting prompts
@@ -173,13 +178,28 @@ class TieredStore:
         found = revived = 0
         pool = self.pool
         for index in range(usable):
-            block_id = pool.lookup(seq.block_hashes[index], tuple(seq.token_ids[index * bs : (index + 1) * bs]))
+            block_id = self._l1_lookup(seq.block_hashes[index], tuple(seq.token_ids[index * bs : (index + 1) * bs]))
             if block_id is None:
                 break
             found += 1
             block = pool.blocks[block_id]
             revived += block.ref_count == 0 and block.block_hash not in pool.pinned
         return found, revived
+
+    def _l1_lookup(self, key: bytes, tokens: tuple[int, ...], *, expire: bool = False) -> int | None:
+        """The L1 block holding ``key`` with these tokens, unless it is past ``l1_ttl`` (a block a sequence uses,
+        or a pinned one, is not); ``expire``: withdraw such a block from L1 (else it is only not found)."""
+        block_id = self.pool.lookup(key, tokens)
+        if block_id is None or self.l1_ttl is None:
+            return block_id
+        block = self.pool.blocks[block_id]
+        if time.time() - block.created <= self.l1_ttl or block.ref_count or self.pins.count(key):
+            return block_id
+        if expire:
+            self.pool.uncache(key)
+            self.placement.discard(key, L1)
+            self.l1_stats.expirations += 1
+        return None
 
     def start_load(self, seq: Sequence) -> PrefixLoad | None:
         """Read, on the loader thread, the blocks of ``seq``'s prompt that follow its L1 prefix and may sit below
@@ -326,7 +346,7 @@ class TieredStore:
         for index in range(usable):
             key = seq.block_hashes[index]
             tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
-            block_id = self.pool.lookup(key, tokens)
+            block_id = self._l1_lookup(key, tokens, expire=True)
             if block_id is not None:
                 self.pool.share(block_id)
                 plan.append(block_id)
@@ -345,8 +365,21 @@ class TieredStore:
                     if tier.shared and tier.contains(key):
                         self.placement.add(key, found[1].parent, position)
             if found is None:
+                self._expire_l1_after(seq, index, usable)
                 break
             plan.append(found)
+
+    def _expire_l1_after(self, seq: Sequence, index: int, usable: int) -> None:
+        """Withdraw the L1 blocks of ``seq``'s prompt after block ``index`` (where its lookup ended) that are past
+        ``l1_ttl``: no lookup reaches them now, and the blocks the prompt computes next replace them."""
+        if self.l1_ttl is None:
+            return
+        bs = self.block_size
+        for later in range(index + 1, usable):
+            key = seq.block_hashes[later]
+            if self.pool.lookup(key, tuple(seq.token_ids[later * bs : (later + 1) * bs])) is None:
+                return
+            self._l1_lookup(key, tuple(seq.token_ids[later * bs : (later + 1) * bs]), expire=True)
 
     def _copy_partial_block(self, seq: Sequence, whole: int) -> int:
         """After ``whole`` matched blocks (maybe none), reuse the start of an L1 block that follows the same
@@ -368,6 +401,8 @@ class TieredStore:
         source, tokens = found
         pool = self.pool
         blocks = pool.blocks
+        if self.l1_ttl is not None and time.time() - blocks[source].created > self.l1_ttl:
+            return 0  # past the TTL: not served, in part or whole
         idle = blocks[source].ref_count == 0 and blocks[source].block_hash not in pool.pinned
         needed = -(-seq.num_tokens // bs) - whole  # the copy and every block after it
         if pool.num_free_blocks - idle < needed:  # holding the source takes it out of the free count
@@ -423,7 +458,7 @@ class TieredStore:
             return []
         for block_id, (position, entry) in zip(block_ids, found):
             self.stats.promotions[self.tier_names[position]] += 1
-            if self.pool.register(block_id, entry.key, entry.parent, entry.token_ids):
+            if self.pool.register(block_id, entry.key, entry.parent, entry.token_ids, created=entry.created):
                 self.placement.add(entry.key, entry.parent, L1)
         return block_ids
 
@@ -490,7 +525,7 @@ class TieredStore:
         keeps = self.tiers[0].tier.medium == "memory" and len(written) > 1
         entries = [
             CacheEntry(block.block_hash, block.parent_hash, block.token_ids, kv.clone() if keeps else kv,
-                       accesses=block.accesses)
+                       created=block.created or time.time(), accesses=block.accesses)
             for block, kv in zip(written, data)
         ]  # fmt: skip
         self.put_below_many(1, entries)

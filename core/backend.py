@@ -95,8 +95,10 @@ class ModelBackend(ABC):
         independent sequences: a chunk never attends to another's tokens.
 
         Returns a float tensor of ``c.num_logits`` rows per chunk, in chunk
-        order: for a chunk that samples, the logits after its last
-        ``num_draft + 1`` tokens (just the last token's without drafts).
+        order: the logits after each of its last ``c.num_logits`` tokens (for
+        a chunk that samples, its last ``num_draft + 1``; a prompt whose
+        log-probabilities are asked for adds rows before those, at most
+        ``PROMPT_LOGITS_PER_STEP`` in a step, ``core.scheduler``'s bound).
         """
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tierserve.core.outputs import TokenLogprob
     from tierserve.core.sampler import SampledToken
     from tierserve.core.sequence import Sequence
     from tierserve.core.speculation import Proposal
@@ -70,9 +71,29 @@ class ScheduledChunk:
         return self.start + self.num_tokens - self.num_draft == self.seq.num_tokens
 
     @property
+    def prompt_logit_positions(self) -> range:
+        """Positions of this chunk whose logits score the prompt token after them (``params.prompt_logprobs``) and
+        are not scored yet: the chunk's last tokens, up to the prompt's last but one (the last one's row samples)."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None:
+            return range(0)
+        first = max(self.start, len(seq.prompt_logprobs))
+        return range(first, max(first, min(self.start + self.num_real_tokens, seq.num_prompt_tokens - 1)))
+
+    @property
+    def num_prompt_logits(self) -> int:
+        """Rows of ``prompt_logit_positions``."""
+        return 0 if self.seq.params.prompt_logprobs is None else len(self.prompt_logit_positions)
+
+    @property
     def num_logits(self) -> int:
-        """Logit rows the backend returns for this chunk: one per draft plus one, if it samples."""
-        return self.num_draft + 1 if self.samples else 0
+        """Logit rows the backend returns for this chunk, its last ``num_logits`` tokens: the prompt rows, then
+        one per draft plus one, if it samples.
+
+            prompt  t0 t1 t2 t3 t4 | t5 t6 t7      (a chunk from position 5 to the prompt's end, asking for
+            rows                     r5 r6 r7       prompt logprobs: r5, r6 score t6, t7; r7 samples)
+        """
+        return self.num_prompt_logits + (self.num_draft + 1 if self.samples else 0)
 
     @property
     def released(self) -> tuple[int, int]:
@@ -112,8 +133,11 @@ class RunnerOutput:
             for sequences that speculate).
         failed: per ``seq_id``, the request field at fault and why the sequence cannot go on (its grammar
             matcher failed: a schema too large or recursive to follow); it ends with that error.
+        prompt_logprobs: per ``seq_id`` of every chunk with prompt rows (``num_prompt_logits``), the
+            log-probabilities of the prompt tokens those rows predict, in order.
     """
 
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     proposals: dict[int, Proposal] = field(default_factory=dict)
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq_id -> (param, why): it ends with an error
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)

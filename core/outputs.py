@@ -19,11 +19,16 @@ __all__ = ["CompletedRequest", "CoreOutput", "RequestCacheInfo", "RequestOutput"
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """A generated token's log-probability and the top alternatives (``(token id, logprob)``, best first)."""
+    """A token's log-probability and the top alternatives (``(token id, logprob)``, best first).
+
+    ``rank``: the token's 1-based place in the distribution (1 + how many others are at least as likely,
+    vLLM's rank), set for prompt tokens (``SamplingParams.prompt_logprobs``), ``None`` for generated ones.
+    """
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +54,8 @@ class CoreOutput:
     peak_blocks: int = 0
     error: str | None = None  # with "abort": the engine failed the request (a plugin raised), and why
     error_param: str | None = None  # the request field at fault, when the request itself could not be followed
+    # with a request's first output (its prompt is in): prompt tokens 1.. (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +93,8 @@ class RequestOutput:
     speculation_method: str | None = None
     error: str | None = None  # the engine failed the request (``CoreOutput.error``): the client raises EngineFault
     error_param: str | None = None  # ...or, with the field at fault, RequestError (a 400)
+    failure: Exception | None = None  # raised as it is by the client (the engine core process died under it: a 503)
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta: ``CoreOutput.prompt_logprobs``
 
 
 @dataclass(slots=True)
@@ -99,3 +108,4 @@ class CompletedRequest:
     finish_reason: str | None
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs)

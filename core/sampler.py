@@ -13,7 +13,8 @@ Reported logprobs are ``log_softmax`` of the logits *after* the penalties (and
 the bias and ban) and *before* temperature, top-k, top-p and min-p: they describe the model's
 (penalised) distribution, not the filtered one the token was drawn from, so
 they do not depend on the sampling knobs (vLLM's default, "raw" after
-penalties).
+penalties). Prompt tokens' logprobs (``score_tokens``) are of the raw
+distribution itself: no penalty, bias or ban applies to a prompt.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tierserve.core.outputs import TokenLogprob
 from tierserve.core.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows
 # float32 and the distribution is a point mass on the argmax anyway.
 _MIN_TEMPERATURE = 1e-5
+SCORED_ROWS_AT_ONCE = 64  # score_tokens' float32 log-softmax covers this many rows, whatever the chunk's length
 
 
 @dataclass(slots=True)
@@ -123,6 +126,29 @@ class Sampler:
             top = list(zip(top_ids[j][: top_n[j]], top_values[j][: top_n[j]])) if k > 0 else []
             out[i] = SampledToken(token_ids[i], chosen[j], top)
         return out
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """Per row of ``logits``, the log-probability of its token in ``token_ids``, that token's rank and the
+    top ``top_n`` alternatives, from ``log_softmax`` of the row in float32 (prompt logprobs).
+
+    Rows are converted ``SCORED_ROWS_AT_ONCE`` at a time and only the numbers asked for are kept, so a long
+    prompt never holds more than one slice's full-vocabulary float32 copy.
+    """
+    scored: list[TokenLogprob] = []
+    ids = list(token_ids)
+    targets = torch.tensor(ids, dtype=torch.long, device=logits.device)
+    for first in range(0, len(targets), SCORED_ROWS_AT_ONCE):
+        rows = torch.log_softmax(logits[first : first + SCORED_ROWS_AT_ONCE].float(), dim=-1)
+        chosen = rows.gather(1, targets[first : first + SCORED_ROWS_AT_ONCE, None])
+        ranks = (rows >= chosen).sum(dim=-1).tolist()
+        top_values = top_ids = None
+        if top_n:
+            top_values, top_ids = (t.tolist() for t in rows.topk(min(top_n, rows.shape[1]), dim=-1))
+        for j, logprob in enumerate(chosen.squeeze(1).tolist()):
+            top = list(zip(top_ids[j], top_values[j])) if top_n else []
+            scored.append(TokenLogprob(ids[first + j], logprob, top, ranks[j]))
+    return scored
 
 
 def _take(x: torch.Tensor, index: list[int], n: int) -> torch.Tensor:

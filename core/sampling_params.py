@@ -17,6 +17,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and
     ``min_p == 0`` disable those filters. ``logprobs=None`` returns none,
     ``0`` the chosen token's, ``N`` also the top ``N`` alternatives.
+    ``prompt_logprobs``: the same for every prompt token after the first (the
+    model's raw distribution at the position before it); ``max_tokens`` may
+    then be 0, to score the prompt and generate nothing.
     ``min_tokens``: eos (unless ``ignore_eos``) and ``stop_token_ids`` cannot be
     sampled before that many output tokens (stop strings still apply).
     ``logit_bias``: token id -> value added to its logit (OpenAI's, -100 to
@@ -39,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # the output must match it (constrained decoding)
@@ -73,8 +77,8 @@ class SamplingParams:
         def is_int(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        if self.max_tokens < 1:
-            raise bad("max_tokens", "an integer >= 1")
+        if self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            raise bad("max_tokens", "an integer >= 1, or 0 with prompt_logprobs (score the prompt only)")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "0 (greedy) to 100")
         if not 0.0 < self.top_p <= 1.0:
@@ -95,6 +99,8 @@ class SamplingParams:
             raise bad("seed", "an integer from -2**63 to 2**64 - 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"0 to {self.MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"0 to {self.MAX_LOGPROBS}")
         if len(self.stop) > self.MAX_STOP:
             raise RequestError(f"stop: {len(self.stop)} strings, allowed: at most {self.MAX_STOP}", param="stop")
         if any(not isinstance(s, str) or not s or len(s) > self.MAX_STOP_CHARS for s in self.stop):

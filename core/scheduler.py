@@ -19,6 +19,12 @@ The contract of ``schedule()``, which an outside scheduler must keep:
   ``output.preempted``; never return a chunk of a preempted sequence.
 * Call ``self.kv.match_prefix(seq)`` when admitting a sequence that holds no
   blocks, so its cached prefix is reused rather than recomputed.
+* Size a prefill chunk with ``self.chunk_tokens(seq, budget, logit_rows)``: a
+  prompt whose log-probabilities are asked for gets a logits row per position,
+  so the scored positions of one step stop at ``PROMPT_LOGITS_PER_STEP``
+  (``logit_rows`` is what the step's earlier chunks left of it; subtract each
+  chunk's ``num_prompt_logits``). A 0 means none are left: that sequence waits
+  for the next step.
 * A decoding sequence (one uncomputed token) may carry speculative drafts in
   ``seq.spec_token_ids``: schedule them as lookahead slots
   (``ScheduledChunk(seq, 1 + k, num_draft=k)``, slots allocated up to
@@ -45,7 +51,11 @@ from tierserve.core.sequence import FinishReason, Sequence, SequenceStatus
 if TYPE_CHECKING:  # the server process imports this module; torch belongs to the engine core's
     from tierserve.core.sampler import SampledToken
 
-__all__ = ["ModelLimits", "QueueFullError", "Scheduler", "SchedulerStats"]
+__all__ = ["PROMPT_LOGITS_PER_STEP", "ModelLimits", "QueueFullError", "Scheduler", "SchedulerStats"]
+
+# prompt positions of one step whose full-vocabulary logits prompt logprobs need: 512 rows of a 152k vocabulary
+# are 297 MiB of float32 logits, where a whole 8k-token step's would be 4.6 GiB
+PROMPT_LOGITS_PER_STEP = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,18 @@ class Scheduler(ABC):
     def has_unfinished(self) -> bool:
         return self.num_waiting + self.num_running > 0
 
+    @staticmethod
+    def chunk_tokens(seq: Sequence, budget: int, logit_rows: int = PROMPT_LOGITS_PER_STEP) -> int:
+        """Tokens of ``seq`` (drafts aside) its next chunk computes within ``budget``: all it lacks, except that
+        a prompt whose logprobs are asked for takes at most ``logit_rows`` positions that need logits (what the
+        step has left of ``PROMPT_LOGITS_PER_STEP``; positions scored before a preemption need none). 0: it
+        must wait for the next step."""
+        tokens = min(seq.num_uncomputed_tokens, budget)
+        if seq.needs_prompt_logits:
+            scored_until = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+            tokens = min(tokens, scored_until - seq.num_computed_tokens + max(0, logit_rows))
+        return tokens
+
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and reset it for recompute (the caller requeues it)."""
         self.kv.reset(seq)
@@ -163,13 +185,17 @@ class Scheduler(ABC):
                 continue
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = batch.created
-            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+            seq.peak_blocks = max(seq.peak_blocks, self.kv.held_blocks(seq))  # a window's released blocks excluded
+            seq.prompt_logprobs.extend(result.prompt_logprobs.get(seq.seq_id, ()))
             sampled = result.sampled.get(seq.seq_id)
             accepted = len(sampled) - 1 if chunk.num_draft and sampled else 0
             seq.num_computed_tokens = chunk.start + chunk.num_real_tokens + accepted
             self.drop_drafts(seq)
             if sampled is None:
                 self.kv.cache_computed(seq)
+                if chunk.samples and not seq.params.max_tokens:  # a prompt scored with nothing to generate
+                    self.finish_sequence(seq, FinishReason.LENGTH)
+                    outputs.append(self._output(seq, [], FinishReason.LENGTH, None))
                 continue
             reason, tokens, logprobs = self._append(seq, sampled)
             failure = result.failed.get(seq.seq_id)
@@ -228,6 +254,10 @@ class Scheduler(ABC):
         cache = None
         if seq.cache_info_pending:
             cache, seq.cache_info_pending = seq.cache_info, False
+        prompt_logprobs = None
+        first = seq.num_output_tokens == len(tokens)
+        if first and seq.params.prompt_logprobs is not None and not seq.needs_prompt_logits:
+            prompt_logprobs = seq.prompt_logprobs
         return CoreOutput(
             seq.request_id,
             tokens,
@@ -240,4 +270,5 @@ class Scheduler(ABC):
             seq.peak_blocks,
             error=failure[1] if failure is not None else None,
             error_param=failure[0] if failure is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )

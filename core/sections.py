@@ -93,6 +93,19 @@ class ServerSettings(Section):
         description="run the engine core in a child process (tokenizing, detokenizing and HTTP stay in the server "
         "process); false: on a thread of the server process",
     )
+    engine_max_restarts: int = Field(
+        5,
+        ge=0,
+        description="with engine_process, how many times in a row the engine core process is started again after "
+        "it dies (killed, crashed); past it the server stays unhealthy until restarted by hand. A core that ran "
+        "for 5 minutes starts the count afresh; 0: never restarted",
+    )
+    engine_restart_backoff_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="the wait before the first restart of a dead engine core process; each further restart in a "
+        "row waits twice as long, at most 60 s (or this, if longer)",
+    )
 
 
 class ModelSettings(Section):
@@ -324,6 +337,14 @@ class KVCacheSettings(Section):
     )
     l1_capacity: int = Field(5000, gt=0, description="blocks in the L1 pool")
     l1_max_bytes: int | None = Field(None, gt=0, description="size L1 by bytes instead (overrides l1_capacity)")
+    l1_memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="the most of the memory free once the weights are loaded (the GPU's, or the host's on a CPU) "
+        "that the L1 pool may take; a larger l1_capacity is lowered, with a logged reason (kv_l1_sized_down); "
+        "unset: 0.9 on a GPU, 0.5 on a CPU",
+    )
     eviction_policy: str = Field("adaptive", description="L1's policy, and every tier's unless the tier sets one")
     ttl_seconds: float | None = Field(3600, ge=0, description="0 or unset: entries never expire; tiers may override")
     tiers: list[TierSettings] = Field(
@@ -423,11 +444,14 @@ class SlidingWindowSettings(Section):
         False, description="streaming mode for every request: sink tokens plus the last window_size tokens are kept"
     )
     allow_per_request: bool = Field(
-        False,
-        description="requests may turn streaming mode on (enable_sliding_window: true on /v1/cached/*) while "
-        "enabled is false; otherwise that flag is a 400 unless enabled is true",
+        True,
+        description="requests may turn streaming mode on (enable_sliding_window: true on /v1/cached/*, with "
+        "their own window_size of 64-1024 tokens if they like) while enabled is false; false: that flag is a "
+        "400 unless enabled is true",
     )
-    window_size: int = Field(512, gt=0, description="tokens of recent context kept in streaming mode")
+    window_size: int = Field(
+        512, gt=0, description="tokens of recent context kept in streaming mode (a request may name its own, 64-1024)"
+    )
     window_overlap: int = Field(
         64, ge=0, description="tokens the window may run past window_size before old blocks are released in one go"
     )

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.cache.warm_writes import WarmWrites
-    from tierserve.core.outputs import RequestCacheInfo
+    from tierserve.core.outputs import RequestCacheInfo, TokenLogprob
     from tierserve.core.speculation import Proposal
 
 
@@ -75,12 +75,15 @@ class Sequence:
     kv_drop_end: int = 0
     released_blocks: tuple[int, int] = (0, 0)  # block-table entries [first, end) released (placeholders)
     streaming: bool = False  # opt-in long-sequence mode: sink tokens + the last window_size tokens
+    window_size: int | None = None  # the request's own window in streaming mode (None: [sliding_window]'s)
     warm_writes: WarmWrites | None = None  # a prompt warm's: its write-through waits for room and is counted
     windows_slid: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading full blocks already published to the prefix cache
     blocks_wanted: int = 0  # free blocks its last admission lacked (a waiting prompt is not looked up before)
     kv_load: Any = None  # a waiting prompt's read of its prefix below L1 (KVCacheManager.prefix_loaded)
+    # params.prompt_logprobs: those of prompt tokens 1, 2, ... computed so far (entry i from position i's logits)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,3 +108,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions still lack the logits its ``prompt_logprobs`` ask for."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a lookup may start it from cached blocks: not while its prompt needs logits, which a cached
+        block does not keep (it recomputes them, as vLLM does; its own blocks are still published)."""
+        return self.use_prefix_cache and not self.needs_prompt_logits

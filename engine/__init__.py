@@ -4,6 +4,7 @@
     output_processor.py  token ids → text deltas, stop strings, timings (client side)
     drivers.py           the core inline or on a background thread
     process.py           the core in a child process
+    supervisor.py        starts that process again when it dies, with back-off, up to a bound
     loop.py              applies messages between steps, publishes outputs and snapshots
     core.py              EngineCore: requests, scheduler, runner; one step = three calls
     runner.py            ModelRunner: forward, sampling, draft verification, next drafts

@@ -9,6 +9,11 @@ replayed step for step on the backend's logits, so the result equals
     beam 1      [p0][p1][c1···]       p2 ref_count 2 > 1: copy it to c1, then write
     beam 2      [p0][p1][p2···]       p2 ref_count 1: the last holder writes in place
 
+The prompt is looked up in the prefix cache like any request's: its cached
+blocks are shared (or promoted from a lower tier, read off the step thread
+first), only the rest is prefilled, and the full prompt blocks it computes are
+published for later requests. The beams' own blocks are never published.
+
 A search (``BeamSearch``) runs in slices between the engine core's steps, one
 forward each (a prefill chunk, or the beams' next token): running
 generations keep decoding while it runs, and a search whose client left is
@@ -33,6 +38,7 @@ from tierserve.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from tierserve.cache.kv_manager import KVCacheManager
+    from tierserve.cache.lookup_info import RequestCacheInfo
     from tierserve.core.backend import ModelBackend
 
 # transformers marks impossible candidates by adding this, not -inf; the same constant keeps ties and order identical.
@@ -117,11 +123,19 @@ class BeamSearchOutput:
 
     ``peak_blocks`` is the most KV blocks the search held at once (measured at
     every forward); ``seconds`` the wall time from prefill to the last step.
+    ``cache`` is the prompt's prefix lookup (cached tokens, blocks per tier);
+    ``steps`` how many tokens each beam generated; ``stopped_early`` that the
+    search ended before ``max_tokens`` steps because no running beam could beat
+    the finished hypotheses any more (or, ``early_stopping=True``,
+    ``beam_width`` of them had finished).
     """
 
     hypotheses: list[BeamResult]
     peak_blocks: int = 0
     seconds: float = 0.0
+    cache: RequestCacheInfo | None = None
+    steps: int = 0
+    stopped_early: bool = False
 
 
 def beam_search_blocks(prompt_len: int, params: BeamSearchParams, block_size: int) -> int:
@@ -151,6 +165,8 @@ class BeamSearch:
         eos_token_ids: tokens that finish a hypothesis (transformers' ``eos_token_id``).
         prefill_budget: tokens per prefill forward (the scheduler's token budget).
         new_seq_id: hands out sequence ids, so a backend keyed by id never confuses a beam with a request.
+        cache_salt: the request's cache scope (tenant and ``cache_salt``), as a request's ``Sequence`` has it.
+        use_prefix_cache: False: the prompt neither reuses cached blocks nor publishes its own.
 
     Raises:
         QueueFullError: fewer free blocks than the search may need (running requests hold them); also from
@@ -167,6 +183,8 @@ class BeamSearch:
         *,
         prefill_budget: int,
         new_seq_id: Callable[[], int],
+        cache_salt: str | None = None,
+        use_prefix_cache: bool = True,
     ) -> None:
         self.started = time.perf_counter()
         if not prompt_ids:
@@ -181,17 +199,26 @@ class BeamSearch:
         self.params = params
         self.scorer = _BeamScorer(params, eos_token_ids)
         self.beams = _ArenaBeams(backend, kv, params, prefill_budget, new_seq_id)
-        self.beams.start(list(prompt_ids))
+        self.beams.start(list(prompt_ids), cache_salt, use_prefix_cache)
         self.logits: torch.Tensor | None = None  # the running beams' next-token logits, once prefilled
         self.output: BeamSearchOutput | None = None
         self.cancelled = False
 
+    @property
+    def loading(self) -> bool:
+        """The prompt waits for its cached prefix to be read below L1 (a slice does nothing meanwhile)."""
+        return not self.beams.admitted and not self.cancelled
+
     def advance(self) -> bool:
-        """One slice: a prefill chunk, or a scoring step and the beams' forward. True once the search is over
-        (finished, cancelled or failed: ``result`` then answers)."""
+        """One slice: the prompt's prefix lookup once its blocks below L1 are read, a prefill chunk, or a
+        scoring step and the beams' forward. True once the search is over (finished, cancelled or failed:
+        ``result`` then answers)."""
         if self.output is not None or self.cancelled:
             return True
         try:
+            if not self.beams.admitted:
+                self.beams.admit()
+                return False
             if self.logits is None:
                 logits = self.beams.prefill_chunk()
                 if logits is not None:
@@ -200,7 +227,11 @@ class BeamSearch:
             parents, tokens, done = self.scorer.step(self.logits)
             if done:
                 hypotheses = self.scorer.results()[: self.params.num_return_sequences]
-                self.output = BeamSearchOutput(hypotheses, self.beams.peak_blocks, time.perf_counter() - self.started)
+                steps = self.scorer.num_generated
+                self.output = BeamSearchOutput(
+                    hypotheses, self.beams.peak_blocks, time.perf_counter() - self.started, self.beams.cache,
+                    steps, steps < self.params.max_tokens,
+                )  # fmt: skip
                 self.beams.release()
                 return True
             self.beams.fork(parents, tokens)
@@ -352,24 +383,38 @@ class _ArenaBeams:
         self.params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         self.running: list[Sequence] = []
         self.peak_blocks = 0  # the most blocks the beams held at once
+        self.admitted = False  # the prompt holds its blocks: its cached prefix shared, the rest allocated
+        self.cache: RequestCacheInfo | None = None  # the prompt's prefix lookup
 
     def _sequence(self, token_ids: list[int], num_prompt_tokens: int) -> Sequence:
         seq_id = self.new_seq_id()
         return Sequence(seq_id, f"beam-{seq_id}", token_ids, num_prompt_tokens, self.params)
 
-    def start(self, prompt_ids: list[int]) -> None:
-        """Take the prompt's blocks; every beam starts as the prompt."""
+    def start(self, prompt_ids: list[int], cache_salt: str | None, use_prefix_cache: bool) -> None:
+        """Every beam starts as the prompt, which takes its blocks at ``admit``."""
         seq = self._sequence(prompt_ids, len(prompt_ids))
+        seq.cache_salt, seq.use_prefix_cache = cache_salt, use_prefix_cache
         self.running = [seq] * self.width
+
+    def admit(self) -> None:
+        """Once the prompt's cached prefix below L1 is read (at once when nothing is to be read off host
+        memory), share its cached blocks and allocate the rest, as the scheduler admits a request."""
+        seq = self.running[0]
+        if not self.kv.prefix_loaded(seq):
+            return
+        self.kv.match_prefix(seq)
+        self.cache = seq.cache_info
         self._allocate(seq)
+        self.admitted = True
 
     def prefill_chunk(self) -> torch.Tensor | None:
-        """Compute the next chunk of the prompt's KV (the scheduler's token budget); its next-token logits
-        ``[1, vocab]`` once the whole prompt is in, else None."""
+        """Compute the next chunk of the prompt's KV (the scheduler's token budget) and publish its completed
+        blocks; its next-token logits ``[1, vocab]`` once the whole prompt is in, else None."""
         seq = self.running[0]
         n = min(self.prefill_budget, seq.num_tokens - seq.num_computed_tokens)
         logits = self.backend.forward([ScheduledChunk(seq, n)])
         seq.num_computed_tokens += n
+        self.kv.cache_computed(seq)
         return logits if seq.num_computed_tokens == seq.num_tokens else None
 
     def fork(self, parents: list[int], tokens: list[int]) -> None:
@@ -423,6 +468,7 @@ class _ArenaBeams:
 
     def _drop(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.kv_load = None  # a prefix read still under way is forgotten (KVCacheManager.wait_for_loads)
         self.backend.release(seq)
 
     def release(self) -> None:

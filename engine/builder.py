@@ -15,6 +15,7 @@ from tierserve.cache.guarded_tier import GuardedTier
 from tierserve.cache.kv_manager import KVCacheManager, StreamingWindow
 from tierserve.cache.named_prefixes import NamedPrefixes
 from tierserve.cache.store import StoreTier, TieredStore
+from tierserve.engine import memory_budget
 from tierserve.engine.host_memory import keep_large_buffers
 from tierserve.engine.core import EngineCore
 from tierserve.engine.messages import ModelInfo
@@ -47,10 +48,20 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     num_blocks = kv.l1_capacity
     if kv.l1_max_bytes is not None and spec.block_bytes:
         num_blocks = max(1, kv.l1_max_bytes // spec.block_bytes)
+    device_type = backend.device.type
+    fitted = memory_budget.fit_l1_blocks(
+        num_blocks, spec.block_bytes, device_type, memory_budget.device_available_bytes(device_type), kv.l1_memory_fraction
+    )
+    if fitted.reason is not None:
+        log.warning("kv_l1_sized_down", configured_blocks=num_blocks, blocks=fitted.value, reason=fitted.reason)
+        num_blocks = fitted.value
+    host_left = memory_budget.host_available_bytes()  # for the memory tiers, once the pool is taken
+    if host_left is not None and device_type == "cpu":
+        host_left -= num_blocks * spec.block_bytes
     policies = plugins.registry("eviction_policies")
     pool = BlockPool(num_blocks, kv.block_size, policies.get(kv.eviction_policy).factory(num_blocks))
     backend.allocate_kv_cache(num_blocks, kv.block_size)
-    store = build_store(settings, plugins, backend, pool)
+    store = build_store(settings, plugins, backend, pool, host_left)
     window = settings.sliding_window
     manager = KVCacheManager(
         pool, store, spec, StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap)
@@ -159,14 +170,34 @@ def load_backend(settings: Settings, plugins: PluginManager) -> ModelBackend:
     raise AssertionError("no backend candidates")  # backend_candidates never returns an empty list
 
 
-def build_store(settings: Settings, plugins: PluginManager, backend: ModelBackend, pool: BlockPool) -> TieredStore | None:
-    """The tiered prefix store over ``[[kv_cache.tiers]]``, or None when prefix caching is off or the backend is not paged."""
+def fit_memory_tiers(tiers: list[TierSettings], host_left: int | None) -> list[TierSettings]:
+    """The tiers as configured, but for memory tiers whose ``max_bytes`` together cannot fit the host memory
+    left: those get less, with a logged reason."""
+    memory = [index for index, tier in enumerate(tiers) if tier.plugin == "memory"]
+    wanted = [getattr(tiers[index].options, "max_bytes", 0) or 0 for index in memory]
+    fitted = list(tiers)
+    for index, requested, got in zip(memory, wanted, memory_budget.fit_memory_tiers(wanted, host_left)):
+        if got.reason is None:
+            continue
+        tier = tiers[index]
+        log.warning("kv_memory_tier_sized_down", tier=tier.name, configured_bytes=requested, max_bytes=got.value,
+                    reason=got.reason)  # fmt: skip
+        fitted[index] = tier.model_copy(update={"options": tier.options.model_copy(update={"max_bytes": got.value})})
+    return fitted
+
+
+def build_store(
+    settings: Settings, plugins: PluginManager, backend: ModelBackend, pool: BlockPool, host_left: int | None = None
+) -> TieredStore | None:
+    """The tiered prefix store over ``[[kv_cache.tiers]]``, or None when prefix caching is off or the backend is not
+    paged. ``host_left``: host memory available besides the L1 pool (None: unknown), which the memory tiers' byte
+    bounds are fitted to (``engine.memory_budget``)."""
     kv = settings.kv_cache
     if not kv.enable_prefix_caching or not backend.paged:
         return None
     tiers = []
     try:
-        for tier in kv.tiers:
+        for tier in fit_memory_tiers(kv.tiers, host_left):
             built = build_tier(tier, plugins, backend.fingerprint)
             # a shared tier is written through unless its entry says otherwise: another process finds only what
             # reaches it, and L1 evictions alone would leave it nearly empty
@@ -179,6 +210,7 @@ def build_store(settings: Settings, plugins: PluginManager, backend: ModelBacken
             pool, backend, backend.fingerprint, tiers, backend.kv_spec(kv.block_size).block_bytes,
             reuse_partial_blocks=kv.reuse_partial_blocks and copies,
             partial_min_tokens=1 if backend.device.type == "cpu" else kv.block_size // 2,
+            l1_ttl_seconds=kv.ttl_seconds,
         )  # fmt: skip
     except BaseException:
         for made in tiers:  # a later tier failed: release the ones already open (threads, files)

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from tierserve.cache.named_prefixes import NamedPrefix
     from tierserve.cache.warming import WarmReport
     from tierserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from tierserve.engine.supervisor import SupervisorStatus
     from tierserve.settings.config import Settings
     from tierserve.core.plugins import PluginManager
 
@@ -127,11 +128,37 @@ class EngineClient:
             raise RequestError(f"prompt: token ids must be integers in [0, {vocab})", param="prompt")
         return ids
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` leaves out the BOS (and the like) a prompt gets."""
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's special tokens, chat template and limits (what ``GET /tokenizer_info`` answers)."""
+        tokenizer = self._tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            value = getattr(tokenizer, name, None)
+            info[name] = value if isinstance(value, str) else None
+        info["chat_template"] = self.chat_template
+        info["model_max_length"] = self.info.max_model_len
+        info["vocab_size"] = self.info.vocab_size
+        return info
+
     def decode(self, token_ids: Seq[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
+
+    def text_pieces(self, token_ids: Seq[int]) -> list[str]:
+        """The text each token adds to the decoded text of ``token_ids``, in order; joined, they are that text
+        (special tokens kept, no space cleanup), so their lengths give each token's ``text_offset`` into it.
+        A character split across tokens belongs to the token that completes it."""
+        detokenizer = IncrementalDetokenizer(self._tokenizer, [], skip_special_tokens=False)
+        pieces = [detokenizer.add([token]).text for token in token_ids]
+        if pieces:
+            pieces[-1] += detokenizer.flush()
+        return pieces
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -146,6 +173,7 @@ class EngineClient:
         use_prefix_cache: bool = True,
         speculate: bool | None = None,
         sliding_window: bool | None = None,
+        window_size: int | None = None,
         cache_key: str | None = None,
         cache_namespace: str = "",
         warm: str | None = None,
@@ -170,14 +198,17 @@ class EngineClient:
 
         Raises:
             RequestError: empty prompt, prompt + max_tokens beyond the context or KV capacity, or
-                ``sliding_window=True`` where ``[sliding_window]`` neither enables nor allows it.
+                ``sliding_window=True`` where ``[sliding_window]`` neither enables nor allows it, or a
+                ``window_size`` (the request's own window in streaming mode) outside 64-1024 tokens.
             QueueFullError: the waiting queue is full (back-pressure).
         """
         ids = list(prompt_token_ids)
         if params.grammar is not None:
             self.check_grammar(params.grammar)  # RequestError naming the field, before anything is queued
-        streaming = window_mode(self.settings.sliding_window, sliding_window)
-        spec_method = check_request(self.info, self.settings.sliding_window, ids, params, speculate, streaming)
+        streaming = window_mode(self.settings.sliding_window, sliding_window, window_size)
+        spec_method = check_request(
+            self.info, self.settings.sliding_window, ids, params, speculate, streaming, window_size
+        )
         if cache_key is not None:
             self.check_cache_key(len(ids), use_prefix_cache)
         if lora_name is not None and lora_name not in self.loras:
@@ -197,7 +228,7 @@ class EngineClient:
             stream = RequestStream(loop, self.settings.server.max_stream_backlog)
             request = EngineRequest(
                 request_id, ids, params, priority, cache_salt, use_prefix_cache, spec_method, streaming,
-                cache_key=cache_key, cache_namespace=cache_namespace, warm=warm, lora_name=lora_name,
+                window_size=window_size if streaming else None, cache_key=cache_key, cache_namespace=cache_namespace, warm=warm, lora_name=lora_name,
             )  # fmt: skip
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer,
@@ -288,6 +319,8 @@ class EngineClient:
                     if asyncio.current_task().cancelling():
                         raise asyncio.CancelledError
                 finished = output.finished
+                if output.failure is not None:
+                    raise output.failure
                 if output.error is not None:
                     if output.error_param is not None:
                         raise RequestError(output.error, param=output.error_param)
@@ -305,9 +338,27 @@ class EngineClient:
         """Ids of the requests this client is still streaming."""
         return list(self._processor.requests)
 
-    def fail(self, request_id: str) -> None:
-        """End a request's stream as aborted without asking the core (its core is gone)."""
-        self._processor.fail(request_id)
+    def fail(self, request_id: str, failure: Exception | None = None) -> None:
+        """End a request's stream as aborted without asking the core (its core is gone); ``outputs``
+        raises ``failure`` to its reader."""
+        self._processor.fail(request_id, failure)
+
+    def reattach(self, info: ModelInfo) -> None:
+        """A new core process took over from a dead one (``supervisor.py``): its facts, and nothing counted
+        by the old one. LoRA adapters loaded since start are gone with it; those the settings name are back."""
+        with self._lock:
+            self.info = info
+            self._snapshot = empty_snapshot(info.kv_blocks)
+            self._core_waiting = 0
+            self._unacknowledged = 0
+            self.loras = dict(info.loras)
+
+    def supervision(self) -> SupervisorStatus | None:
+        """How the core process fares: running, restarting or given up, its restarts and last exit
+        (``None``: the core runs in this process and is never restarted)."""
+        from tierserve.engine.supervisor import EngineSupervisor
+
+        return self.driver.status() if isinstance(self.driver, EngineSupervisor) else None
 
     def _abort_in_core(self, request_id: str, reason: str) -> None:
         """The client ended a request itself: the core stops it too (``"stop"``: a stop string, not counted
@@ -339,17 +390,20 @@ class EngineClient:
             tokens: list[int] = []
             text: list[str] = []
             logprobs: list[TokenLogprob] = []
+            prompt_logprobs = None
             while True:
                 output = self.next_output(stream)
                 tokens.extend(output.token_ids)
                 text.append(output.text)
                 logprobs.extend(output.logprobs or [])
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     break
             results.append(
                 CompletedRequest(
                     request_id, ids, tokens, "".join(text), output.finish_reason, output.cached_tokens,
-                    logprobs if logprobs else None,
+                    logprobs if logprobs else None, prompt_logprobs,
                 )
             )
         return results
@@ -521,14 +575,17 @@ class EngineClient:
         return torch.cat(vectors), sum(len(ids) for ids in token_ids)
 
     def beam_search(
-        self, prompt: str | Seq[int], params: BeamSearchParams, search_id: str | None = None
+        self, prompt: str | Seq[int], params: BeamSearchParams, search_id: str | None = None, *,
+        cache_salt: str | None = None, use_prefix_cache: bool = True,
     ) -> BeamSearchOutput:
         """Beam search, equal to transformers' ``generate(num_beams=params.beam_width, do_sample=False)``.
 
         The search runs a forward at a time between the engine's steps, so
         other requests keep decoding meanwhile; ``cancel_beam_search(search_id)``
-        (from another thread) stops it. Returns the hypotheses (best first)
-        with the search's peak KV blocks and wall time.
+        (from another thread) stops it. The prompt reuses its cached prefix and
+        publishes the blocks it computes, as ``submit``'s requests do
+        (``cache_salt``, ``use_prefix_cache`` as there). Returns the hypotheses
+        (best first) with the search's peak KV blocks, wall time and prefix lookup.
 
         Raises:
             RequestError: an empty prompt, a backend without a paged KV arena, or
@@ -558,7 +615,7 @@ class EngineClient:
                 f"({info.kv_blocks}); lower max_tokens or beam_width",
                 param="max_tokens",
             )
-        return self.driver.call("beam_search", ids, params, search_id)
+        return self.driver.call("beam_search", ids, params, search_id, cache_salt, use_prefix_cache)
 
     def cancel_beam_search(self, search_id: str) -> bool:
         """Stop the beam search running under ``search_id`` and free its blocks (False: none runs)."""

@@ -145,6 +145,7 @@ class EngineCore:
             spec_method=request.spec_method,
             spec_k=self.runner.max_draft_tokens,
             streaming=request.streaming,
+            window_size=request.window_size,
         )
         if request.params.grammar is not None:
             try:
@@ -398,17 +399,23 @@ class EngineCore:
         """Embeddings of token id lists (each attends to itself only; no KV is read or kept)."""
         return self.backend.embed(batch).cpu()
 
-    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, search_id: str | None = None) -> Deferred:
+    def beam_search(
+        self, prompt_ids: list[int], params: BeamSearchParams, search_id: str | None = None,
+        cache_salt: str | None = None, use_prefix_cache: bool = True,
+    ) -> Deferred:
         """A beam search, answered when it is done: the loop runs it a forward at a time between steps, so running
-        generations go on meanwhile; ``cancel_beam_search(search_id)`` stops it (its client left)."""
+        generations go on meanwhile; ``cancel_beam_search(search_id)`` stops it (its client left). Its prompt
+        reuses and publishes cached prefixes as a request's does (``cache_salt``, ``use_prefix_cache``)."""
         from tierserve.engine.beam_search import BeamSearch
 
         search = BeamSearch(
             self.backend, self.kv, prompt_ids, params, self.backend.eos_token_ids,
             prefill_budget=self.settings.scheduler.max_num_batched_tokens, new_seq_id=self.next_seq_id,
+            cache_salt=cache_salt, use_prefix_cache=use_prefix_cache,
         )  # fmt: skip
         search_id = search_id or f"beam-{self.next_seq_id()}"
         self._beams[search_id] = search
+        self.counters.prompt_tokens += len(prompt_ids)  # as a request's: its lookup counts in the cached tokens
 
         def ready() -> bool:
             try:
@@ -416,12 +423,22 @@ class EngineCore:
             except BaseException:
                 self._beams.pop(search_id, None)
                 raise
+            deferred.busy = not search.loading  # a prefix read below L1 is polled, not spun on
             if done:
                 self._beams.pop(search_id, None)
-                self.counters.beam_searches += not search.cancelled
+                if not search.cancelled:
+                    self._count_beam_search(search)
             return done
 
-        return Deferred(ready, search.result, busy=True)
+        deferred = Deferred(ready, search.result, busy=True)
+        return deferred
+
+    def _count_beam_search(self, search: BeamSearch) -> None:
+        output, counters = search.result(), self.counters
+        counters.beam_searches += 1
+        counters.beams += search.params.beam_width
+        counters.beam_tokens_generated += search.params.beam_width * output.steps
+        counters.beam_early_stops += output.stopped_early
 
     def cancel_beam_search(self, search_id: str) -> bool:
         """Stop a running beam search and free its blocks; False if none runs under ``search_id``."""

@@ -5,7 +5,8 @@ pipe) and gives it an ``emit`` callback for ``StepOutputs`` and
 ``CallResult`` records. Statistics are published with the outputs: after a
 command, after a round that admitted or finished a request (so a reader
 never sees a request count older than the requests it has seen answered),
-when going idle, and at least every ``snapshot_interval`` seconds while busy.
+before the answers of deferred calls (a beam search's counts), when going
+idle, and at least every ``snapshot_interval`` seconds while busy.
 """
 
 from __future__ import annotations
@@ -93,16 +94,21 @@ class CoreLoop:
         """Answer the deferred calls whose wait is over."""
         if not self._deferred:
             return
-        still = []
+        still, answered = [], []
         for call_id, deferred in self._deferred:
             try:
                 if not deferred.ready():
                     still.append((call_id, deferred))
                     continue
-                self.emit(CallResult(call_id, deferred.result()))
+                answered.append(CallResult(call_id, deferred.result()))
             except Exception as exc:
-                self.emit(CallResult(call_id, error=exc))
+                answered.append(CallResult(call_id, error=exc))
         self._deferred = still
+        if answered:  # what the calls counted (a beam search's statistics) is published before their answers
+            self._last_snapshot = time.monotonic()
+            self.emit(StepOutputs([], self.core.snapshot(), 0, self.core.scheduler.num_waiting))
+        for result in answered:
+            self.emit(result)
 
     def _add(self, request: EngineRequest) -> list[CoreOutput]:
         """Admit a request; one the core cannot take ends at once instead of taking the loop down."""

@@ -122,11 +122,13 @@ class OutputProcessor:
             if state is not None:
                 self._process_one(state, output)
 
-    def fail(self, request_id: str) -> None:
-        """End a request that the core will never answer (its core is gone)."""
-        state = self.requests.get(request_id)
+    def fail(self, request_id: str, failure: Exception | None = None) -> None:
+        """End a request that the core will never answer (its core is gone); its reader raises ``failure``."""
+        state = self.requests.pop(request_id, None)
         if state is not None:
-            self._finish(state, "", [], "abort", None)
+            output = self._delta(state, "", [], "abort", None)
+            output.failure = failure
+            state.stream.put(output)
 
     def _process_one(self, state: RequestState, output: CoreOutput) -> None:
         state.last = output
@@ -164,23 +166,25 @@ class OutputProcessor:
         state.error = (output.error, output.error_param) if output.error is not None else None
         logprobs = output.logprobs[: len(tokens)] if output.logprobs is not None else None
         if reason is None:
-            state.stream.put(self._delta(state, "".join(texts), tokens, None, logprobs))
+            state.stream.put(self._delta(state, "".join(texts), tokens, None, logprobs, output.prompt_logprobs))
             if state.stream.overflowing:  # nobody reads: free the engine instead of queueing without end
                 self.abort_in_core(state.request_id, "abort")
                 self._finish(state, "", [], "abort", None)
             return
         if output.finish_reason is None:
             self.abort_in_core(state.request_id, "stop")  # a stop string: the core would go on
-        self._finish(state, "".join(texts), tokens, reason, logprobs)
+        self._finish(state, "".join(texts), tokens, reason, logprobs, output.prompt_logprobs)
 
     def _finish(
-        self, state: RequestState, text: str, tokens: list[int], reason: str, logprobs: list[TokenLogprob] | None
+        self, state: RequestState, text: str, tokens: list[int], reason: str, logprobs: list[TokenLogprob] | None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         del self.requests[state.request_id]
-        state.stream.put(self._delta(state, text, tokens, reason, logprobs))
+        state.stream.put(self._delta(state, text, tokens, reason, logprobs, prompt_logprobs))
 
     def _delta(
-        self, state: RequestState, text: str, tokens: list[int], reason: str | None, logprobs: list[TokenLogprob] | None
+        self, state: RequestState, text: str, tokens: list[int], reason: str | None, logprobs: list[TokenLogprob] | None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         cached = state.cache.cached_tokens if state.cache is not None else 0
         timings = None
@@ -201,6 +205,7 @@ class OutputProcessor:
             speculation_method=state.spec_method,
             error=state.error[0] if reason is not None and state.error else None,
             error_param=state.error[1] if reason is not None and state.error else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _timings(self, state: RequestState) -> RequestTimings:

@@ -7,9 +7,10 @@
 
 The child owns the model and the KV cache; the server process only
 tokenizes, detokenizes and speaks HTTP, so the step loop never waits for
-the server's GIL. If the child dies, every request in flight ends as
-aborted and later calls fail with a clear error; if the server process
-dies, the child exits at once (as a crash of the whole service would).
+the server's GIL. If the child dies, every request in flight ends with an
+``EngineProcessError`` (a 503) and ``supervisor.py`` starts a new child; if
+the server process dies, the child exits at once (as a crash of the whole
+service would).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -50,7 +53,26 @@ PARENT_SHUTDOWN_SECONDS = 10.0  # after the grace period, the server's own shutd
 
 
 class EngineProcessError(RuntimeError):
-    """The engine core process failed to start or is gone."""
+    """The engine core process failed to start or is gone (the server answers 503).
+
+    ``retry_after``: seconds after which the request may be served (the core is being restarted), or ``None``:
+    the core will not come back until the server is restarted.
+    """
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def code(self) -> str:
+        return "engine_restarting" if self.retry_after is not None else "engine_unavailable"
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """How a process ended, in words: ``it was killed by SIGKILL``, ``it exited with code 1``."""
+    if exitcode is not None and exitcode < 0:
+        return f"it was killed by {signal.Signals(-exitcode).name}"
+    return "it exited" if exitcode in (0, None) else f"it exited with code {exitcode}"
 
 
 def core_process_main(
@@ -150,19 +172,29 @@ def watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="tierserve-parent-watch", daemon=True).start()
 
 
+DeathHandler = Callable[["ProcessDriver", "int | None"], EngineProcessError]
+
+
 class ProcessDriver:
-    """The parent's handle on a core process: sends messages, and a reader thread hands back outputs."""
+    """The parent's handle on a core process: sends messages, and a reader thread hands back outputs.
+
+    ``on_death`` is told of an exit nobody asked for (the driver and the exit code) and returns the error the
+    requests and calls in flight end with (whether to retry them: see ``supervisor.py``).
+    """
 
     threaded = True
     running = True
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection, client: EngineClient) -> None:
+    def __init__(
+        self, process: BaseProcess, conn: Connection, client: EngineClient, on_death: DeathHandler | None = None
+    ) -> None:
         self.process = process
         self._conn = conn
         self._client = client
+        self._on_death = on_death
         self._send_lock = threading.Lock()
         self._calls = PendingCalls()
-        self._dead: str | None = None
+        self._gone: EngineProcessError | None = None  # set once the process exited: what every later send raises
         self._stopping = False  # a shutdown this side asked for: the exit that follows is no death
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="tierserve-engine-reader", daemon=True)
@@ -171,11 +203,11 @@ class ProcessDriver:
     @property
     def alive(self) -> bool:
         """False once the core process exited (killed, crashed, or shut down)."""
-        return self._dead is None and self.process.is_alive()
+        return self._gone is None and self.process.is_alive()
 
     def send(self, message: Any) -> None:
-        if self._dead is not None:
-            raise EngineProcessError(f"the engine core process is gone ({self._dead})")
+        if self._gone is not None:
+            raise self._gone
         with self._send_lock:
             self._conn.send(message)
 
@@ -196,7 +228,7 @@ class ProcessDriver:
     def shutdown(self) -> None:
         """Ask the child to abort everything, flush its tiers and exit; wait for it."""
         self._stopping = True
-        if self._dead is None and self.process.is_alive():
+        if self._gone is None and self.process.is_alive():
             try:
                 self.send(Shutdown())
             except (OSError, EngineProcessError):
@@ -235,16 +267,18 @@ class ProcessDriver:
         if not expected:  # the pipe closes before the process is reaped: wait for its status, or a kill reads "exited"
             self.process.join(timeout=5)
         code = self.process.exitcode
-        if code is not None and code < 0:
-            self._dead = f"it was killed by {signal.Signals(-code).name}"
-        else:
-            self._dead = "it exited" if code in (0, None) else f"it exited with code {code}"
+        reason = exit_reason(code)
+        error = EngineProcessError(f"the engine core process is gone ({reason})")
         if not expected:
-            log.error("engine_process_died", pid=self.process.pid, exitcode=code, reason=self._dead,
+            log.error("engine_process_died", pid=self.process.pid, exitcode=code, reason=reason,
+                      signal=signal.Signals(-code).name if code is not None and code < 0 else None,
                       requests_failed=len(self._client.in_flight()))  # fmt: skip
-        for request_id in self._client.in_flight():
-            self._client.fail(request_id)
-        self._calls.fail_all(EngineProcessError(f"the engine core process is gone ({self._dead})"))
+            if self._on_death is not None:  # first: the requests below learn whether a retry will be served
+                error = self._on_death(self, code)
+        self._gone = error
+        for request_id in self._client.in_flight():  # each its own exception: a raise adds to its traceback
+            self._client.fail(request_id, None if expected else EngineProcessError(str(error), error.retry_after))
+        self._calls.fail_all(error)
         self._closed.set()
 
 
@@ -252,6 +286,7 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
     """Start a core process for ``settings`` and return a client attached to it (after the model loaded)."""
     from tierserve.models.checkpoints import load_tokenizer, resolve_model_path
     from tierserve.engine.client import EngineClient
+    from tierserve.engine.supervisor import EngineSupervisor
 
     if plugins is not None and not plugins.reproducible:
         raise ConfigError(
@@ -262,6 +297,27 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
     path = resolve_model_path(settings.model.path, settings.model.gguf_file)  # a builtin checkpoint is written once, here, before the child reads it
     allowlist = None if plugins is None else plugins.allowlist
     modules = () if plugins is None else tuple(plugins.modules)
+    started = time.monotonic()
+    process, conn = start_core_process(settings, allowlist, modules)
+    try:  # the server's tokenizer loads while the core loads the model (transformers brings torch: seconds)
+        tokenizer = load_tokenizer(path)
+    except Exception:
+        process.kill()
+        process.join()
+        raise
+    info = await_model_info(process, conn)
+    client = EngineClient(settings, info, tokenizer)
+    client.driver = EngineSupervisor(
+        client, settings, allowlist, modules, process, conn, load_seconds=time.monotonic() - started
+    )
+    log.info("engine_process_started", pid=process.pid)
+    return client
+
+
+def start_core_process(
+    settings: Settings, allowlist: list[str] | None, modules: tuple[str, ...]
+) -> tuple[BaseProcess, Connection]:
+    """Spawn a core process (it starts loading the model at once) and return it with this side of its pipe."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(
@@ -269,25 +325,21 @@ def spawn_core(settings: Settings, plugins: PluginManager | None) -> EngineClien
     )
     process.start()
     child.close()
-    try:  # the server's tokenizer loads while the core loads the model (transformers brings torch: seconds)
-        tokenizer = load_tokenizer(path)
-    except Exception:
-        process.kill()
-        process.join()
-        raise
-    if not parent.poll(STARTUP_TIMEOUT_SECONDS):
+    return process, parent
+
+
+def await_model_info(process: BaseProcess, conn: Connection) -> ModelInfo:
+    """The ``ModelInfo`` a core process sends once its model is loaded; ``EngineProcessError`` if it fails,
+    exits or takes longer than ``STARTUP_TIMEOUT_SECONDS``."""
+    if not conn.poll(STARTUP_TIMEOUT_SECONDS):
         process.kill()
         raise EngineProcessError(f"the engine core process did not start within {STARTUP_TIMEOUT_SECONDS:.0f} s")
     try:
-        first = parent.recv()
+        first = conn.recv()
     except EOFError:
         process.join()
         raise EngineProcessError(f"the engine core process exited with code {process.exitcode} while loading") from None
     if isinstance(first, LoadFailed):
         process.join()
         raise EngineProcessError(f"the engine core failed to load: {first.error}")
-    info: ModelInfo = first
-    client = EngineClient(settings, info, tokenizer)
-    client.driver = ProcessDriver(process, parent, client)
-    log.info("engine_process_started", pid=process.pid)
-    return client
+    return first

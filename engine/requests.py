@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierserve.cache.kv_manager import StreamingWindow
 from tierserve.core.errors import RequestError
 from tierserve.core.sampling_params import SamplingParams
 
@@ -30,6 +31,8 @@ __all__ = [
     "window_mode",
 ]
 
+WINDOW_SIZE_RANGE = (64, 1024)  # a request's own window_size, in tokens (the serving spec's range)
+
 
 @dataclass(slots=True)
 class EngineRequest:
@@ -43,6 +46,7 @@ class EngineRequest:
     use_prefix_cache: bool = True
     spec_method: str | None = None  # the speculator drafting for it; None: plain decoding
     streaming: bool = False  # sliding-window streaming mode
+    window_size: int | None = None  # its own window in streaming mode (None: [sliding_window] window_size)
     cache_key: str | None = None  # names the prompt's cached prefix: pinned once the request ends normally
     cache_namespace: str = ""  # the tenant the key belongs to (a key is (namespace, name))
     warm: str | None = None  # the prompt warm it is part of: its writes wait for room (EngineCore.finish_warm)
@@ -79,23 +83,34 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, kv_c
         )
 
 
-def window_mode(window: SlidingWindowSettings, requested: bool | None) -> bool:
+def window_mode(window: SlidingWindowSettings, requested: bool | None, window_size: int | None = None) -> bool:
     """Whether a request runs in streaming (sliding-window) mode: as it asks (``enable_sliding_window``),
     else as ``[sliding_window] enabled`` says.
 
     Streaming lets generation run past the context, so turning it on is the
     operator's call: ``RequestError`` for a request asking for it unless
-    ``enabled`` or ``allow_per_request`` is set. Asking for it off is always allowed.
+    ``enabled`` or ``allow_per_request`` (the default) is set. Asking for it off is always allowed.
+    A request's own ``window_size`` must lie in ``WINDOW_SIZE_RANGE`` (the serving spec's 64-1024 tokens)
+    and needs streaming mode.
     """
-    if requested is None:
-        return window.enabled
+    streaming = window.enabled if requested is None else requested
     if requested and not (window.enabled or window.allow_per_request):
         raise RequestError(
             "enable_sliding_window: this server does not let requests turn streaming mode on "
             "([sliding_window] enabled and allow_per_request are both false); allowed: false or omitted",
             param="enable_sliding_window",
         )
-    return requested
+    if window_size is not None:
+        low, high = WINDOW_SIZE_RANGE
+        if not low <= window_size <= high:
+            raise RequestError(f"window_size: {window_size} tokens; allowed: {low} to {high}", param="window_size")
+        if not streaming:
+            raise RequestError(
+                "window_size: sizes a sliding window, and this request runs without one; "
+                "send enable_sliding_window: true with it, or leave window_size out",
+                param="window_size",
+            )
+    return streaming
 
 
 def check_request(
@@ -105,13 +120,14 @@ def check_request(
     params: SamplingParams,
     speculate: bool | None,
     streaming: bool,
+    window_size: int | None = None,
 ) -> str | None:
     """Raise ``RequestError`` unless the model can serve this request; returns the speculator it uses.
 
     ``speculate``: ``None`` follows the settings (the configured speculator,
     if any); ``True`` uses the configured one, else the fallback (prompt
     lookup, which needs no extra model); requests with penalties or logprobs
-    decode without drafts.
+    (of the output or the prompt) decode without drafts.
     """
     num_prompt = len(prompt_token_ids)
     if not num_prompt:
@@ -121,7 +137,8 @@ def check_request(
             "enable_sliding_window: needs the native backend (paged KV); allowed: false", param="enable_sliding_window"
         )
     if streaming:
-        needed = window.sink_tokens + window.window_size + window.window_overlap + 2 * info.block_size
+        own = StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap).sized(window_size)
+        needed = own.sink_tokens + own.window_size + own.window_overlap + 2 * info.block_size
         if num_prompt > info.max_model_len or needed + num_prompt > info.kv_capacity_tokens:
             raise RequestError(
                 f"prompt: {num_prompt} tokens; with sliding_window the prompt must fit the context "
@@ -143,7 +160,7 @@ def check_request(
             "does not keep; allowed: false",
             param="enable_speculation",
         )
-    if params.has_penalties or params.logprobs is not None:
+    if params.has_penalties or params.logprobs is not None or params.prompt_logprobs is not None:
         return None
     return method
 

@@ -1,6 +1,7 @@
 """The model runner: one forward over a scheduled batch, then tokens: sampling, draft verification, next drafts.
 
     SchedulerOutput ─► backend.forward(chunks) ─► logits
+                                                   ├─ prompt rows ─► score_tokens (prompt logprobs, raw)
                                                    ├─ plain chunks ─► Sampler (penalties, greedy/filtered draws)
                                                    ├─ chunks with drafts ─► verify (keep the longest valid run + 1)
                                                    └─ chunks with token trees ─► verify_tree (keep the longest
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import structlog
 
 from tierserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
-from tierserve.core.sampler import SampledToken, Sampler, SamplingRow
+from tierserve.core.sampler import SampledToken, Sampler, SamplingRow, score_tokens
 from tierserve.core.speculation import DraftRequest, Proposal, SpeculationStats, Speculator, verify
 from tierserve.core.token_tree import ROOT, check_tree, tree_children, tree_depths, verify_tree, within_depth
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.core.backend import ModelBackend
+    from tierserve.core.outputs import TokenLogprob
     from tierserve.engine.profiling import PhaseClock
     from tierserve.core.grammar import GrammarRuntime
     from tierserve.core.sequence import Sequence
@@ -116,10 +118,13 @@ class ModelRunner:
         speculative: list[tuple[ScheduledChunk, int]] = []
         row = 0
         for chunk in batch.chunks:
-            rows = chunk.num_logits
-            if rows:
-                (speculative if chunk.num_draft else plain).append((chunk, row))
-            row += rows
+            scored = chunk.num_prompt_logits
+            if scored:
+                output.prompt_logprobs[chunk.seq.seq_id] = self._score_prompt(chunk, logits[row : row + scored])
+            # a request with max_tokens 0 scores its prompt only: its last row is computed, nothing is sampled
+            if chunk.num_logits > scored and chunk.seq.params.max_tokens:
+                (speculative if chunk.num_draft else plain).append((chunk, row + scored))
+            row += chunk.num_logits
         if plain:
             rows_of = [sampling_row(chunk.seq, self.eos_token_ids) for chunk, _ in plain]
             picked = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
@@ -149,6 +154,13 @@ class ModelRunner:
         if clock is not None:
             clock.observe("sample", time.perf_counter() - forwarded)
         return output
+
+    @staticmethod
+    def _score_prompt(chunk: ScheduledChunk, rows: torch.Tensor) -> list[TokenLogprob]:
+        """The prompt tokens that ``rows`` (the logits at ``chunk.prompt_logit_positions``) predict, scored."""
+        positions = chunk.prompt_logit_positions
+        targets = chunk.seq.token_ids[positions.start + 1 : positions.stop + 1]
+        return score_tokens(rows, targets, chunk.seq.params.prompt_logprobs)
 
     @staticmethod
     def _check_grammar(seq: Sequence, output: RunnerOutput) -> None:

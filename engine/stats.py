@@ -29,6 +29,9 @@ class EngineCounters:
     preemptions: int = 0
     steps: int = 0
     beam_searches: int = 0  # completed; they run between steps, a forward at a time
+    beams: int = 0  # beam_width summed over the completed searches
+    beam_tokens_generated: int = 0  # tokens their beams generated: beam_width per step
+    beam_early_stops: int = 0  # of them, those that ended before max_tokens (BeamSearchOutput.stopped_early)
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 

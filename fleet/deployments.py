@@ -46,7 +46,8 @@ REPLICA_HEADER = "x-tierserve-replica"
 START_ATTEMPTS = 3
 REPLICA_GONE = (RayActorError, ActorUnavailableError, BackPressureError, DeploymentUnavailableError)
 READY_TIMEOUT_SECONDS = 600.0
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# what a prefill replica computes first when the fleet is disaggregated: every route that generates from a prompt
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/cached/completions", "/v1/cached/chat/completions")
 # the ingress's own page, by the name after /dashboard/: the fleet's view, not one replica's
 FLEET_PAGE = {
     "": ("fleet.html", "text/html; charset=utf-8"),
@@ -144,7 +145,8 @@ class EngineReplica:
         if not isinstance(body, dict):
             return {"status": 400}
         body.update(max_tokens=1, stream=False, n=1)
-        for key in ("stream_options", "max_completion_tokens", "min_tokens"):
+        # a named prefix (cache_key) is pinned where the request decodes, not on the replica that only computes it
+        for key in ("stream_options", "max_completion_tokens", "min_tokens", "cache_key"):
             body.pop(key, None)
         response = await self.client.post(request["path"], json=body, headers=_forwardable(request["headers"]))
         engine = self.app.state.tierserve.engine
@@ -205,8 +207,15 @@ class Ingress:
             stream = self.engine.forward.remote(forwarded)
             try:
                 head = await stream.__anext__()
-                break
-            except REPLICA_GONE as exc:  # the replica died before it answered: nothing reached the client yet
+                if _event_stream(head):
+                    break
+                # a whole answer (not a stream) is read before anything is sent, so a replica that dies
+                # after its status line but before the last byte costs a retry, not a cut response
+                body = b"".join([chunk async for chunk in stream])
+                response = Response(body, status_code=head["status"])
+                response.raw_headers = [*head["headers"], *response.raw_headers]
+                return response
+            except REPLICA_GONE as exc:  # the replica died before the client got anything
                 log.warning("fleet_request_retried", path=forwarded["path"], attempt=attempt + 1, error=repr(exc))
                 if attempt == START_ATTEMPTS - 1:
                     return _error(503, f"no engine replica could take the request: {type(exc).__name__}")
@@ -214,8 +223,7 @@ class Ingress:
             except Exception as exc:  # not a replica's death: sending it again would not help
                 log.exception("fleet_request_failed", path=forwarded["path"])
                 return _error(502, f"the engine replica could not take the request: {type(exc).__name__}", "server_error")
-        event_stream = any(n.lower() == b"content-type" and b"text/event-stream" in v for n, v in head["headers"])
-        response = StreamingResponse(_body(stream, event_stream), status_code=head["status"])
+        response = StreamingResponse(_body(stream), status_code=head["status"])
         response.raw_headers = [*head["headers"], *response.raw_headers]  # repeated headers (set-cookie) kept
         return response
 
@@ -252,14 +260,18 @@ def fleet_page(path: str) -> Response:
     return Response(asset(file), media_type=media_type, headers=SECURITY_HEADERS)
 
 
-async def _body(stream: Any, event_stream: bool):
+def _event_stream(head: dict[str, Any]) -> bool:
+    return any(n.lower() == b"content-type" and b"text/event-stream" in v for n, v in head["headers"])
+
+
+async def _body(stream: Any):
+    """An event stream's chunks as they come; tokens already sent cannot be taken back, so a replica that dies
+    mid-stream ends it with an error event instead of silently."""
     try:
         async for chunk in stream:
             yield chunk
-    except Exception as exc:  # the replica died mid-answer: say so instead of ending silently
+    except Exception as exc:
         log.warning("fleet_stream_cut", error=repr(exc))
-        if not event_stream:
-            raise  # the proxy aborts the transfer: a cut JSON body must not look complete
         error = {"message": f"the engine replica serving this stream stopped: {type(exc).__name__}", "type": "server_error", "code": 502}
         yield f"data: {json.dumps({'error': error})}\n\n".encode()
 

@@ -24,6 +24,9 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "while the server runs ([Several models](models.md)).",
      ("/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")),
     ("Operations", "Probes, metrics, plugins and the dashboard.", ("/health", "/metrics", "/v1/plugins", "/dashboard")),
+    ("Tokenizer (vLLM's routes)", "Token ids as the generation routes compute them, for clients that count or score "
+     "tokens themselves (lm-evaluation-harness's `tokenizer_backend=remote`).",
+     ("/tokenize", "/detokenize", "/tokenizer_info")),
 )  # fmt: skip
 MANAGEMENT_METHODS = {("/v1/models", "POST"), ("/v1/models/{model_id}", "DELETE")}
 
@@ -106,6 +109,8 @@ def body_table(schema: dict[str, Any], components: dict[str, Any]) -> list[str]:
 
 def render(app: Any | None = None) -> str:
     """The Markdown of ``docs/http-api.md``."""
+    from tierserve.core.scheduler import PROMPT_LOGITS_PER_STEP
+
     app = app or build_app()
     schema = openapi_schema(app)
     components = schema.get("components", {}).get("schemas", {})
@@ -120,6 +125,33 @@ def render(app: Any | None = None) -> str:
         "\"param\", \"code\"}}`, with the status codes in [Reliability](reliability.md). Once `[auth] api_keys` is",
         "set every route but the probes needs `Authorization: Bearer KEY`. A fleet's ingress",
         "(`tierserve fleet`, [Fleet](fleet.md)) answers the same routes and routes generation to its replicas.",
+        "",
+        "**400 or 501.** A request that is wrong is a 400: a value out of range or of the wrong type, one that",
+        "contradicts another field (`tool_choice: \"required\"` without tools), or one this server's settings or",
+        "model cannot serve (`enable_sliding_window` where the operator has not allowed it, an image part for a",
+        "text-only model). A valid request for something tierserve deliberately does not build, a field or value",
+        "of OpenAI's or vLLM's API or a combination of features, is a 501 with `type: \"not_implemented_error\"`",
+        "and `code: \"not_implemented\"`: `best_of` other than 1 or `n`, a non-empty `suffix`, the legacy",
+        "`functions` and a named `function_call`, beam search (`beam_width` > 1) with `stream`, `logit_bias`,",
+        "`cache_key`, an output constraint, prompt logprobs or a LoRA adapter, `prompt_logprobs` with `stream`,",
+        "embeddings from a LoRA adapter, and on",
+        "`/v1/responses` `reasoning`, `background: true`, `include`, `truncation: \"auto\"`, built-in tools and",
+        "their input items. Its message names the field, the value sent and what is supported; it carries",
+        "`x-should-retry: false`, as OpenAI's clients would otherwise retry it. Every field's type and range is",
+        "checked first, so a body with an invalid value is the 400 even when it also names something not built.",
+        "",
+        "**Scoring a prompt.** `/v1/completions` with `echo: true` and `logprobs: N` answers in OpenAI's legacy",
+        "shape with the prompt's tokens first, then the generated ones: `tokens`, `token_logprobs` (the first",
+        "prompt token's is `null`), `top_logprobs` (`null` for it too) and `text_offset` into the echoed text;",
+        "`max_tokens: 0` scores the prompt and generates nothing (the prompt may then fill the whole context).",
+        "vLLM's `prompt_logprobs: N` (completions: per choice; chat: on the response, not streamed) is",
+        "`[null, {\"token id\": {\"logprob\", \"rank\", \"decoded_token\"}, ...}, ...]`: each prompt token after",
+        "the first with its rank, and the N most likely tokens at its position (ranks 1 to N). N is 0 to 20.",
+        "The values are `log_softmax` of the model's own logits in float32, before temperature, penalties and",
+        "`logit_bias`. A scored prompt is computed, never read from the prefix cache (a cached block keeps KV,",
+        "not the logits), as vLLM does; its blocks are still cached for the requests after it. A step computes",
+        f"at most {PROMPT_LOGITS_PER_STEP} scored positions, of all the prompts it runs, so their logits take the same",
+        "memory however long or many they are. Scored requests decode without speculative drafts.",
         "",
     ]
     grouped: dict[int, list[tuple[str, str, str]]] = {}

@@ -34,6 +34,7 @@ ROUTE_MODULES: tuple[str, ...] = (
     "tierserve.server.model_routes",
     "tierserve.server.responses_routes",
     "tierserve.server.embedding_routes",
+    "tierserve.server.tokenizer_routes",
     "tierserve.server.cache_routes",
     "tierserve.server.health_routes",
     "tierserve.server.metrics_routes",

@@ -10,7 +10,7 @@ from litestar import Request, post
 from litestar.params import JSONBody
 from pydantic import field_validator
 
-from tierserve.server.errors import APIError
+from tierserve.server.errors import APIError, NotImplementedFeature
 from tierserve.server.generation_jobs import check_prompt_bytes
 from tierserve.server.schemas import Body, check_prompts
 from tierserve.server.state import state_of
@@ -50,12 +50,12 @@ async def embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> dict
     state = state_of(request)
     target = await state.target_loaded(data.model, admit=True)
     try:
-        if target.lora_name is not None:
-            raise APIError(400, f"model: embeddings come from the base model, not the LoRA adapter "
-                           f"{target.lora_name!r}; name the base model", param="model", code="unsupported")  # fmt: skip
         model = target.name
         inputs = _inputs(data.input)
         check_prompt_bytes(inputs, state.settings.server.max_prompt_bytes, "input")
+        if target.lora_name is not None:
+            raise NotImplementedFeature("model", data.model, f"embedding with a LoRA adapter ({target.lora_name!r})",
+                                        f"a base model, such as {target.served.name!r}")  # fmt: skip
         vectors, prompt_tokens = await asyncio.to_thread(target.engine.embed, inputs)
     finally:
         target.release()

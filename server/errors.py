@@ -1,14 +1,20 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, never a traceback."""
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, never a traceback.
+
+400 or 501: a value that is invalid, contradicts another field, or asks for what this server's settings or
+model cannot do is a 400 (``APIError``); a valid request naming a feature tierserve deliberately does not
+build (``best_of > 1``, fill-in-the-middle) is a 501 (``NotImplementedFeature``).
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from tierserve.engine import RequestError
+from tierserve.engine import EngineClient, RequestError
 from tierserve.engine.process import EngineProcessError
 from tierserve.core.errors import EngineFault
 from tierserve.core.scheduler import QueueFullError
@@ -25,6 +31,7 @@ ERROR_TYPES = {
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_implemented_error",
     503: "service_unavailable",
     504: "timeout_error",
 }
@@ -48,6 +55,23 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+class NotImplementedFeature(APIError):
+    """A recognised field or value that tierserve deliberately does not build: a 501, code ``not_implemented``.
+
+    The message reads ``"{param}: got {value}; {feature} is not implemented here; supported: {supported}"``.
+    It is no ``ValueError``, so pydantic passes it through unchanged: raise it from a
+    ``model_validator(mode="after")``, which runs once every field is valid, so an invalid value is still the 400.
+    ``x-should-retry: false`` tells OpenAI's clients, which retry any 5xx, that sending it again will not help.
+    """
+
+    def __init__(self, param: str, value: Any, feature: str, supported: str) -> None:
+        shown = json.dumps(value, default=str)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        message = f"{param}: got {shown}; {feature} is not implemented here; supported: {supported}"
+        super().__init__(501, message, param=param, code="not_implemented", headers={"x-should-retry": "false"})
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -75,9 +99,28 @@ def timeout_body(timeout: float | None) -> dict[str, Any]:
     return error_body(504, message, None, "timeout")
 
 
+def engine_gone_body(exc: EngineProcessError) -> dict[str, Any]:
+    """The 503 of a request the engine core process cannot serve: ``retryable`` says whether sending it again
+    helps (the core is being restarted: ``code`` ``engine_restarting``) or not until the server is restarted."""
+    body = error_body(503, str(exc), None, exc.code)
+    body["error"]["retryable"] = exc.retry_after is not None
+    return body
+
+
 def handle_engine_gone(_: Request, exc: EngineProcessError) -> Response:
-    log.error("engine_unavailable", error=str(exc))
-    return error_response(503, "the engine is not running; the server logged the details", None, "engine_unavailable")
+    headers = {}  # the supervisor logged the death and what it does about it
+    if exc.retry_after is not None:
+        headers = {"Retry-After": str(exc.retry_after), "x-should-retry": "true"}
+    return Response(engine_gone_body(exc), status_code=503, headers=headers)
+
+
+def engine_down(engine: EngineClient) -> Exception:
+    """Why ``engine`` takes no request (its ``alive`` is false): a core process being restarted or given up
+    (``EngineProcessError``), or a core thread that stopped."""
+    supervision = engine.supervision()
+    if supervision is not None:
+        return supervision.error()
+    return APIError(503, "the engine core is not running; restart the server", code="engine_unavailable")
 
 
 def handle_engine_fault(_: Request, exc: EngineFault) -> Response:

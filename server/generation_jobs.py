@@ -18,7 +18,7 @@ from tierserve.core.errors import RequestError
 from tierserve.core.outputs import RequestCacheInfo
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.tool_calls import ToolParser, choose_tool_parser
-from tierserve.server.errors import APIError
+from tierserve.server.errors import APIError, NotImplementedFeature
 from tierserve.server.schemas import SamplingFields
 from tierserve.server.model_registry import Target
 from tierserve.server.state import BODY_REQUEST_ID, state_of
@@ -34,6 +34,8 @@ class Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (echo with logprobs, or prompt_logprobs)
+    prompt_pieces: list[str] | None = None  # echo with logprobs: the text each prompt token adds to the echo
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -96,6 +98,14 @@ def check_max_tokens(requested: int | None, limit: int, param: str) -> None:
     if requested is not None and requested > limit:
         message = f"{param}: {requested}; at most {limit} tokens per choice here (server.max_tokens_limit)"
         raise APIError(400, message, param=param, code="invalid_value")
+
+
+def prompt_logprobs_of(body: SamplingFields, chat: bool, logprobs: int | None) -> int | None:
+    """Alternatives per prompt token the engine reports (None: the prompt is not scored): vLLM's
+    ``prompt_logprobs``, and on completions ``echo`` with ``logprobs`` (OpenAI's legacy scoring: the
+    echoed prompt's tokens carry their logprobs too); one list serves both."""
+    counts = [count for count in (body.prompt_logprobs, None if chat or not body.echo else logprobs) if count is not None]
+    return max(counts) if counts else None
 
 
 def completion_prompts(engine: EngineClient, prompt: Any) -> list[list[int]]:
@@ -181,9 +191,22 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
     server = state.settings.server
     model = target.name
     engine = target.engine
-    requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
-    sent_as = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    requested, sent_as = body.max_tokens, "max_tokens"
+    if chat and body.max_completion_tokens is not None:
+        requested, sent_as = body.max_completion_tokens, "max_completion_tokens"
     check_max_tokens(requested, server.max_tokens_limit, sent_as)
+    if chat:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    prompt_logprobs = prompt_logprobs_of(body, chat, logprobs)
+    if requested == 0 and prompt_logprobs is None:
+        scoring = "prompt_logprobs" if chat else "echo with logprobs, or prompt_logprobs"
+        message = f"{sent_as}: 0 generates nothing; allowed: 1 or more, or 0 to score the prompt only ({scoring})"
+        raise APIError(400, message, param=sent_as, code="invalid_value")
+    if body.prompt_logprobs is not None and body.stream:
+        supported = "omitted with stream: true" + ("" if chat else " (echo with logprobs streams the prompt's)")
+        raise NotImplementedFeature("prompt_logprobs", body.prompt_logprobs, "prompt_logprobs in a stream", supported)
     text: Any = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
     check_prompt_bytes(text, server.max_prompt_bytes, "messages" if chat else "prompt")
     tools, tool_mode = body.tools_in_use() if chat else ([], None)
@@ -197,13 +220,6 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
         prompts = await asyncio.to_thread(completion_prompts, engine, text)
     limit = engine.info.max_model_len
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if chat:
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        logprobs = body.logprobs
-        if body.echo and logprobs is not None:
-            raise APIError(400, "echo: prompt logprobs are not computed; use echo without logprobs",
-                           param="echo", code="unsupported")
     # the cached routes take their sampling defaults from [speculative] (the spec's configuration)
     defaults = state.settings.speculative if cached else None
     temperature = body.temperature if body.temperature is not None else (defaults.temperature if defaults else 1.0)
@@ -219,11 +235,14 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
         await asyncio.to_thread(engine.check_grammar, grammar)  # compiled off the loop; submit finds it checked
     params: list[SamplingParams] = []
     for ids in prompts:
-        room = min(output_room(len(ids), limit, param="messages" if chat else "prompt"), server.max_tokens_limit)
-        if cached and body.enable_sliding_window:  # a window lets generation run past the context
-            room = requested if requested is not None else room
-        # beyond the context is the engine's 400 (context_length_exceeded), not a silent clamp
-        max_tokens = requested if requested is not None else (room if chat else min(16, room))
+        if requested == 0:  # the prompt is scored only: it may fill the whole context
+            max_tokens = 0
+        else:
+            room = min(output_room(len(ids), limit, param="messages" if chat else "prompt"), server.max_tokens_limit)
+            if cached and body.enable_sliding_window:  # a window lets generation run past the context
+                room = requested if requested is not None else room
+            # beyond the context is the engine's 400 (context_length_exceeded), not a silent clamp
+            max_tokens = requested if requested is not None else (room if chat else min(16, room))
         for i in range(body.n):
             params.append(
                 SamplingParams(
@@ -242,6 +261,7 @@ async def _build_job(request: Request, body: SamplingFields, target: Target, *, 
                     min_tokens=body.min_tokens,
                     logit_bias=body.logit_bias or {},
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     grammar=grammar,
                 )
             )
@@ -287,6 +307,7 @@ def submit_all(engine: EngineClient, job: Job, loop: asyncio.AbstractEventLoop) 
                     use_prefix_cache=use_cache,
                     speculate=getattr(body, "enable_speculation", None),
                     sliding_window=getattr(body, "enable_sliding_window", None),
+                    window_size=getattr(body, "window_size", None),
                     # the first choice names the prefix: one request is one use of its key
                     cache_key=cache_key if index == 0 else None,
                     cache_namespace=scope or "",
@@ -354,10 +375,28 @@ async def merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def echo_prompts(engine: EngineClient, job: Job, choices: list[Choice]) -> None:
+    """Completions with ``echo``: each choice's text starts with its prompt's. Where the prompt's tokens carry
+    logprobs (``logprobs`` sent), that text is the join of their pieces (``EngineClient.text_pieces``), so each
+    token's ``text_offset`` indexes into it."""
+    pieces_of: dict[int, list[str]] = {}
+    for choice in choices:
+        ids = job.prompts[choice.prompt_index]
+        if job.body.logprobs is None:
+            choice.text.append(engine.decode(ids))
+            continue
+        if choice.prompt_index not in pieces_of:
+            pieces_of[choice.prompt_index] = engine.text_pieces(ids)
+        choice.prompt_pieces = pieces_of[choice.prompt_index]
+        choice.text.append("".join(choice.prompt_pieces))
+
+
 def fold(choice: Choice, output: RequestOutput) -> None:
     choice.text.append(output.text)
     choice.token_ids.extend(output.token_ids)
     choice.logprobs.extend(output.logprobs or [])
+    if output.prompt_logprobs is not None:
+        choice.prompt_logprobs = output.prompt_logprobs
     choice.prompt_tokens = output.prompt_tokens
     choice.cached_tokens = output.cached_tokens
     if output.finished:

@@ -1,4 +1,5 @@
-"""Health probes: ``/health`` (what is loaded, memory, load errors), ``/health/ready`` and ``/health/live``."""
+"""Health probes: ``/health`` (what is loaded, memory, load errors, engine restarts), ``/health/ready`` and
+``/health/live``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import TYPE_CHECKING, Any
 from litestar import Request, Response, get
 
 from tierserve.core import __version__
+from tierserve.engine.process import EngineProcessError
+from tierserve.server.errors import engine_down
 from tierserve.server.state import ServerState, ready_engine, state_of
 
 if TYPE_CHECKING:
     from tierserve.engine import EngineSnapshot
+    from tierserve.engine.supervisor import SupervisorStatus
 
 HEALTH = {"public": "health"}
 
@@ -36,11 +40,16 @@ def components(state: ServerState) -> dict[str, Any]:
     engine = state.engine
     settings = engine.settings if engine is not None else state.settings
     error = state.load_error
+    restarting = False
     if engine is not None and state.ready and not engine.alive:
-        error = "the engine core is not running (its process exited); restart the server"
+        down = engine_down(engine)
+        error = str(down)
+        restarting = isinstance(down, EngineProcessError) and down.retry_after is not None
     elif state.ready and not error and not state.registry.servable():
         error = "no model is loaded (every served model was unloaded); load one with POST /v1/models"
-    if error:
+    if restarting:
+        status = "restarting"
+    elif error:
         status = "failed"
     else:
         status = "ready" if state.ready else "loading"
@@ -77,9 +86,33 @@ def cache_system_status(state: ServerState, snapshot: EngineSnapshot | None) -> 
     return "degraded" if any(faults) else "operational"
 
 
+def restarts_document(supervision: SupervisorStatus | None) -> dict[str, Any] | None:
+    """The engine core process's restarts (``None``: the core runs in the server process)."""
+    if supervision is None:
+        return None
+    at = supervision.last_exit_at
+    return {
+        "count": supervision.restarts,
+        "max_in_a_row": supervision.max_restarts,
+        "in_a_row": supervision.attempt,
+        "state": supervision.state,
+        "engine_pid": supervision.pid,
+        "last_exit_reason": supervision.last_exit_reason,
+        "last_exit_code": supervision.last_exit_code,
+        "last_exit_at": None if at is None else iso_time(at),
+        "failure": supervision.failure,
+    }
+
+
+def iso_time(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
 @get("/health", opt=HEALTH, sync_to_thread=False)
 def health(request: Request) -> Response[dict[str, Any]]:
-    """``healthy`` (200), ``loading`` (200) or ``unhealthy`` (503: loading failed or the engine core died).
+    """``healthy`` (200), ``loading`` (200), ``restarting`` (503: the engine core process died and is being
+    started again) or ``unhealthy`` (503: loading failed, or the engine core died and is not restarted).
+    ``details.restarts`` counts the core process's restarts and tells its last exit.
 
     A cheap probe: it reads what the engine last published and counts nothing,
     itself included, as an active request.
@@ -88,17 +121,18 @@ def health(request: Request) -> Response[dict[str, Any]]:
     engine = state.engine
     snapshot = engine.stats() if engine is not None and state.ready and engine.alive else None
     parts = components(state)
-    status = {"ready": "healthy", "loading": "loading", "failed": "unhealthy"}[parts["engine"]]
-    runtime = {"ready": "operational", "loading": "loading", "failed": "failed"}[parts["engine"]]
+    status = {"ready": "healthy", "failed": "unhealthy"}.get(parts["engine"], parts["engine"])  # or loading, restarting
+    runtime = {"ready": "operational"}.get(parts["engine"], parts["engine"])  # or loading, restarting, failed
     memory = rss_bytes()
     body = {
         "status": status,
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "timestamp": iso_time(time.time()),
         "version": __version__,
         "uptime_seconds": round(time.time() - state.started_at, 3),
         "details": {
             "memory_usage_bytes": memory,
             "active_requests": state.active_requests,
+            "restarts": restarts_document(engine.supervision() if engine is not None else None),
             "components": {
                 "inference_runtime": runtime,
                 "model_registry": runtime,
@@ -113,7 +147,7 @@ def health(request: Request) -> Response[dict[str, Any]]:
         "active_requests": state.active_requests,
         "components": parts,
     }
-    return Response(body, status_code=503 if status == "unhealthy" else 200)
+    return Response(body, status_code=503 if status in ("unhealthy", "restarting") else 200)
 
 
 @get("/health/ready", opt=HEALTH)

@@ -24,7 +24,7 @@ import structlog
 from tierserve.core.errors import TierserveError
 from tierserve.server.model_memory import MemoryEstimate, estimate_memory
 from tierserve.core.sections import ModelEntry, ModelSettings, SchedulerSettings, Settings
-from tierserve.server.errors import APIError
+from tierserve.server.errors import APIError, engine_down
 
 if TYPE_CHECKING:
     from tierserve.engine import EngineClient
@@ -78,8 +78,10 @@ class Target:
     @property
     def engine(self) -> EngineClient:
         engine = self.served.engine
-        if engine is None or not engine.alive:
+        if engine is None:
             raise APIError(503, "the engine core is not running; restart the server", code="engine_unavailable")
+        if not engine.alive:
+            raise engine_down(engine)
         return engine
 
     def release(self) -> None:

@@ -42,6 +42,52 @@ def completion_logprobs(engine: EngineClient, items: list[TokenLogprob], offset:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def echoed_prompt_logprobs(
+    engine: EngineClient, ids: list[int], scored: list[TokenLogprob] | None, pieces: list[str], top_n: int
+) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` of an echoed prompt: each token with the logprob the model gives it after
+    the ones before and the ``top_n`` most likely there; the first token has none (``null``, as OpenAI's).
+    ``text_offset`` indexes the echoed text, the join of ``pieces`` (``EngineClient.text_pieces``)."""
+    scored = scored or []
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for index, (token_id, piece) in enumerate(zip(ids, pieces)):
+        item = scored[index - 1] if 0 < index <= len(scored) else None
+        tokens.append(engine.token_text(token_id))
+        token_logprobs.append(item.logprob if item is not None else None)
+        top.append({engine.token_text(t): lp for t, lp in item.top_logprobs[:top_n]} if item is not None else None)
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def choice_logprobs(engine: EngineClient, job: Job, choice: Choice) -> dict[str, Any]:
+    """A completion choice's ``logprobs``: with ``echo``, the prompt's tokens, then the generated ones'."""
+    if choice.prompt_pieces is None:
+        return completion_logprobs(engine, choice.logprobs)
+    ids = job.prompts[choice.prompt_index]
+    head = echoed_prompt_logprobs(engine, ids, choice.prompt_logprobs, choice.prompt_pieces, job.body.logprobs)
+    tail = completion_logprobs(engine, choice.logprobs, len(choice.text[0]))
+    return {key: head[key] + tail[key] for key in head}
+
+
+def vllm_prompt_logprobs(engine: EngineClient, scored: list[TokenLogprob] | None, top_n: int) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then per token ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` for the prompt's own token (its rank in the distribution) and the ``top_n``
+    most likely (ranks 1..``top_n``)."""
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": engine.token_text(token_id)}
+
+    out: list[Any] = [None]
+    for item in scored or []:
+        position = {str(item.token_id): entry(item.token_id, item.logprob, item.rank)}
+        for rank, (token_id, logprob) in enumerate(item.top_logprobs[:top_n], 1):
+            position.setdefault(str(token_id), entry(token_id, logprob, rank))
+        out.append(position)
+    return out
+
+
 def chat_logprobs(engine: EngineClient, items: list[TokenLogprob]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = engine.token_text(token_id)
@@ -76,7 +122,9 @@ def cache_report(job: Job, choices: list[Choice]) -> dict[str, Any]:
             "cache_misses": max(misses, 0),
             "speculation_hits": sum(c.timings.accepted_drafts for c in choices if c.timings is not None),
             "prefix_matches": sum(1 for c in firsts if c.cached_tokens > 0),
-            "window_reuse": sum(1 for c in choices if c.timings is not None and c.timings.windows_slid),
+            # attention states (KV blocks) a windowed request took from the cache instead of computing them
+            "window_reuse": sum(c.cache.hit_blocks for c in firsts if c.cache.windowed),
+            "windows_slid": sum(c.timings.windows_slid for c in choices if c.timings is not None),
             "speculation_method": methods[0] if methods else None,  # which speculator drafted, if any
             "tier_hits": tier_hits,  # blocks served per tier ("l1" = the live pool)
         },
@@ -113,11 +161,14 @@ def full_response(engine: EngineClient, state: ServerState, job: Job, choices: l
             {
                 "index": c.index,
                 "text": "".join(c.text),
-                "logprobs": completion_logprobs(engine, c.logprobs) if job.params[c.index].logprobs is not None else None,
+                "logprobs": choice_logprobs(engine, job, c) if job.params[c.index].logprobs is not None else None,
                 "finish_reason": c.finish_reason,
             }
             for c in choices
         ]
+        if job.body.prompt_logprobs is not None:  # vLLM's, per choice
+            for entry, c in zip(body_choices, choices):
+                entry["prompt_logprobs"] = vllm_prompt_logprobs(engine, c.prompt_logprobs, job.body.prompt_logprobs)
         kind = "text_completion"
     response = {
         "id": job.id,
@@ -127,6 +178,8 @@ def full_response(engine: EngineClient, state: ServerState, job: Job, choices: l
         "choices": body_choices,
         "usage": usage_of(job, choices),
     }
+    if job.chat and job.body.prompt_logprobs is not None:  # vLLM's, once for the conversation
+        response["prompt_logprobs"] = vllm_prompt_logprobs(engine, choices[0].prompt_logprobs, job.body.prompt_logprobs)
     if job.cached:
         response.update(cached_extras(job, choices))
     return response

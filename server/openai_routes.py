@@ -13,10 +13,20 @@ from litestar.response import Stream
 
 from tierserve.engine import EngineClient, RequestTimings
 from tierserve.core.errors import EngineFault, RequestError, RequestTimeoutError
+from tierserve.engine.process import EngineProcessError
 from tierserve.server.connection import CLIENT_CLOSED, ClientDisconnected, unless_disconnected
-from tierserve.server.errors import APIError, error_body, timeout_body
-from tierserve.server.generation_jobs import Choice, Job, build_job, collect, fold, merged, submit_all
-from tierserve.server.openai_responses import cache_report, chat_logprobs, completion_logprobs, full_response, observe, sse, usage_of
+from tierserve.server.errors import NotImplementedFeature, engine_gone_body, error_body, timeout_body
+from tierserve.server.generation_jobs import Choice, Job, build_job, collect, echo_prompts, fold, merged, submit_all
+from tierserve.server.openai_responses import (
+    cache_report,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    full_response,
+    observe,
+    sse,
+    usage_of,
+)
 from tierserve.server.schemas import (
     CachedChatRequest,
     CachedCompletionRequest,
@@ -25,6 +35,7 @@ from tierserve.server.schemas import (
     SamplingFields,
 )
 from tierserve.server.state import ServerState, state_of
+from tierserve.server.tenants import cache_scope
 from tierserve.server.tool_streaming import ToolStream
 
 
@@ -41,9 +52,9 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
     finally:
         job.target.release()  # submitted: the engine tracks them now (an unload waits for them there)
     choices = [Choice(index=i, prompt_index=i // job.n) for i in range(len(submitted))]
+    scored = job.params[0].prompt_logprobs is not None
     if not chat and body.echo:  # the prompt's text comes first, as OpenAI's echo does
-        for choice in choices:
-            choice.text.append(engine.decode(job.prompts[choice.prompt_index]))
+        await asyncio.to_thread(echo_prompts, engine, job, choices)
     if not body.stream:
         try:
             first_token_at = await unless_disconnected(request, collect(engine, job, submitted, choices))
@@ -52,6 +63,8 @@ async def respond(request: Request, body: SamplingFields, *, chat: bool, cached:
         except ClientDisconnected:  # its requests are aborted; nobody reads this, the access log and metrics do
             return Response(None, status_code=CLIENT_CLOSED)
         observe(state, job, choices, first_token_at)
+        if scored:  # a text per prompt token and alternative: off the event loop for a long prompt
+            return Response(await asyncio.to_thread(full_response, engine, state, job, choices))
         return Response(full_response(engine, state, job, choices))
     return Stream(stream_events(engine, state, job, submitted, choices), media_type="text/event-stream",
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -62,23 +75,7 @@ async def respond_with_beams(request: Request, engine: EngineClient, state: Serv
     from tierserve.engine.beam_search import BeamSearchParams
 
     body = job.body
-    if body.stream:
-        raise APIError(400, "stream: beam search returns whole beams; allowed: false with beam_width > 1",
-                       param="stream", code="unsupported")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias: beam search ranks the model's own log-probabilities; send it without beams",
-                       param="logit_bias", code="unsupported")
-    if getattr(body, "cache_key", None) is not None:
-        raise APIError(400, "cache_key: beam search neither reads nor keeps cached prefixes; send it without beams",
-                       param="cache_key", code="unsupported")
-    if job.params[0].grammar is not None:
-        param = job.params[0].grammar.param
-        raise APIError(400, f"{param}: beam search ranks whole beams and takes no output constraint; send it without "
-                       "beam_width", param=param, code="unsupported")  # fmt: skip
-    if job.target is not None and job.target.lora_name is not None:
-        raise APIError(400, f"model: beam search runs the base model only, not the LoRA adapter "
-                       f"{job.target.lora_name!r}; send it without beam_width", param="model", code="unsupported")
-    params = BeamSearchParams(
+    params = BeamSearchParams(  # its values are checked first: an invalid one is the 400, before any 501
         beam_width=body.beam_width,
         max_tokens=job.params[0].max_tokens,
         length_penalty=body.length_penalty,
@@ -86,11 +83,36 @@ async def respond_with_beams(request: Request, engine: EngineClient, state: Serv
         num_return_sequences=job.n,
         min_tokens=body.min_tokens,
     )
+    if body.stream:
+        raise NotImplementedFeature("stream", True, "streaming beam search", "false with beam_width > 1")
+    if body.logit_bias:
+        raise NotImplementedFeature("logit_bias", body.logit_bias, "beam search with a logit bias",
+                                    "omitted with beam_width > 1")  # fmt: skip
+    if getattr(body, "cache_key", None) is not None:
+        raise NotImplementedFeature("cache_key", body.cache_key, "beam search on a named prefix",
+                                    "omitted with beam_width > 1")  # fmt: skip
+    if job.params[0].grammar is not None:
+        param = job.params[0].grammar.param
+        raise NotImplementedFeature(param, getattr(body, param, None), "beam search with an output constraint",
+                                    "omitted with beam_width > 1")  # fmt: skip
+    if job.params[0].prompt_logprobs is not None:
+        param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        supported = "omitted" if param == "prompt_logprobs" else "false, or logprobs omitted,"
+        raise NotImplementedFeature(param, getattr(body, param), "prompt log-probabilities with beam search",
+                                    f"{supported} with beam_width > 1")  # fmt: skip
+    if job.target is not None and job.target.lora_name is not None:
+        raise NotImplementedFeature("model", job.model, f"beam search on a LoRA adapter ({job.target.lora_name!r})",
+                                    f"a base model with beam_width > 1, such as {job.target.served.name!r}")  # fmt: skip
     choices: list[Choice] = []
+    # the prompt reuses and publishes cached prefixes as a request's does: in the caller's cache scope
+    scope, use_cache = cache_scope(job.tenant, body.cache_salt), getattr(body, "enable_caching", True)
     for prompt_index, prompt in enumerate(job.prompts):
         search_id = f"{job.id}-{prompt_index}"
         try:  # the search runs between the engine's steps; a client that leaves stops it
-            searched = await unless_disconnected(request, asyncio.to_thread(engine.beam_search, prompt, params, search_id))
+            search = asyncio.to_thread(
+                engine.beam_search, prompt, params, search_id, cache_salt=scope, use_prefix_cache=use_cache
+            )
+            searched = await unless_disconnected(request, search)
         except ClientDisconnected:
             await asyncio.to_thread(engine.cancel_beam_search, search_id)
             return Response(None, status_code=CLIENT_CLOSED)
@@ -98,7 +120,12 @@ async def respond_with_beams(request: Request, engine: EngineClient, state: Serv
             choice = Choice(index=prompt_index * job.n + rank, prompt_index=prompt_index)
             # the search's time and peak KV, once per prompt (the report sums memory over choices)
             peak = searched.peak_blocks * engine.info.kv_block_bytes if rank == 0 else 0
-            choice.timings = RequestTimings(0.0, 0.0, searched.seconds, None, peak)
+            lookup = searched.cache.lookup_seconds if searched.cache is not None and rank == 0 else 0.0
+            choice.timings = RequestTimings(0.0, lookup, searched.seconds, None, peak)
+            # the prompt's lookup: usage and cache_stats count it once per prompt (its first choice)
+            choice.cache = searched.cache
+            choice.cached_tokens = searched.cache.cached_tokens if searched.cache is not None else 0
+            choice.prompt_tokens = len(prompt)
             choice.token_ids = list(beam.token_ids)
             text = engine.decode(
                 [t for t in beam.token_ids if t not in engine.info.eos_token_ids], skip_special_tokens=True
@@ -106,6 +133,7 @@ async def respond_with_beams(request: Request, engine: EngineClient, state: Serv
             choice.text = [text]
             choice.finish_reason = beam.finish_reason
             choices.append(choice)
+    observe(state, job, choices, None)  # usage and metrics count a beam request as any other
     return Response(full_response(engine, state, job, choices))
 
 
@@ -117,17 +145,31 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
     tool_streams: dict[int, ToolStream] = {}
     offsets = [0] * len(choices)
     completed = failed = False
+
+    def echoed(choice: Choice) -> bytes:
+        logprobs = None
+        if choice.prompt_pieces is not None:
+            ids = job.prompts[choice.prompt_index]
+            logprobs = echoed_prompt_logprobs(engine, ids, choice.prompt_logprobs, choice.prompt_pieces, job.body.logprobs)
+        echo = {"index": choice.index, "text": choice.text[0], "logprobs": logprobs, "finish_reason": None}
+        return sse({"id": job.id, "object": kind, "created": created, "model": job.model, "choices": [echo]})
+
     try:
+        unechoed = set()  # echoes whose prompt logprobs come with the choice's first output
         for choice in choices:
             if choice.text:  # echo: the prompt's text goes out first
                 offsets[choice.index] = len(choice.text[0])
-                echoed = {"index": choice.index, "text": choice.text[0], "logprobs": None, "finish_reason": None}
-                yield sse({"id": job.id, "object": kind, "created": created, "model": job.model,
-                           "choices": [echoed]})
+                if choice.prompt_pieces is not None:
+                    unechoed.add(choice.index)
+                else:
+                    yield echoed(choice)
         async for index, output in merged(engine, submitted, job.deadline):
             if first_token_at is None and output.token_ids:
                 first_token_at = time.perf_counter()
             fold(choices[index], output)
+            if index in unechoed:  # a text per prompt token and alternative: off the event loop
+                unechoed.discard(index)
+                yield await asyncio.to_thread(echoed, choices[index])
             logprobs = None
             wants = job.params[index].logprobs is not None
             if job.chat:
@@ -173,6 +215,10 @@ async def stream_events(engine, state, job: Job, submitted, choices: list[Choice
     except RequestError as refused:  # the request could not be followed (its schema): as a 400's body
         failed = True
         yield sse(error_body(400, refused.message, refused.param, refused.code))
+        yield sse("[DONE]")
+    except EngineProcessError as gone:  # the core process died under it: the 503's body (retryable or not)
+        failed = True
+        yield sse(engine_gone_body(gone))
         yield sse("[DONE]")
     finally:
         if completed:
@@ -230,7 +276,7 @@ def get_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
-    """OpenAI completions: ``prompt`` (text or token ids), sampling, ``stream: true`` for SSE; ``usage`` counts cached prompt tokens."""
+    """OpenAI completions: ``prompt`` (text or token ids), sampling, ``stream: true`` for SSE; ``echo`` with ``logprobs`` scores the prompt's tokens too (``max_tokens: 0``: only them); ``usage`` counts cached prompt tokens."""
     return await respond(request, data, chat=False, cached=False)
 
 

@@ -7,7 +7,9 @@ as chat tools) and runs through the same job, engine and tool parser. With
 (``[server] responses_max_stored``, ``responses_ttl_seconds``): a follow-up that
 names it in ``previous_response_id`` renders the earlier turns to the same
 tokens, so their KV is a prefix-cache hit (``usage.input_tokens_details.cached_tokens``).
-``stream: true`` sends OpenAI's typed events.
+``stream: true`` sends OpenAI's typed events. What OpenAI's API has and tierserve
+deliberately does not build (``reasoning``, ``background``, ``include``,
+``truncation: "auto"``, built-in tools and their items) is a 501 naming it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from typing import Any, Literal
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tierserve.core.errors import RequestTimeoutError
+from tierserve.engine.process import EngineProcessError
 from tierserve.server.connection import CLIENT_CLOSED, ClientDisconnected, unless_disconnected
-from tierserve.server.errors import APIError
+from tierserve.server.errors import APIError, NotImplementedFeature
 from tierserve.server.generation_jobs import Choice, Job, build_job, collect, fold, merged, submit_all
 from tierserve.server.openai_responses import observe
 from tierserve.server.response_store import ResponseStore, StoredResponse
@@ -38,6 +41,14 @@ from tierserve.server.tool_streaming import ToolStream, finish_with_calls
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on metadata
+INPUT_ITEMS = ("message", "function_call", "function_call_output")
+# OpenAI's built-in tools and the input items only they (or reasoning) produce: recognised, not built (a 501)
+BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
+                  "image_generation", "mcp", "local_shell", "custom")  # fmt: skip
+UNBUILT_ITEMS = ("reasoning", "item_reference", "web_search_call", "file_search_call", "computer_call",
+                 "computer_call_output", "code_interpreter_call", "image_generation_call", "local_shell_call",
+                 "local_shell_call_output", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
+                 "mcp_call", "custom_tool_call", "custom_tool_call_output")  # fmt: skip
 
 
 class ResponsesRequest(Body):
@@ -56,8 +67,8 @@ class ResponsesRequest(Body):
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (dropping early turns) is not implemented: a 400
-    # not implemented: anything but their defaults is a 400, never silently ignored
+    truncation: Literal["disabled", "auto"] | None = None
+    # not built: anything but their defaults is a 501, never silently ignored
     reasoning: dict[str, Any] | None = None
     background: bool = False
     include: list[str] | None = None
@@ -78,26 +89,18 @@ class ResponsesRequest(Body):
             )
         return value
 
-    @field_validator("reasoning")
-    @classmethod
-    def no_reasoning(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("reasoning options are not implemented (the models served here do not reason); omit it")
-        return value
-
-    @field_validator("background")
-    @classmethod
-    def no_background(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("background responses are not implemented; send background: false (or omit it)")
-        return value
-
-    @field_validator("include")
-    @classmethod
-    def no_include(cls, value: list[str] | None) -> list[str] | None:
-        if value:
-            raise ValueError("include: no extra output data is implemented; omit it")
-        return value
+    @model_validator(mode="after")
+    def nothing_unbuilt(self) -> ResponsesRequest:
+        if self.reasoning:
+            raise NotImplementedFeature("reasoning", self.reasoning, "reasoning", "omitted or null")
+        if self.background:
+            raise NotImplementedFeature("background", True, "running a response in the background", "false or omitted")
+        if self.include:
+            raise NotImplementedFeature("include", self.include, "extra output data", "omitted or []")
+        if self.truncation == "auto":
+            raise NotImplementedFeature("truncation", "auto", "dropping early turns to fit the context",
+                                        '"disabled" or omitted')  # fmt: skip
+        return self
 
 
 def persistent_folder(state: ServerState) -> Path | None:
@@ -153,10 +156,13 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
+    unbuilt: tuple[str, str] | None = None  # the first such item: a 501 once every item is known to be valid
     for index, item in enumerate(value):
         kind = item.get("type", "message")
         where = f"input[{index}]"
-        if kind == "message":
+        if kind in UNBUILT_ITEMS:
+            unbuilt = unbuilt or (f"{where}.type", kind)
+        elif kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad(f"{where}.role: {role!r}; allowed: user, system, developer, assistant", f"{where}.role")
@@ -177,18 +183,27 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else json.dumps(output)})  # fmt: skip
         else:
-            raise bad(f"{where}.type: {kind!r}; allowed: message, function_call, function_call_output", f"{where}.type")
+            raise bad(f"{where}.type: {kind!r}; allowed: {', '.join(INPUT_ITEMS)}", f"{where}.type")
+    if unbuilt is not None:
+        raise NotImplementedFeature(*unbuilt, "an input item of reasoning or of a built-in tool",
+                                    ", ".join(INPUT_ITEMS))  # fmt: skip
     return messages
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     out = []
+    built_in: tuple[str, str] | None = None  # the first: a 501 once every tool is known to be valid
     for index, tool in enumerate(tools or []):
-        if tool.get("type") != "function":
-            raise bad(f"tools[{index}].type: {tool.get('type')!r}; allowed: function (no built-in tools here)",
-                      f"tools[{index}].type")  # fmt: skip
+        kind = tool.get("type")
+        if kind in BUILT_IN_TOOLS:
+            built_in = built_in or (f"tools[{index}].type", kind)
+            continue
+        if kind != "function":
+            raise bad(f"tools[{index}].type: {kind!r}; allowed: function", f"tools[{index}].type")
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": function})
+    if built_in is not None:
+        raise NotImplementedFeature(*built_in, "a built-in tool", "function")
     return out or None
 
 
@@ -374,6 +389,9 @@ async def stream_response(data, job, submitted, choice, response_id, created, fi
                             delta=text, logprobs=[])  # fmt: skip
     except RequestTimeoutError:
         yield event("error", code="timeout", message="the response ran past server.timeout_seconds", param=None)
+        return
+    except EngineProcessError as gone:  # the core process died under it: as the 503 says (retryable or not)
+        yield event("error", code=gone.code, message=str(gone), param=None, retryable=gone.retry_after is not None)
         return
     index = 0
     if opened:

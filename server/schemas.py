@@ -2,9 +2,11 @@
 
 Every list is bounded, with a 400 naming the field and the limit: the engine
 walks some of them for every token, on the step that all requests share.
-Fields tierserve does not implement (``best_of`` other than ``n``, tool
-calling) are refused, never ignored. ``response_format`` and vLLM's
-``guided_*`` fields constrain the output with a grammar (``core.grammar``).
+Fields and values tierserve deliberately does not build (``best_of`` other than
+``n``, ``suffix``, the legacy ``functions``) are refused with a 501, never ignored;
+they are checked once every field is valid, so an invalid value is still the 400.
+``response_format`` and vLLM's ``guided_*`` fields constrain the output with a
+grammar (``core.grammar``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tierserve.core.errors import RequestError
 from tierserve.core.grammar import GrammarSpec, spec_from_schema
 from tierserve.core.sampling_params import SamplingParams
+from tierserve.server.errors import NotImplementedFeature
 
 MAX_PROMPTS = 2048  # prompts, embedding inputs or warmed conversations per request (OpenAI's embeddings limit)
 MAX_TOKEN_IDS = 1 << 20  # token ids in one prompt: more than any context
@@ -48,6 +51,14 @@ def is_token_id(value: Any) -> bool:
 
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_logprobs(value: Any) -> Any:
+    """A logprobs count, bounded as vLLM's ``max_logprobs`` bounds it (``SamplingParams.MAX_LOGPROBS``)."""
+    limit = SamplingParams.MAX_LOGPROBS
+    if is_token_id(value) and not 0 <= value <= limit:
+        raise invalid(f"{value}, allowed: 0 to {limit} (the most likely tokens reported per position)")
+    return value
 
 
 def check_prompts(value: Any, noun: str) -> Any:
@@ -88,7 +99,7 @@ class SamplingFields(Body):
     """Fields shared by completions and chat completions (plus tierserve extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with prompt logprobs (generation_jobs checks)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -96,7 +107,7 @@ class SamplingFields(Body):
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
-    best_of: int | None = Field(None, ge=1)  # accepted when it asks for nothing more than n
+    best_of: int | None = Field(None, ge=1)  # accepted when it asks for nothing more than n, else a 501
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # >= 0.01: dividing logits by a near-zero penalty overflows float32 and the draw returns no valid token
@@ -120,6 +131,16 @@ class SamplingFields(Body):
     priority: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=SamplingParams.MAX_STOP_TOKEN_IDS)
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=SamplingParams.MAX_LOGPROBS,
+        description="vLLM's: per prompt token after the first, its log-probability, rank and the top N "
+        "alternatives, in choices[].prompt_logprobs (completions) or prompt_logprobs (chat); not streamed",
+    )  # fmt: skip
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def bounded_prompt_logprobs(cls, value: Any) -> Any:
+        return check_logprobs(value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -147,15 +168,12 @@ class SamplingFields(Body):
                 raise invalid(f"{str(bias)[:40]} for token {key}, allowed: -{limit:g} to {limit:g}")
         return value
 
-    @field_validator("best_of")
-    @classmethod
-    def best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n", 1)
-        if value is not None and value not in (1, n):
-            raise invalid(
-                f"got {value}, allowed: 1 or n ({n}); generating extra choices to keep the best is not implemented"
-            )
-        return value
+    @model_validator(mode="after")
+    def best_of_is_n(self) -> SamplingFields:
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise NotImplementedFeature("best_of", self.best_of, "generating extra choices to keep the best",
+                                        f"1 or n ({self.n})")  # fmt: skip
+        return self
 
     @field_validator("response_format")
     @classmethod
@@ -205,16 +223,25 @@ class SamplingFields(Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(
+        None, ge=0, le=SamplingParams.MAX_LOGPROBS,
+        description="per token, its log-probability and the N most likely tokens; with echo, the prompt's "
+        "tokens come first (the first one's logprob null)",
+    )  # fmt: skip
     echo: bool = False
-    suffix: str | None = None  # fill-in-the-middle: not implemented, so anything but empty is a 400
 
-    @field_validator("suffix")
+    @field_validator("logprobs", mode="before")
     @classmethod
-    def no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise invalid("text after the completion (fill-in-the-middle) is not implemented; omit suffix")
-        return value
+    def bounded_logprobs(cls, value: Any) -> Any:
+        return check_logprobs(value)
+    suffix: str | None = None  # fill-in-the-middle: not built, so anything but empty is a 501
+
+    @model_validator(mode="after")
+    def no_suffix(self) -> CompletionRequest:
+        if self.suffix:
+            raise NotImplementedFeature("suffix", self.suffix, "text after the completion (fill-in-the-middle)",
+                                        'omitted, null or ""')  # fmt: skip
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -259,15 +286,20 @@ class ChatMessage(Body):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    # the legacy function-calling fields: a 400 pointing at tools, never silently plain text
+    # the legacy function-calling fields: a 501 pointing at tools, never silently plain text
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def bounded_top_logprobs(cls, value: Any) -> Any:
+        return check_logprobs(value)
 
     @field_validator("tools")
     @classmethod
@@ -282,19 +314,23 @@ class ChatRequest(SamplingFields):
                 raise invalid(f"tool {index}: function.parameters must be a JSON schema object")
         return value
 
-    @field_validator("functions")
-    @classmethod
-    def no_functions(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise invalid("the legacy function-calling API is not implemented; send tools (and tool_choice) instead")
-        return value
-
     @field_validator("function_call")
     @classmethod
-    def no_function_call(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is not None and value not in ("none", "auto"):
-            raise invalid('allowed: "none" or "auto"; send tools and tool_choice instead')
-        return value
+    def named_function_call(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is None or value in ("none", "auto") or (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            return value
+        raise invalid('allowed: "none", "auto" or {"name": "..."}; send tools and tool_choice instead')
+
+    @model_validator(mode="after")
+    def no_legacy_functions(self) -> ChatRequest:
+        legacy = "the legacy function-calling API"
+        if self.functions:
+            raise NotImplementedFeature("functions", self.functions, legacy,
+                                        "omitted or []; send tools (and tool_choice) instead")  # fmt: skip
+        if isinstance(self.function_call, dict):
+            raise NotImplementedFeature("function_call", self.function_call, legacy,
+                                        '"none" or "auto"; send tools and tool_choice instead')  # fmt: skip
+        return self
 
     @field_validator("tool_choice")
     @classmethod
@@ -330,6 +366,8 @@ class CachedFields(Body):
     enable_caching: bool = True
     enable_speculation: bool | None = None  # None: as [speculative] method says
     enable_sliding_window: bool | None = None  # None: as [sliding_window] enabled says
+    # this request's window in streaming mode (None: [sliding_window] window_size); the engine checks 64-1024
+    window_size: int | None = None
     cache_key: str | None = Field(None, min_length=1, max_length=256)
     request_id: str | None = Field(None, min_length=1, max_length=128)
     # beam search without naming a width: [speculative] beam_width beams

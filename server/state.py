@@ -109,8 +109,8 @@ def state_of(request: Request) -> ServerState:
 
 def ready_engine(request: Request) -> EngineClient:
     """The engine of the model ``?model=`` names (default: the default model), or a 503 (with Retry-After)
-    while it is still loading. The cache routes manage that model's cache."""
-    from tierserve.server.errors import APIError
+    while it is still loading or its core process restarts. The cache routes manage that model's cache."""
+    from tierserve.server.errors import APIError, engine_down
 
     state = state_of(request)
     model = request.query_params.get("model")
@@ -122,5 +122,5 @@ def ready_engine(request: Request) -> EngineClient:
             message = "no model is loaded (every served model was unloaded); load one with POST /v1/models"
         raise APIError(503, message, code="not_ready", headers={"Retry-After": "5"})
     if not state.engine.alive:
-        raise APIError(503, "the engine core is not running; restart the server", code="engine_unavailable")
+        raise engine_down(state.engine)
     return state.engine

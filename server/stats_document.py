@@ -56,11 +56,16 @@ def kv_cache_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
     misses = max(0, (l1.misses if l1 is not None else 0) - lower_hits)
     total_hits = sum(hits.values())
     memory_tiers = sum(t.bytes for t in tiers.values() if t.medium == "memory")
+    memory_bounds = [t.capacity_bytes for t in tiers.values() if t.medium == "memory"]
+    l1_pool = snapshot.kv_blocks_total * snapshot.kv_block_bytes if cache is not None else 0
     summary: dict[str, Any] = {
         "hits": total_hits,
         "misses": misses,
         "hit_rate": percent(total_hits, total_hits + misses),
         "memory_bytes": (snapshot.l1_bytes if cache is not None else 0) + memory_tiers,
+        # what memory_bytes may reach: L1's pool (l1_capacity blocks) plus each memory tier's max_bytes (the
+        # flat max_memory_bytes is L2's); None where a memory tier has no byte bound
+        "memory_limit_bytes": None if None in memory_bounds else l1_pool + sum(memory_bounds),
         "disk_bytes": sum(t.bytes for t in tiers.values() if t.medium == "disk"),
         "remote_bytes": sum(t.bytes for t in tiers.values() if t.medium == "remote"),
         "evictions": sum(t.evictions for t in tiers.values()),
@@ -149,15 +154,24 @@ def radix_tree(snapshot: EngineSnapshot) -> dict[str, Any]:
 
 
 def speculation(snapshot: EngineSnapshot) -> dict[str, Any]:
+    """Drafts verified and beam searches (the spec's speculative decoding is both): ``hits``/``misses`` are
+    draft tokens; ``tokens_generated`` and ``early_stops`` count both, and are split out beside them."""
     spec = snapshot.speculation
+    counters = snapshot.counters
     rejected = spec.proposed - spec.accepted
+    drafts = spec.as_dict()
+    drafts["draft_early_stops"] = drafts.pop("early_stops")
     return {
         "hits": spec.accepted,
         "misses": rejected,
         "hit_rate": percent(spec.accepted, spec.proposed),
-        "tokens_generated": spec.emitted,
-        "early_stops": spec.early_stops,
-        **spec.as_dict(),
+        "tokens_generated": spec.emitted + counters.beam_tokens_generated,
+        "early_stops": spec.early_stops + counters.beam_early_stops,
+        **drafts,
+        "beam_searches": counters.beam_searches,
+        "beams": counters.beams,
+        "beam_tokens_generated": counters.beam_tokens_generated,
+        "beam_early_stops": counters.beam_early_stops,
     }
 
 

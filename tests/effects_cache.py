@@ -96,6 +96,18 @@ def kv_cache_l1_max_bytes(lab: Lab) -> None:
         assert engine.info.kv_blocks == 10
 
 
+def kv_cache_l1_memory_fraction(lab: Lab) -> None:
+    from tierserve.engine.memory_budget import host_available_bytes
+
+    available = host_available_bytes()
+    if available is None:
+        pytest.skip("no /proc/meminfo: the pool is never sized down here")
+    block = lab.shared.info.kv_block_bytes
+    wanted = 2 * available // block  # twice the free memory: only the fraction of it is taken
+    with lab.engine({"kv_cache.l1_capacity": wanted, "kv_cache.l1_memory_fraction": 0.0005}) as engine:
+        assert engine.info.kv_blocks <= 0.0006 * available / block
+
+
 def reused_prefix_survives(lab: Lab, policy: str) -> int:
     """Four L1 blocks, no tier below: one prompt used three times, then three others; tokens it finds cached."""
     values = {"kv_cache.eviction_policy": policy, "kv_cache.block_size": 4, "kv_cache.l1_capacity": 4,
@@ -367,6 +379,7 @@ PROBES = {
     "kv_cache.dtype": kv_cache_dtype,
     "kv_cache.l1_capacity": kv_cache_l1_capacity,
     "kv_cache.l1_max_bytes": kv_cache_l1_max_bytes,
+    "kv_cache.l1_memory_fraction": kv_cache_l1_memory_fraction,
     "kv_cache.eviction_policy": kv_cache_eviction_policy,
     "kv_cache.ttl_seconds": kv_cache_ttl_seconds,
     "kv_cache.tiers": kv_cache_tiers,

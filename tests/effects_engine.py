@@ -260,8 +260,9 @@ def sliding_window_enabled(lab: Lab) -> None:
 
 def sliding_window_allow_per_request(lab: Lab) -> None:
     ids = lab.shared.encode_prompt("Hello there")
-    with pytest.raises(RequestError, match="allow_per_request"):  # off: a request may not turn the window on
-        lab.shared.submit(ids, greedy(4), sliding_window=True)
+    with lab.engine({"sliding_window.allow_per_request": False}) as engine:
+        with pytest.raises(RequestError, match="allow_per_request"):  # off: a request may not turn the window on
+            engine.submit(ids, greedy(4), sliding_window=True)
     limited = {"model.max_model_len": 32, **SMALL_WINDOW}
     with lab.engine({**limited, "sliding_window.allow_per_request": True}) as engine:
         _, stream = engine.submit(ids, greedy(48), sliding_window=True)

@@ -6,11 +6,15 @@ import asyncio
 import io
 import json
 import logging
+import os
+import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import pytest
 import structlog
 import uvicorn
 
@@ -19,7 +23,9 @@ from tests.server_helpers import free_port
 from tests.waiting import wait_until
 from tierserve.server.app import server_config
 from tierserve.settings.config import load_settings
-from tierserve.engine import RequestOutput
+from tierserve.engine import EngineClient, RequestOutput
+from tierserve.engine.process import EngineProcessError
+from tierserve.models.builtin_models import write_checkpoint
 from tierserve.core.errors import ConfigError
 from tierserve.settings.logs import configure_logging
 from tierserve.server.stats_document import current_alerts
@@ -180,6 +186,45 @@ def server_max_stream_backlog(lab: Lab) -> None:
 
 
 # ---- [monitoring] -----------------------------------------------------------------------------
+
+
+@contextmanager
+def process_engine(lab: Lab, values: dict) -> Iterator[EngineClient]:
+    """An engine whose core runs in a child process, as ``tierserve serve`` starts it; closed afterwards."""
+    loaded = lab.settings(values)
+    engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=True)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def server_engine_max_restarts(lab: Lab) -> None:
+    # the default restarts a killed core up to 5 times in a row (0: never, tests/test_engine_process.py); with 1,
+    # a core that cannot load again (its checkpoint is gone) is tried once, then the supervisor gives up for good
+    doomed = write_checkpoint(lab.tmp / "doomed", "llama", seed=1)
+    values = {"model.path": str(doomed), "server.engine_max_restarts": 1, "server.engine_restart_backoff_seconds": 0.1}
+    with process_engine(lab, values) as engine:
+        shutil.rmtree(doomed)
+        os.kill(engine.driver.process.pid, signal.SIGKILL)
+        wait_until(lambda: engine.supervision().state == "failed", timeout=120, what="the supervisor to give up")
+        status = engine.supervision()
+        assert (status.attempt, status.restarts, status.last_exit_reason) == (1, 0, "it was killed by SIGKILL")
+        with pytest.raises(EngineProcessError, match=r"could not be started again .* after server.engine_max_restarts "
+                           r"\(1\) restarts in a row"):  # fmt: skip
+            run(engine, "Hello")
+
+
+def server_engine_restart_backoff_seconds(lab: Lab) -> None:
+    # the default waits 1 s before a restart: a client is told to come back in a few seconds, here in minutes
+    values = {"server.engine_restart_backoff_seconds": 120.0}
+    with process_engine(lab, values) as engine, lab.http(values, engine) as client:
+        os.kill(engine.driver.process.pid, signal.SIGKILL)
+        wait_until(lambda: engine.supervision().state == "restarting", timeout=30, what="the restart to be scheduled")
+        response = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1})
+        assert response.status_code == 503 and int(response.headers["retry-after"]) > 60
+        assert (response.json()["error"]["code"], response.json()["error"]["retryable"]) == ("engine_restarting", True)
+        assert client.get("/health").json()["status"] == "restarting"
 
 
 def monitoring_enabled(lab: Lab) -> None:
@@ -353,6 +398,8 @@ PROBES = {
     "server.public_metrics": server_public_metrics,
     "server.retry_after_seconds": server_retry_after_seconds,
     "server.max_stream_backlog": server_max_stream_backlog,
+    "server.engine_max_restarts": server_engine_max_restarts,
+    "server.engine_restart_backoff_seconds": server_engine_restart_backoff_seconds,
     "monitoring.enabled": monitoring_enabled,
     "monitoring.collection_interval_seconds": monitoring_collection_interval_seconds,
     "monitoring.detailed_profiling": monitoring_detailed_profiling,

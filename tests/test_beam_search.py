@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from tests.engine_helpers import PROMPTS, assert_pool_released, build_checkpoint
 from tests.waiting import wait_until
 from tierserve.engine.beam_search import BeamSearch, BeamSearchParams, beam_search_blocks
 from tierserve.engine import RequestError
+from tierserve.models.builtin_models import ensure_builtin_checkpoint
+from tierserve.testing import http_client
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.core.scheduler import QueueFullError
 
@@ -41,7 +45,8 @@ def llama(tmp_path_factory):
 
 
 def hf_beams(model, tokenizer, ids: list[int], params: BeamSearchParams, eos: list[int] | None = None):
-    """``generate(num_beams=...)``'s returned sequences (padding stripped) and their scores, best first."""
+    """``generate(num_beams=...)``'s returned sequences (padding stripped) and their scores, best first, and how
+    many steps it ran (one recorded score each)."""
     prompt = torch.tensor([ids])
     with torch.inference_mode():
         out = model.generate(
@@ -62,35 +67,38 @@ def hf_beams(model, tokenizer, ids: list[int], params: BeamSearchParams, eos: li
     # a row's generated length is how many steps recorded a beam index; shorter rows end in padding
     lengths = (out.beam_indices != -1).sum(dim=1).tolist()
     sequences = [row[len(ids) : len(ids) + n].tolist() for row, n in zip(out.sequences, lengths)]
-    return sequences, out.sequences_scores.tolist()
+    return sequences, out.sequences_scores.tolist(), len(out.scores)
 
 
 def beams_with_eos(engine, ids, params, eos):
     """Beam search on the engine's own core, with ``eos`` as the tokens that end a hypothesis."""
     core = engine.driver.core
     budget = core.settings.scheduler.max_num_batched_tokens
-    return BeamSearch(
-        core.backend, core.kv, ids, params, eos, prefill_budget=budget, new_seq_id=core.next_seq_id
-    ).run().hypotheses
+    return BeamSearch(core.backend, core.kv, ids, params, eos, prefill_budget=budget, new_seq_id=core.next_seq_id).run()
 
 
 def assert_same(results, expected) -> None:
-    sequences, scores = expected
+    sequences, scores, _ = expected
     assert [r.token_ids for r in results] == sequences
     assert [r.score for r in results] == pytest.approx(scores, abs=1e-4)
 
 
 def test_matches_transformers(checkpoint, engine):
+    """Also once the prompt's blocks are cached: a repeated prompt's search reads them and computes the rest."""
     _, model, tokenizer = checkpoint
     free = engine.stats().kv_blocks_free
+    searched: set[str] = set()
     for prompt, width, length_penalty, early_stopping in itertools.product(
         BEAM_PROMPTS, [2, 4], [1.0, 0.5], [False, True]
     ):
+        ids = tokenizer(prompt)["input_ids"]
         params = BeamSearchParams(width, NEW_TOKENS, length_penalty, early_stopping, num_return_sequences=width)
-        results = engine.beam_search(prompt, params).hypotheses
-        expected = hf_beams(model, tokenizer, tokenizer(prompt)["input_ids"], params)
-        assert_same(results, expected)
-        assert all(len(r.token_ids) == NEW_TOKENS and r.finish_reason == "length" for r in results)
+        output = engine.beam_search(prompt, params)
+        assert_same(output.hypotheses, hf_beams(model, tokenizer, ids, params))
+        assert all(len(r.token_ids) == NEW_TOKENS and r.finish_reason == "length" for r in output.hypotheses)
+        if prompt in searched:  # every full block but the one holding the last token (its logits are needed)
+            assert output.cache.cached_tokens >= (len(ids) - 1) // 4 * 4
+        searched.add(prompt)
     engine.check_integrity()
     assert engine.stats().kv_blocks_free == free
 
@@ -101,19 +109,30 @@ def test_eos_finishes_hypotheses_as_transformers_does(checkpoint, engine):
     finished_early = 0
     for prompt in BEAM_PROMPTS[:2]:
         ids = tokenizer(prompt)["input_ids"]
-        [best], _ = hf_beams(model, tokenizer, ids, BeamSearchParams(4, NEW_TOKENS))
+        [best], _, _ = hf_beams(model, tokenizer, ids, BeamSearchParams(4, NEW_TOKENS))
         for eos, width, length_penalty, early_stopping, min_tokens in itertools.product(
             [[best[2]], [best[1], best[4]]], [2, 4], [1.0, 0.5], [False, True, "never"], [0, 3]
         ):
             params = BeamSearchParams(width, NEW_TOKENS, length_penalty, early_stopping, width, min_tokens)
-            results = beams_with_eos(engine, ids, params, eos)
-            assert_same(results, hf_beams(model, tokenizer, ids, params, eos))
-            for result in results:
+            output = beams_with_eos(engine, ids, params, eos)
+            expected = hf_beams(model, tokenizer, ids, params, eos)
+            assert_same(output.hypotheses, expected)
+            # the steps it ran, and so whether it stopped early (the statistics count it), are generate's
+            assert output.steps == expected[2] and output.stopped_early == (expected[2] < NEW_TOKENS)
+            for result in output.hypotheses:
                 assert len(result.token_ids) >= min_tokens
                 stopped = result.token_ids[-1] in eos
                 assert result.finish_reason == ("stop" if stopped else "length")
                 finished_early += len(result.token_ids) < NEW_TOKENS
     assert finished_early > 0
+    # the three likeliest first tokens end a hypothesis: both beams finish at the first step, where it stops
+    with torch.inference_mode():
+        first = model(torch.tensor([ids])).logits[0, -1].topk(3).indices.tolist()
+    params = BeamSearchParams(2, NEW_TOKENS, num_return_sequences=2)
+    output = beams_with_eos(engine, ids, params, first)
+    expected = hf_beams(model, tokenizer, ids, params, first)
+    assert_same(output.hypotheses, expected)
+    assert output.steps == expected[2] == 1 and output.stopped_early
     assert_pool_released(engine)
 
 
@@ -121,7 +140,7 @@ def test_fewer_returned_sequences_and_one_beam(checkpoint, engine):
     _, model, tokenizer = checkpoint
     ids = tokenizer(PROMPTS[3])["input_ids"]
     params = BeamSearchParams(4, NEW_TOKENS, num_return_sequences=2)
-    assert_same(beams_with_eos(engine, ids, params, [1, 3]), hf_beams(model, tokenizer, ids, params, [1, 3]))
+    assert_same(beams_with_eos(engine, ids, params, [1, 3]).hypotheses, hf_beams(model, tokenizer, ids, params, [1, 3]))
     # num_beams=1 is greedy search in generate, whatever early_stopping says
     [result] = engine.beam_search(ids, BeamSearchParams(1, NEW_TOKENS, early_stopping="never")).hypotheses
     assert result.token_ids == hf_greedy(checkpoint[0], [PROMPTS[3]], NEW_TOKENS)[0]
@@ -281,3 +300,72 @@ def test_requests_the_engine_cannot_serve(llama):
     unpaged = make_engine(llama, backend="transformers-unpaged")
     with pytest.raises(RequestError, match=r'^beam_width: .* needs a paged KV arena.*model.backend = "auto"'):
         unpaged.beam_search(PROMPTS[0], params)
+
+
+def test_a_beam_request_reuses_and_publishes_cached_prompt_blocks(tmp_path):
+    """Over HTTP: a beam request's prompt finds the blocks an earlier request cached (80 of its 82 tokens; it
+    used to find none) and publishes the blocks it computes; its beams are exactly those of the same search
+    without the cache, and ``/v1/cache/stats`` counts the searches, their beams, tokens and early stops."""
+    prompt = PROMPTS[4]
+    tiny = ensure_builtin_checkpoint("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()(torch.tensor([ids])).logits
+    # builtin:tiny, with its three likeliest first tokens after the prompt declared eos: two beams without
+    # min_tokens both finish at the first step (an early stop); with min_tokens = max_tokens they run to the end
+    model = shutil.copytree(tiny, tmp_path / "tiny-eos")
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["eos_token_id"] += logits[0, -1].topk(3).indices.tolist()
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    full = (len(ids) - 1) // 16 * 16  # the last token's block is never served: its logits are needed
+
+    with http_client({"model.path": str(model), "speculative.beam_width": 2}) as client:
+        usages: list[dict] = []
+
+        def post(path: str, **body) -> dict:
+            reply = client.post(path, json=body)
+            assert reply.status_code == 200, reply.text
+            usages.append(reply.json()["usage"])
+            return reply.json()
+
+        beams = {"prompt": prompt, "max_tokens": 8, "min_tokens": 8, "n": 2, "use_beam_search": True}
+        uncached = post("/v1/cached/completions", **beams, enable_caching=False)
+        assert uncached["usage"]["cached_tokens"] == 0 and uncached["cache_stats"]["cache_used"] is False
+        # enable_caching false published nothing; this request does
+        plain = post("/v1/completions", prompt=prompt, max_tokens=1)
+        assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+        cached = post("/v1/cached/completions", **beams)
+        assert [c["text"] for c in cached["choices"]] == [c["text"] for c in uncached["choices"]]
+        usage = cached["usage"]
+        assert full <= usage["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"] < len(ids)
+        stats = cached["cache_stats"]
+        assert stats["cache_used"] is True and stats["prefix_matches"] == 1
+        assert stats["cache_hits"] == stats["tier_hits"]["l1"] == full // 16 and stats["cache_misses"] == 0
+        salted = post("/v1/cached/completions", **beams, cache_salt="another scope")  # reads no other scope's blocks
+        assert salted["usage"]["cached_tokens"] == 0 and salted["choices"] == uncached["choices"]
+
+        # a prompt seen first by a beam search: its blocks are there for the next request
+        other = "A different opening, then the same story. " + prompt
+        first = post("/v1/completions", prompt=other, max_tokens=8, min_tokens=8, beam_width=2)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        after = post("/v1/completions", prompt=other, max_tokens=1)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert after >= (first["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
+
+        stopped = post("/v1/completions", prompt=prompt, max_tokens=8, min_tokens=0, beam_width=2, n=2)
+        assert [c["finish_reason"] for c in stopped["choices"]] == ["stop", "stop"]
+        assert stopped["usage"]["completion_tokens"] == 2  # each hypothesis is its one eos token
+
+        doc = client.get("/v1/cache/stats").json()
+        metrics = client.get("/metrics").text
+    # the engine's prompt and cached tokens are the responses' (a beam prompt's too: the hit rate stays a rate)
+    assert doc["overall"]["prompt_tokens"] == sum(usage["prompt_tokens"] for usage in usages)
+    cached_tokens = sum(usage["prompt_tokens_details"]["cached_tokens"] for usage in usages)
+    assert doc["overall"]["cached_tokens"] == cached_tokens
+    assert f"tierserve_cached_prompt_tokens_total {float(cached_tokens)}" in metrics
+    speculation = doc["cache_manager"]["speculation"]
+    # five searches of two beams: four ran 8 steps, the last stopped after 1; no drafts ran
+    assert speculation["beam_searches"] == 5 and speculation["beams"] == 10
+    assert speculation["beam_tokens_generated"] == speculation["tokens_generated"] == 4 * 2 * 8 + 2 * 1
+    assert speculation["beam_early_stops"] == speculation["early_stops"] == 1

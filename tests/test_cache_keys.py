@@ -93,7 +93,7 @@ def test_a_rejected_request_registers_nothing(serve):
         two = complete(base, [PROMPT, OTHER], cache_key="never")
         assert two.status_code == 400 and two.json()["error"]["param"] == "cache_key"
         beams = complete(base, PROMPT, cache_key="never", beam_width=2)
-        assert beams.status_code == 400 and beams.json()["error"]["param"] == "cache_key"
+        assert beams.status_code == 501 and beams.json()["error"]["param"] == "cache_key"
         assert keys(base) == []
 
 

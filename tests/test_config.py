@@ -133,7 +133,7 @@ def test_sources_layer_in_order_preset_file_env_cli(toml_file):
     s = loaded.settings.kv_cache
     l2 = s.tiers[0].options
     assert (s.l1_capacity, l2.capacity, s.block_size) == (111, 333, 64)
-    assert l2.max_bytes == 1_000_000_000  # from the preset
+    assert l2.max_bytes == 8_000_000_000  # from the preset
     assert loaded.source_of("kv_cache.tiers[0]", "max_bytes").startswith("preset production")
     assert loaded.source_of("kv_cache", "l1_capacity") == f"config file {path}"
     assert loaded.source_of("kv_cache", "l2_capacity") == "environment variable TIERSERVE_KV_CACHE__L2_CAPACITY"

@@ -86,9 +86,10 @@ def test_stats_give_each_tier_its_bounds_and_l1_its_bytes(server):
     assert l1["entries"] > 0 and l1["bytes"] == (L1_BLOCKS - l1["blocks_empty"]) * block_bytes
     assert l1["blocks_in_use"] == L1_BLOCKS - l1["blocks_free"] == 0  # nothing runs
     assert kv["memory_bytes"] == l1["bytes"] + l2["bytes"]
-    assert (l2["capacity_entries"], l2["capacity_bytes"]) == (2048, 268435456)  # the preset's l2 tier: capacity, max_bytes
+    assert (l2["capacity_entries"], l2["capacity_bytes"]) == (5000, 500_000_000)  # the preset's l2 tier: capacity, max_bytes
+    assert kv["memory_limit_bytes"] == l1["capacity_bytes"] + l2["capacity_bytes"]  # what memory_bytes may reach
     metrics = httpx.get(f"{server}/metrics").text
-    assert 'tierserve_cache_capacity_entries{tier="l2"} 2048.0' in metrics
+    assert 'tierserve_cache_capacity_entries{tier="l2"} 5000.0' in metrics
     assert f'tierserve_cache_capacity_bytes{{tier="l1"}} {float(l1["capacity_bytes"])}' in metrics
 
 

@@ -204,6 +204,22 @@ def test_disaggregated_prefill_hands_the_prompt_to_the_decode_replica_through_re
         finally:
             engine.close()
         assert answer.json()["choices"][0]["text"] == expected.text
+
+        # the spec's cached routes go through the prefill replica too: their first request already finds its prompt
+        # (prompts sharing no block with the one above: what they find, only the prefill replica put there)
+        harbour = "The harbour tram line runs every ten minutes from the station to the ferry terminal. " * 2
+        cached = {**body, "prompt": harbour + "When is the last one?", "cache_key": "harbour-trams"}
+        answer = httpx.post(f"{url}/v1/cached/completions", json=cached, headers=AUTH, timeout=180)
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        assert usage["cached_tokens"] >= usage["prompt_tokens"] - 16
+        chat = {"model": "builtin:tiny", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "system", "content": "Night buses leave the square hourly. " * 3},
+                             {"role": "user", "content": "And on Sundays?"}]}  # fmt: skip
+        answer = httpx.post(f"{url}/v1/cached/chat/completions", json=chat, headers=AUTH, timeout=180)
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        assert usage["cached_tokens"] >= usage["prompt_tokens"] - 16
     finally:  # the last test of the module: the fleet stays disaggregated until the module's teardown
         shared.stop()
 

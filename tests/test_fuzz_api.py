@@ -84,14 +84,15 @@ def bound_lengths(case) -> None:
 def check_response(label: str, case, response) -> None:
     text = response.content.decode("utf-8", "replace")
     where = f"{label} {response.status_code} for body={case.body!r} query={case.query!r} path={case.path_parameters!r}"
-    assert response.status_code < 500, f"{where}: {text[:500]}"
+    # 501: a valid request for something tierserve does not build, refused like a 4xx
+    assert response.status_code < 500 or response.status_code == 501, f"{where}: {text[:500]}"
     for mark in TRACEBACK_MARKS:
         assert mark not in text, f"{where}: body leaks {mark!r}: {text[:500]}"
     if response.status_code < 300:
         # "abort" ends a request only when the engine failed a step (or the client left): a bad input
         # must be refused up front, not crash the step that every running request shares
         assert '"finish_reason":"abort"' not in text.replace(" ", ""), f"{where}: {text[:500]}"
-    if 400 <= response.status_code < 500:
+    if 400 <= response.status_code < 500 or response.status_code == 501:
         for mark in PATH_MARKS:
             assert mark not in text, f"{where}: error leaks a path: {text[:500]}"
         body = json.loads(text)
@@ -144,7 +145,8 @@ def test_operation_never_fails_or_leaks(api, label: str, mode: GenerationMode) -
     assert statuses.total() > 0
 
 
-# Values a hostile user sent that once made a 500 (or were silently ignored): each must be a 4xx in OpenAI's shape.
+# Values a hostile user sent that once made a 500 (or were silently ignored): each must be a 4xx (or the 501 of
+# something not built) in OpenAI's shape.
 DEEP = "[" * 100_000 + "]" * 100_000
 CHAT = [{"role": "user", "content": "Hi"}]
 GENERATION_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/cached/completions", "/v1/cached/chat/completions"]
@@ -198,7 +200,7 @@ def test_edge_values_are_refused_in_openai_shape(api, route, edge):
         content = json.dumps({"prompt": "Hi", "messages": CHAT, "max_tokens": MAX_TOKENS, **body}).encode()
     response = httpx.post(base + route, content=content, headers={"content-type": "application/json"}, timeout=60)
     check_response(f"POST {route}", Sent(content[:200]), response)
-    assert 400 <= response.status_code < 500, response.text[:500]
+    assert 400 <= response.status_code < 500 or response.status_code == 501, response.text[:500]
 
 
 @pytest.mark.parametrize("route", [*GENERATION_ROUTES, "/v1/embeddings", "/v1/cache/warm", "/v1/cache/clear"])

@@ -106,9 +106,9 @@ def test_a_request_naming_no_max_tokens_generates_at_most_max_tokens_limit(check
     engine.close()
 
 
-def test_the_window_flag_is_a_400_unless_the_operator_allows_it(checkpoint):
+def test_the_window_flag_is_a_400_where_the_operator_forbids_it(checkpoint):
     past_context = {"prompt": "Hello there", "max_tokens": 520, "ignore_eos": True, "temperature": 0}
-    server, engine = serve(checkpoint, {})
+    server, engine = serve(checkpoint, {"sliding_window.allow_per_request": False})
     with server as base:
         windowed = {**past_context, "enable_sliding_window": True}
         refused = httpx.post(f"{base}/v1/cached/completions", json=windowed, timeout=60)
@@ -119,8 +119,7 @@ def test_the_window_flag_is_a_400_unless_the_operator_allows_it(checkpoint):
         assert httpx.post(f"{base}/v1/cached/completions", json=off, timeout=60).status_code == 200
     assert_pool_released(engine)
     engine.close()
-    window = {"sliding_window.allow_per_request": True, "sliding_window.window_size": 64,
-              "sliding_window.window_overlap": 16}  # fmt: skip
+    window = {"sliding_window.window_size": 64, "sliding_window.window_overlap": 16}  # allowed per request by default
     server, engine = serve(checkpoint, window)
     with server as base:
         windowed = {**past_context, "enable_sliding_window": True}

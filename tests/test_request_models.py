@@ -1,5 +1,6 @@
-"""Hypothesis on the request models: any JSON in any field is accepted or a validation error (a 400), and what
-is accepted stays inside the documented limits, so the engine never meets a value it would refuse mid-step."""
+"""Hypothesis on the request models: any JSON in any field is accepted, a validation error (a 400) or a feature not
+built (a 501), and what is accepted stays inside the documented limits, so the engine never meets a value it would
+refuse mid-step."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from tierserve.core.errors import RequestError
 from tierserve.core.sampling_params import SamplingParams
 from tierserve.server.embedding_routes import EmbeddingRequest
+from tierserve.server.errors import NotImplementedFeature
 from tierserve.server.schemas import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -87,10 +89,11 @@ SETTINGS = settings(max_examples=150, deadline=None, database=None, suppress_hea
 
 
 def validate(model: type[BaseModel], body: dict[str, Any]) -> BaseModel | None:
-    """The model, or None for a validation error (the route's 400); anything else raised fails the test."""
+    """The model, or None for a validation error (the route's 400) or a feature not built (its 501); anything
+    else raised fails the test."""
     try:
         return model.model_validate(body)
-    except ValidationError:
+    except (ValidationError, NotImplementedFeature):
         return None
 
 

@@ -103,19 +103,21 @@ def test_text_format_parses(client):
 
 
 @pytest.mark.parametrize(
-    ("extra", "param"),
+    ("extra", "param", "status"),
     [
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"background": True}, "background"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
-        ({"input": [{"type": "reasoning"}]}, "input[0].type"),
-        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", 501),
+        ({"background": True}, "background", 501),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", 501),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type", 501),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+         400),
+        ({"text": {"format": {"type": "xml"}}}, "text.format", 400),
     ],
 )  # fmt: skip
-def test_what_is_not_implemented_is_a_400(client, extra, param):
-    with pytest.raises(openai.BadRequestError) as failure:
+def test_what_is_not_built_is_a_501_and_what_the_model_cannot_read_a_400(client, extra, param, status):
+    with pytest.raises(openai.APIStatusError) as failure:
         client.responses.create(**{"model": "tiny", "input": "Hi", "max_output_tokens": 4, **extra})
+    assert failure.value.status_code == status
     assert failure.value.body["param"] == param or failure.value.body["param"].startswith(param)
 
 

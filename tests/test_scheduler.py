@@ -36,7 +36,7 @@ from tierserve.settings.config import SchedulerSettings
 from tierserve.core.plugins import load_plugins
 from tierserve.core.sampler import SampledToken
 from tierserve.core.sampling_params import SamplingParams
-from tierserve.core.scheduler import QueueFullError, Scheduler
+from tierserve.core.scheduler import PROMPT_LOGITS_PER_STEP, QueueFullError, Scheduler
 from tierserve.core.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.unit
@@ -210,6 +210,27 @@ def test_prompt_longer_than_budget_is_prefilled_in_chunks(name):
     engine.run()
     assert engine.chunks_of(seq) == [16, 16, 16, 2, 1, 1]
     engine.check_all_done([seq])
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_prompts_scored_for_their_logprobs_share_a_bounded_number_of_positions_a_step(name):
+    # every scored position returns a vocabulary-wide logits row: a step takes at most PROMPT_LOGITS_PER_STEP of them,
+    # however big its token budget (this fake runner computes no logprobs, so every prompt position counts)
+    engine = FakeEngine(name, num_blocks=512, max_num_batched_tokens=2048)
+    scored = make_seq(0, prompt_len=600, max_tokens=2)
+    plain = make_seq(1, prompt_len=600, max_tokens=2)
+    later = make_seq(2, prompt_len=300, max_tokens=2)
+    for seq in (scored, later):
+        seq.params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    for seq in (scored, plain, later):
+        engine.add(seq)
+    engine.run()
+    bound = PROMPT_LOGITS_PER_STEP
+    assert engine.chunks_of(scored) == [bound, 600 - bound, 1]
+    assert engine.chunks_of(plain) == [600, 1]  # the same step, whole
+    assert engine.chunks_of(later) == [300, 1]  # the first step's rows were taken: admitted at the second
+    assert all(sum(c.num_prompt_logits for c in out.chunks) <= bound for out in engine.outputs)
+    engine.check_all_done([scored, plain, later])
 
 
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)

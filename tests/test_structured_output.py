@@ -99,7 +99,6 @@ def test_json_object_mode_starts_an_object(server):
         ({"guided_grammar": 'root ::= "a" ('}, "guided_grammar", "not a Lark or GBNF grammar"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint per request"),
         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "ends where its grammar does"),
-        ({"guided_regex": "a", "beam_width": 2}, "guided_regex", "beam search"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_400s_naming_the_field(server, extra, param, phrase):

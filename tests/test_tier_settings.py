@@ -121,12 +121,12 @@ def test_the_shorthands_build_the_same_list(toml_file):
     flat = toml_file(
         """
         [kv_cache]
-        l2_capacity = 50000
-        max_memory_bytes = 1000000000
+        l2_capacity = 100000
+        max_memory_bytes = 8000000000
         eviction_policy = "Adaptive"
         persistence = true
         disk_path = "~/.cache/tierserve/kv"
-        max_disk_bytes = 21474836480
+        max_disk_bytes = 10000000000
         """,
         "flat.toml",
     )
@@ -137,13 +137,13 @@ def test_the_shorthands_build_the_same_list(toml_file):
         [[kv_cache.tiers]]
         name = "l2"
         plugin = "memory"
-        capacity = 50000
-        max_bytes = 1000000000
+        capacity = 100000
+        max_bytes = 8000000000
         [[kv_cache.tiers]]
         name = "l3"
         plugin = "disk"
         path = "~/.cache/tierserve/kv"
-        max_bytes = 21474836480
+        max_bytes = 10000000000
         persistent = true
         write_through = true
         """

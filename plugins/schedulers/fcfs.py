@@ -8,7 +8,7 @@ from typing import Any
 
 from tierserve.core.batch import ScheduledChunk, SchedulerOutput
 from tierserve.core.hookspecs import hookimpl
-from tierserve.core.scheduler import QueueFullError, Scheduler
+from tierserve.core.scheduler import PROMPT_LOGITS_PER_STEP, QueueFullError, Scheduler
 from tierserve.core.sequence import Sequence, SequenceStatus
 
 
@@ -29,6 +29,9 @@ class FCFSScheduler(Scheduler):
     next turn as its last one ends) sequences that finish one step apart
     would otherwise send prompts that each arrive during the previous one's
     prefill step and wait all of it, turn after turn.
+
+    Prompts whose logprobs are asked for take at most ``PROMPT_LOGITS_PER_STEP`` scored positions a step
+    together (each returns a vocabulary-wide logits row).
 
     When a running sequence needs a block and none is free, the last-admitted
     running sequence is preempted: its blocks are freed and it goes back to
@@ -101,18 +104,23 @@ class FCFSScheduler(Scheduler):
         self._running.sort(key=self.order_key)
         decoding = [s for s in self._running if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in self._running if s.num_uncomputed_tokens > 1]
+        logit_rows = PROMPT_LOGITS_PER_STEP  # scored prompt positions this step may still take
 
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            num_tokens = min(self.chunk_tokens(seq, budget, logit_rows) + len(seq.spec_token_ids), budget)
+            if not num_tokens:  # a scored prompt, and the step's logits rows are taken
+                continue
             num_draft = max(0, num_tokens - seq.num_uncomputed_tokens)
             self.drop_drafts(seq, num_draft)  # the drafts the budget cannot cover are not verified
             if self._allocate_or_preempt(seq, num_tokens, output):
-                output.chunks.append(ScheduledChunk(seq, num_tokens, num_draft))
+                chunk = ScheduledChunk(seq, num_tokens, num_draft)
+                output.chunks.append(chunk)
                 budget -= num_tokens
+                logit_rows -= chunk.num_prompt_logits
         # a preemption victim may have been scheduled before it was chosen
         output.chunks = [c for c in output.chunks if c.seq.status is SequenceStatus.RUNNING]
         budget = self.settings.max_num_batched_tokens - output.num_tokens
@@ -133,7 +141,9 @@ class FCFSScheduler(Scheduler):
                     parked.append(heapq.heappop(self._waiting))
                     continue
                 self.kv.match_prefix(seq)  # cached prefix blocks are shared, not recomputed
-                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                num_tokens = self.chunk_tokens(seq, budget, logit_rows)
+                if not num_tokens:  # a scored prompt, and the step's logits rows are taken: it starts next step
+                    break
                 if not self.kv.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
                     self.kv.missed_admission(seq, seq.num_computed_tokens + num_tokens)
                     break
@@ -142,8 +152,10 @@ class FCFSScheduler(Scheduler):
                 heapq.heappop(self._waiting)
                 seq.status = SequenceStatus.RUNNING
                 self._running.append(seq)
-                output.chunks.append(ScheduledChunk(seq, num_tokens))
+                chunk = ScheduledChunk(seq, num_tokens)
+                output.chunks.append(chunk)
                 budget -= num_tokens
+                logit_rows -= chunk.num_prompt_logits
                 self._steps_before_prompts = self.settings.decode_steps_between_prefills
         for item in parked:
             heapq.heappush(self._waiting, item)

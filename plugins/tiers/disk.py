@@ -196,8 +196,8 @@ class DiskTier(QueuedTier, CacheTier):
                 self._index.pin(key)
 
     def hold(self, key: bytes) -> None:
-        """Protect ``key`` from expiry, and from eviction until only held entries are left to evict,
-        leaves first (a queued key once written); a key not stored is ignored."""
+        """Protect ``key`` from eviction until only held entries are left to evict, leaves first (a queued key
+        once written); not from expiry (its children are younger, so past the TTL too); a key not stored is ignored."""
         with self.lock:
             if key in self._index or key in self._pending:
                 self._index.hold(key)
@@ -362,7 +362,7 @@ class DiskTier(QueuedTier, CacheTier):
         return self.ttl is not None and time.time() - created > self.ttl
 
     def _expire_if_old(self, key: bytes, stored: StoredEntry) -> bool:
-        if not self._expired(stored.created) or self._index.kept(key):
+        if not self._expired(stored.created) or key in self._index.pinned:  # a hold does not outlive the TTL
             return False
         self._index.remove(key)
         self._delete_file(key)
@@ -371,7 +371,7 @@ class DiskTier(QueuedTier, CacheTier):
         return True
 
     def _expire_pending_if_old(self, entry: CacheEntry) -> bool:
-        if not self._expired(entry.created) or self._index.kept(entry.key):
+        if not self._expired(entry.created) or entry.key in self._index.pinned:
             return False
         del self._pending[entry.key]  # the writer skips an entry no longer pending
         self.stats.expirations += 1

@@ -142,10 +142,6 @@ class DiskIndex:
         self._count(0, raw - stored.raw)
         stored.raw, stored.created = raw, created
 
-    def kept(self, key: bytes) -> bool:
-        """Whether ``key`` is pinned or held (neither expires)."""
-        return key in self.pinned or key in self.held
-
     def has_room(self, size: int) -> bool:
         """Whether an entry of ``size`` bytes fits beside what is indexed."""
         return not self.max_bytes or self.stored_bytes + size <= self.max_bytes

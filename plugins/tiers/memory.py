@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -15,6 +16,9 @@ from tierserve.core.hookspecs import hookimpl
 if TYPE_CHECKING:
     from tierserve.cache.eviction import EvictionPolicy
     from tierserve.core.tier_settings import TierSettings
+
+
+SWEEP_ENTRIES = 256  # the oldest entries an expiry looks over for more past the TTL
 
 
 class MemoryTierSettings(BaseModel):
@@ -37,8 +41,10 @@ class MemoryTier(CacheTier):
     being kept.
 
     Entries older than ``ttl_seconds`` (None or 0: never) are deleted when a
-    lookup sees them. Pinned entries are neither evicted nor expired: they are
-    being read or still have cached children.
+    lookup sees them. Pinned entries are neither evicted nor expired (they are
+    being read, or a named prefix); held ones (``hold``: they still have cached
+    children) are not evicted but do expire: a child is never older than its parent,
+    so an expired parent's children are past the TTL too.
 
     ``get`` returns a new ``CacheEntry`` around the stored ``kv`` tensor (not a
     copy of it): callers may reassign its fields but must not write into ``kv``.
@@ -61,6 +67,7 @@ class MemoryTier(CacheTier):
         self.policy = policy_factory(max(self.max_entries, 1))
         self._sized_policy = not self._by_bytes
         self._entries: dict[bytes, CacheEntry] = {}
+        self._held: set[bytes] = set()  # pinned in the policy by a hold, not by a pin: they still expire
         self._bytes = 0
 
     def contains(self, key: bytes) -> bool:
@@ -144,11 +151,20 @@ class MemoryTier(CacheTier):
         """Protect ``key`` from eviction and expiry; a key not stored is ignored."""
         with self.lock:
             if key in self._entries:
+                self._held.discard(key)
                 self.policy.pin(key)
+
+    def hold(self, key: bytes) -> None:
+        """Protect ``key`` from eviction (it has cached children), not from expiry; replaces a pin."""
+        with self.lock:
+            if key in self._entries:
+                self.policy.pin(key)
+                self._held.add(key)
 
     def unpin(self, key: bytes) -> None:
         with self.lock:
             if key in self._entries:
+                self._held.discard(key)
                 self.policy.unpin(key)
 
     def check_integrity(self) -> None:
@@ -204,18 +220,31 @@ class MemoryTier(CacheTier):
     def _forget(self, key: bytes) -> CacheEntry:
         """Drop the data of ``key``; the caller settles the policy."""
         entry = self._entries.pop(key)
+        self._held.discard(key)
         self._bytes -= entry.nbytes
         return entry
 
     def _expire_if_old(self, entry: CacheEntry) -> bool:
-        if self.ttl is None or time.time() - entry.created <= self.ttl or self.policy.is_pinned(entry.key):
+        if not self._past_ttl(entry):
             return False
-        self._forget(entry.key)
-        self.policy.remove(entry.key)
-        self.stats.expirations += 1
-        self.note_removed(entry.key)
+        self._expire(entry.key)
+        # what was stored before it is likely past the TTL too, and no lookup reaches the children of an
+        # expired parent: look over the oldest entries now rather than keep them until they are evicted
+        for old in [e for e in itertools.islice(self._entries.values(), SWEEP_ENTRIES) if self._past_ttl(e)]:
+            self._expire(old.key)
         self._sync_byte_stats()
         return True
+
+    def _past_ttl(self, entry: CacheEntry) -> bool:
+        if self.ttl is None or time.time() - entry.created <= self.ttl:
+            return False
+        return not self.policy.is_pinned(entry.key) or entry.key in self._held
+
+    def _expire(self, key: bytes) -> None:
+        self._forget(key)
+        self.policy.remove(key)
+        self.stats.expirations += 1
+        self.note_removed(key)
 
     def _sync_byte_stats(self) -> None:
         self.stats.stored_bytes = self.stats.raw_bytes = self._bytes

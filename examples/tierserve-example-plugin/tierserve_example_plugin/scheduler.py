@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tierserve.core import hookimpl
 from tierserve.core.batch import ScheduledChunk, SchedulerOutput
-from tierserve.core.scheduler import QueueFullError, Scheduler
+from tierserve.core.scheduler import PROMPT_LOGITS_PER_STEP, QueueFullError, Scheduler
 from tierserve.core.sequence import Sequence, SequenceStatus
 
 
@@ -47,18 +47,23 @@ class ShortestPromptFirst(Scheduler):
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.settings.max_num_batched_tokens
+        logit_rows = PROMPT_LOGITS_PER_STEP  # scored prompt positions this step may still take
         # decodes before prefills, shorter sequences first
         for seq in sorted(self._running, key=lambda s: (s.num_uncomputed_tokens > 1, s.num_tokens)):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            num_tokens = min(self.chunk_tokens(seq, budget, logit_rows) + len(seq.spec_token_ids), budget)
+            if not num_tokens:  # a scored prompt, and the step's logits rows are taken
+                continue
             num_draft = max(0, num_tokens - seq.num_uncomputed_tokens)
             self.drop_drafts(seq, num_draft)
             if self._allocate_or_preempt(seq, seq.num_computed_tokens + num_tokens, output):
-                output.chunks.append(ScheduledChunk(seq, num_tokens, num_draft))
+                chunk = ScheduledChunk(seq, num_tokens, num_draft)
+                output.chunks.append(chunk)
                 budget -= num_tokens
+                logit_rows -= chunk.num_prompt_logits
         output.chunks = [c for c in output.chunks if c.seq.status is SequenceStatus.RUNNING]
         if output.preempted:
             return output  # memory is short: admit nothing new this step
@@ -67,15 +72,19 @@ class ShortestPromptFirst(Scheduler):
         while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
             seq = self._waiting[0]
             self.kv.match_prefix(seq)
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self.chunk_tokens(seq, budget, logit_rows)
+            if not num_tokens:
+                break
             if not self.kv.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
                 self.kv.reset(seq)
                 break
             self._waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
-            output.chunks.append(ScheduledChunk(seq, num_tokens))
+            chunk = ScheduledChunk(seq, num_tokens)
+            output.chunks.append(chunk)
             budget -= num_tokens
+            logit_rows -= chunk.num_prompt_logits
         return output
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
