@@ -47,6 +47,7 @@ class Block:
     follows: bytes | None = None  # the hash it is listed after in ``BlockPool.children`` (parent, or a root)
     accesses: int = 0  # prefix hits on the registered content; carried down a tier when the block is evicted
     created: float = 0.0  # time.time() when its content was first computed (a promoted block keeps its entry's)
+    cached_at: float = 0.0  # time.time() when it was registered here (computed, or promoted from a tier)
 
 
 class BlockPool:
@@ -181,7 +182,8 @@ class BlockPool:
         if block_hash in self.cached or block.block_hash is not None:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
-        block.created = time.time() if created is None else created
+        block.cached_at = time.time()
+        block.created = block.cached_at if created is None else created
         self.cached[block_hash] = block_id
         block.follows = parent if parent is not None else root
         if block.follows is not None and token_ids:

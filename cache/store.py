@@ -104,9 +104,10 @@ class TieredStore:
             block into a new one of the sequence's and reuse those tokens too (``match_prefix``).
         partial_min_tokens: the fewest tokens worth that copy (where recomputing a few tokens costs less
             than moving a block through ``transfer``, as on a GPU).
-        l1_ttl_seconds: an L1 block computed longer ago than this is no longer a hit: a lookup that meets it
-            withdraws it (counted in L1's ``expirations``), unless a sequence uses it or it is pinned, as the
-            tiers below expire their entries (``[kv_cache] ttl_seconds``); None or 0: never.
+        l1_ttl_seconds: an L1 block cached longer ago than this (computed here, or promoted from a tier that
+            still held it) is no longer a hit: a lookup that meets it withdraws it (counted in L1's
+            ``expirations``), unless a sequence uses it or it is pinned (``[kv_cache] ttl_seconds``); None or 0:
+            never. A block demoted passes down when it was computed, which the tiers' own TTLs count from.
 
     Attributes:
         tier_names: ``"l1"`` then the names of ``tiers`` in order; the index
@@ -193,7 +194,7 @@ class TieredStore:
         if block_id is None or self.l1_ttl is None:
             return block_id
         block = self.pool.blocks[block_id]
-        if time.time() - block.created <= self.l1_ttl or block.ref_count or self.pins.count(key):
+        if time.time() - block.cached_at <= self.l1_ttl or block.ref_count or self.pins.count(key):
             return block_id
         if expire:
             self.pool.uncache(key)
@@ -401,7 +402,7 @@ class TieredStore:
         source, tokens = found
         pool = self.pool
         blocks = pool.blocks
-        if self.l1_ttl is not None and time.time() - blocks[source].created > self.l1_ttl:
+        if self.l1_ttl is not None and time.time() - blocks[source].cached_at > self.l1_ttl:
             return 0  # past the TTL: not served, in part or whole
         idle = blocks[source].ref_count == 0 and blocks[source].block_hash not in pool.pinned
         needed = -(-seq.num_tokens // bs) - whole  # the copy and every block after it

@@ -50,7 +50,7 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
         num_blocks = max(1, kv.l1_max_bytes // spec.block_bytes)
     device_type = backend.device.type
     fitted = memory_budget.fit_l1_blocks(
-        num_blocks, spec.block_bytes, device_type, memory_budget.device_available_bytes(device_type), kv.l1_memory_fraction
+        num_blocks, spec.block_bytes, device_type, memory_budget.device_available_bytes(backend.device), kv.l1_memory_fraction
     )
     if fitted.reason is not None:
         log.warning("kv_l1_sized_down", configured_blocks=num_blocks, blocks=fitted.value, reason=fitted.reason)

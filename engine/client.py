@@ -331,8 +331,14 @@ class EngineClient:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request at the next step and free its blocks (thread-safe; unknown ids are ignored)."""
-        self.driver.send(Abort([request_id]))
+        """Stop a request at the next step and free its blocks (thread-safe; unknown ids are ignored). With the
+        core process gone (dead, or being restarted) there is nothing to stop: its requests ended with it."""
+        from tierserve.engine.process import EngineProcessError
+
+        try:
+            self.driver.send(Abort([request_id]))
+        except EngineProcessError:
+            pass
 
     def in_flight(self) -> list[str]:
         """Ids of the requests this client is still streaming."""

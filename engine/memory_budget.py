@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -45,12 +49,14 @@ def host_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def device_available_bytes(device_type: str) -> int | None:
-    """Memory free now where the KV pool lives: the GPU's for ``cuda``, the host's otherwise."""
-    if device_type == "cuda":
+def device_available_bytes(device: torch.device) -> int | None:
+    """Memory free now where the KV pool lives: that GPU's for a ``cuda`` device (what the allocator caches
+    from loading the weights given back first), the host's otherwise."""
+    if device.type == "cuda":
         import torch
 
-        free, _total = torch.cuda.mem_get_info()
+        torch.cuda.empty_cache()
+        free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return host_available_bytes()
 

@@ -139,6 +139,20 @@ def check_request(
     if streaming:
         own = StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap).sized(window_size)
         needed = own.sink_tokens + own.window_size + own.window_overlap + 2 * info.block_size
+        if window_size is not None and num_prompt <= info.max_model_len and needed + num_prompt > info.kv_capacity_tokens:
+            # a smaller window would fit beside this prompt: the request's own size is at fault, so say which fits
+            room = info.kv_capacity_tokens - own.sink_tokens - 2 * info.block_size - num_prompt
+            largest = room - window.window_overlap
+            if largest // 2 < window.window_overlap:  # the overlap is then half the window: w + w // 2 tokens
+                largest = room * 2 // 3
+            low, high = WINDOW_SIZE_RANGE
+            if largest >= low:
+                raise RequestError(
+                    f"window_size: {window_size} tokens (with sinks and overlap) and the prompt's {num_prompt} do "
+                    f"not fit this server's KV cache ({info.kv_capacity_tokens} tokens); allowed: {low} to "
+                    f"{min(high, largest)} here",
+                    param="window_size",
+                )
         if num_prompt > info.max_model_len or needed + num_prompt > info.kv_capacity_tokens:
             raise RequestError(
                 f"prompt: {num_prompt} tokens; with sliding_window the prompt must fit the context "

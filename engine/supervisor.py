@@ -227,6 +227,12 @@ class EngineSupervisor:
     def _restart(self, wait: float) -> None:
         """Wait, then spawn cores until one loads (attached to the client) or the restarts run out."""
         limit = self._settings.server.engine_max_restarts
+        with self._lock:
+            dead = self._core.process
+        if dead.is_alive():  # its pipe closed but it still runs: never two cores on the same disk tier
+            log.warning("engine_process_kill", pid=dead.pid, reason="its pipe closed while it still ran")
+            dead.kill()
+        dead.join(timeout=30)
         while not self._closing.wait(wait):
             with self._lock:
                 attempt = self._attempt
@@ -265,9 +271,28 @@ class EngineSupervisor:
                     self._state = "running"
                     log.info("engine_process_restarted", pid=process.pid, restarts=self._restarts, attempt=attempt,
                              load_seconds=round(self._load_seconds, 3))  # fmt: skip
-                    return
+                    restarted = True
+                else:
+                    restarted = False
+            if restarted:
+                self._warm_again()
+                return
             ProcessDriver(process, conn, self._client).shutdown()  # loaded as the server stops: flush and end it
             return
+
+    def _warm_again(self) -> None:
+        """Compute the start-up prompts (``[kv_cache] warm_prompts``) into the new core, as the first one was."""
+        from tierserve.engine.connect import warm_prompts
+
+        prompts = warm_prompts(self._settings)
+        if not prompts:
+            return
+        try:
+            warmed = self._client.warm(prompts)
+        except Exception as exc:  # noqa: BLE001 - a warm is an optimisation: the core serves without it
+            log.warning("warm_prompts_failed_after_restart", error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("warm_prompts_cached", prompts=len(prompts), tokens=warmed.tokens, writes=warmed.writes, restart=True)
 
     def _exhausted(self, what: str, limit: int) -> str:
         if limit == 0:

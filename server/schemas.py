@@ -295,6 +295,12 @@ class ChatRequest(SamplingFields):
     # the legacy function-calling fields: a 501 pointing at tools, never silently plain text
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # OpenAI's features beyond text generation: a 501 when asked for, never silently a plain answer
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
 
     @field_validator("top_logprobs", mode="before")
     @classmethod
@@ -330,6 +336,21 @@ class ChatRequest(SamplingFields):
         if isinstance(self.function_call, dict):
             raise NotImplementedFeature("function_call", self.function_call, legacy,
                                         '"none" or "auto"; send tools and tool_choice instead')  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def text_only(self) -> ChatRequest:
+        if self.audio is not None:
+            raise NotImplementedFeature("audio", self.audio, "audio output", "omitted or null (text only)")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise NotImplementedFeature("modalities", self.modalities, "output other than text", '["text"] or omitted')
+        if self.prediction is not None:
+            raise NotImplementedFeature("prediction", self.prediction, "predicted outputs", "omitted or null")
+        if self.web_search_options is not None:
+            raise NotImplementedFeature("web_search_options", self.web_search_options, "web search", "omitted or null")
+        if self.store:
+            raise NotImplementedFeature("store", self.store, "stored chat completions (GET /v1/chat/completions)",
+                                        "false or omitted; /v1/responses stores responses (store: true)")  # fmt: skip
         return self
 
     @field_validator("tool_choice")

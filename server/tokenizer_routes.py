@@ -14,11 +14,11 @@ from typing import Any
 
 from litestar import Request, get, post
 from litestar.params import FromQuery, JSONBody
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tierserve.engine.requests import RequestError
 from tierserve.server.errors import APIError
-from tierserve.server.schemas import Body, ChatMessage
+from tierserve.server.schemas import MAX_MESSAGES, Body, ChatMessage, TokenId
 from tierserve.server.state import state_of
 
 MAX_TOKENIZE_BYTES = 4 * 1024 * 1024  # a prompt past the server's prompt bound is refused by the body limit first
@@ -29,7 +29,7 @@ class TokenizeRequest(Body):
 
     model: str | None = None
     prompt: str | None = Field(None, max_length=MAX_TOKENIZE_BYTES)
-    messages: list[ChatMessage] | None = Field(None, max_length=4096)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True  # the tokenizer's BOS and the like, as the completion routes add them
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as chat requests do
     return_token_strs: bool = False
@@ -45,7 +45,14 @@ class DetokenizeRequest(Body):
     """vLLM's ``/detokenize`` body."""
 
     model: str | None = None
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[TokenId] = Field(max_length=1_000_000)
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _integers(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(isinstance(token, bool) for token in value):
+            raise ValueError("token ids are integers, not true or false")
+        return value
 
 
 @post("/tokenize", status_code=200)
@@ -64,7 +71,9 @@ async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> dict[st
             ids = await asyncio.to_thread(engine.tokenize, data.prompt, data.add_special_tokens)
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    strs = [engine.token_text(token) for token in ids] if data.return_token_strs else None
+    except ValueError as exc:  # the chat template refused the conversation
+        raise APIError(400, f"messages: the model's chat template refused them: {exc}", param="messages") from None
+    strs = await asyncio.to_thread(lambda: [engine.token_text(token) for token in ids]) if data.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
 

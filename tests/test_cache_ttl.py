@@ -81,3 +81,25 @@ def test_a_block_in_use_or_named_outlives_the_ttl_in_l1(checkpoint):
         assert tier(engine, "l1").expirations == 0
     finally:
         engine.close()
+
+
+def test_a_block_promoted_from_a_longer_lived_tier_is_served_from_l1_again(checkpoint, tmp_path):
+    # L1's TTL counts from when a block entered L1: one promoted from a tier that keeps it longer is not read
+    # from that tier again on every hit
+    disk = {"name": "l3", "plugin": "disk", "path": str(tmp_path / "l3"), "persistent": False, "write_through": True,
+            "ttl_seconds": 0}  # fmt: skip
+    engine = make_engine(checkpoint, kv_cache__block_size=4, kv_cache__ttl_seconds=TTL, kv_cache__tiers=[disk],
+                         kv_cache__reuse_partial_blocks=False)  # fmt: skip
+    try:
+        [first] = engine.generate([PROMPT], GREEDY)
+        usable = (len(first.prompt_token_ids) - 1) // 4
+        engine.flush_cache()
+        time.sleep(TTL + 0.3)
+        [late] = engine.generate([PROMPT], GREEDY)
+        assert late.cached_tokens == 4 * usable  # past L1's TTL, not past the disk tier's (none)
+        disk_hits = tier(engine, "l3").hits
+        assert disk_hits == usable and tier(engine, "l1").expirations >= 1
+        [again] = engine.generate([PROMPT], GREEDY)
+        assert again.cached_tokens == 4 * usable and tier(engine, "l3").hits == disk_hits  # from L1 this time
+    finally:
+        engine.close()

@@ -96,3 +96,16 @@ def test_a_request_may_turn_the_window_on_and_size_it_within_the_specs_range(pre
     unwindowed = {**windowed, "enable_sliding_window": False}
     refused = httpx.post(f"{preset}/v1/cached/completions", json=unwindowed, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "window_size"
+
+
+def test_a_window_the_kv_cache_cannot_hold_is_a_400_naming_window_size_and_what_fits():
+    from tierserve.testing import http_client
+
+    with http_client({"kv_cache.l1_capacity": 64}) as client:  # 64 blocks of 16: 1,024 tokens of KV
+        body = {"prompt": "Hello there", "max_tokens": 8, "enable_sliding_window": True, "window_size": 1024}
+        refused = client.post("/v1/cached/completions", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "window_size"
+        largest = int(refused.json()["error"]["message"].rsplit(" to ", 1)[1].split()[0])
+        assert 64 <= largest < 1024
+        fits = client.post("/v1/cached/completions", json={**body, "window_size": largest})
+        assert fits.status_code == 200, fits.text

@@ -46,6 +46,9 @@ def test_bad_tokenizer_requests_are_400s_naming_the_field_and_keys_are_required(
     assert neither.status_code == 400 and "prompt" in neither.json()["error"]["message"]
     outside = client.post("/detokenize", json={"tokens": [10**9]})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    assert client.post("/detokenize", json={"tokens": [True]}).status_code == 400  # a boolean is no token id
+    empty = client.post("/tokenize", json={"messages": []})
+    assert empty.status_code == 400 and "messages" in empty.json()["error"]["message"]
     unknown = client.post("/tokenize", json={"prompt": "x", "model": "no-such-model"})
     assert unknown.status_code == 404
     anonymous = client.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": ""})
