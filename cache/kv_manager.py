@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from tierserve.cache.stats import PrefixMatch
     from tierserve.cache.store import PrefixLoad
     from tierserve.cache.store import TieredStore
+    from tierserve.core.sections import SlidingWindowSettings
     from tierserve.core.sequence import Sequence
 
 PLACEHOLDER_BLOCK = 0  # what a released entry of a block table points at; never written through it
@@ -60,6 +61,11 @@ class StreamingWindow:
     sink_tokens: int
     window_size: int
     window_overlap: int
+
+    @classmethod
+    def of(cls, window: SlidingWindowSettings) -> StreamingWindow:
+        """The window ``[sliding_window]`` describes."""
+        return cls(window.sink_tokens, window.window_size, window.window_overlap)
 
     def sized(self, window_size: int | None) -> StreamingWindow:
         """This window with a request's own ``window_size`` (None: unchanged); the overlap stays below

@@ -191,16 +191,25 @@ class TieredStore:
         """The L1 block holding ``key`` with these tokens, unless it is past ``l1_ttl`` (a block a sequence uses,
         or a pinned one, is not); ``expire``: withdraw such a block from L1 (else it is only not found)."""
         block_id = self.pool.lookup(key, tokens)
-        if block_id is None or self.l1_ttl is None:
-            return block_id
-        block = self.pool.blocks[block_id]
-        if time.time() - block.cached_at <= self.l1_ttl or block.ref_count or self.pins.count(key):
+        if block_id is None or not self._l1_expired(key, block_id):
             return block_id
         if expire:
-            self.pool.uncache(key)
-            self.placement.discard(key, L1)
-            self.l1_stats.expirations += 1
+            self._expire_l1(key)
         return None
+
+    def _l1_aged(self, block: Block) -> bool:
+        """Whether ``block`` entered L1 longer than ``l1_ttl`` ago."""
+        return self.l1_ttl is not None and time.time() - block.cached_at > self.l1_ttl
+
+    def _l1_expired(self, key: bytes, block_id: int) -> bool:
+        """Past ``l1_ttl``, and neither used by a sequence nor pinned: no longer served."""
+        block = self.pool.blocks[block_id]
+        return self._l1_aged(block) and not block.ref_count and not self.pins.count(key)
+
+    def _expire_l1(self, key: bytes) -> None:
+        self.pool.uncache(key)
+        self.placement.discard(key, L1)
+        self.l1_stats.expirations += 1
 
     def start_load(self, seq: Sequence) -> PrefixLoad | None:
         """Read, on the loader thread, the blocks of ``seq``'s prompt that follow its L1 prefix and may sit below
@@ -378,9 +387,11 @@ class TieredStore:
         bs = self.block_size
         for later in range(index + 1, usable):
             key = seq.block_hashes[later]
-            if self.pool.lookup(key, tuple(seq.token_ids[later * bs : (later + 1) * bs])) is None:
+            block_id = self.pool.lookup(key, tuple(seq.token_ids[later * bs : (later + 1) * bs]))
+            if block_id is None:
                 return
-            self._l1_lookup(key, tuple(seq.token_ids[later * bs : (later + 1) * bs]), expire=True)
+            if self._l1_expired(key, block_id):
+                self._expire_l1(key)
 
     def _copy_partial_block(self, seq: Sequence, whole: int) -> int:
         """After ``whole`` matched blocks (maybe none), reuse the start of an L1 block that follows the same
@@ -402,7 +413,7 @@ class TieredStore:
         source, tokens = found
         pool = self.pool
         blocks = pool.blocks
-        if self.l1_ttl is not None and time.time() - blocks[source].cached_at > self.l1_ttl:
+        if self._l1_aged(blocks[source]):
             return 0  # past the TTL: not served, in part or whole
         idle = blocks[source].ref_count == 0 and blocks[source].block_hash not in pool.pinned
         needed = -(-seq.num_tokens // bs) - whole  # the copy and every block after it

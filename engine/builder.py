@@ -62,10 +62,7 @@ def build_core(settings: Settings, plugins: PluginManager | None = None) -> Engi
     pool = BlockPool(num_blocks, kv.block_size, policies.get(kv.eviction_policy).factory(num_blocks))
     backend.allocate_kv_cache(num_blocks, kv.block_size)
     store = build_store(settings, plugins, backend, pool, host_left)
-    window = settings.sliding_window
-    manager = KVCacheManager(
-        pool, store, spec, StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap)
-    )
+    manager = KVCacheManager(pool, store, spec, StreamingWindow.of(settings.sliding_window))
     limits = ModelLimits(backend.max_model_len, backend.eos_token_ids)
     component = plugins.registry("schedulers").get(settings.scheduler.name)
     options = component.settings

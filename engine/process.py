@@ -176,14 +176,12 @@ DeathHandler = Callable[["ProcessDriver", "int | None"], EngineProcessError]
 
 
 class ProcessDriver:
-    """The parent's handle on a core process: sends messages, and a reader thread hands back outputs.
+    """The parent's handle on one core process: sends messages, and a reader thread hands back outputs.
 
-    ``on_death`` is told of an exit nobody asked for (the driver and the exit code) and returns the error the
-    requests and calls in flight end with (whether to retry them: see ``supervisor.py``).
+    The client's driver is the ``EngineSupervisor`` (``supervisor.py``), which holds one of these for the core
+    running now. ``on_death`` is told of an exit nobody asked for (the driver and the exit code) and returns the
+    error the requests and calls in flight end with (whether to retry them).
     """
-
-    threaded = True
-    running = True
 
     def __init__(
         self, process: BaseProcess, conn: Connection, client: EngineClient, on_death: DeathHandler | None = None
@@ -216,15 +214,6 @@ class ProcessDriver:
         self.send(call)
         return future.result()
 
-    def has_work(self) -> bool:
-        return bool(self._client.in_flight())
-
-    def step(self) -> None:
-        raise RuntimeError("the engine core runs in its own process; step() is for an in-process core")
-
-    def start(self) -> None:
-        """The child runs from the moment it is spawned."""
-
     def shutdown(self) -> None:
         """Ask the child to abort everything, flush its tiers and exit; wait for it."""
         self._stopping = True
@@ -239,9 +228,6 @@ class ProcessDriver:
             log.warning("engine_process_kill", pid=self.process.pid)
             self.process.kill()
             self.process.join()
-
-    def close(self) -> None:
-        self.shutdown()
 
     def _read(self) -> None:
         while True:

@@ -137,7 +137,7 @@ def check_request(
             "enable_sliding_window: needs the native backend (paged KV); allowed: false", param="enable_sliding_window"
         )
     if streaming:
-        own = StreamingWindow(window.sink_tokens, window.window_size, window.window_overlap).sized(window_size)
+        own = StreamingWindow.of(window).sized(window_size)
         needed = own.sink_tokens + own.window_size + own.window_overlap + 2 * info.block_size
         if window_size is not None and num_prompt <= info.max_model_len and needed + num_prompt > info.kv_capacity_tokens:
             # a smaller window would fit beside this prompt: the request's own size is at fault, so say which fits

@@ -100,10 +100,11 @@ class Lab:
         return load_settings(preset, environ={}, overrides=keyed(merged))
 
     @contextmanager
-    def engine(self, values: Mapping[str, Any] | None = None) -> Iterator[EngineClient]:
-        """An engine in this process, stepped by hand, closed afterwards."""
+    def engine(self, values: Mapping[str, Any] | None = None, *, process: bool = False) -> Iterator[EngineClient]:
+        """An engine in this process, stepped by hand (``process``: its core in a child process, as ``tierserve
+        serve`` starts it), closed afterwards."""
         loaded = self.settings(values)
-        engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=False)
+        engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=process)
         try:
             yield engine
         finally:

@@ -23,7 +23,7 @@ from tests.server_helpers import free_port
 from tests.waiting import wait_until
 from tierserve.server.app import server_config
 from tierserve.settings.config import load_settings
-from tierserve.engine import EngineClient, RequestOutput
+from tierserve.engine import RequestOutput
 from tierserve.engine.process import EngineProcessError
 from tierserve.models.builtin_models import write_checkpoint
 from tierserve.core.errors import ConfigError
@@ -188,23 +188,12 @@ def server_max_stream_backlog(lab: Lab) -> None:
 # ---- [monitoring] -----------------------------------------------------------------------------
 
 
-@contextmanager
-def process_engine(lab: Lab, values: dict) -> Iterator[EngineClient]:
-    """An engine whose core runs in a child process, as ``tierserve serve`` starts it; closed afterwards."""
-    loaded = lab.settings(values)
-    engine = EngineClient.from_settings(loaded.settings, loaded.plugins, process=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 def server_engine_max_restarts(lab: Lab) -> None:
     # the default restarts a killed core up to 5 times in a row (0: never, tests/test_engine_process.py); with 1,
     # a core that cannot load again (its checkpoint is gone) is tried once, then the supervisor gives up for good
     doomed = write_checkpoint(lab.tmp / "doomed", "llama", seed=1)
     values = {"model.path": str(doomed), "server.engine_max_restarts": 1, "server.engine_restart_backoff_seconds": 0.1}
-    with process_engine(lab, values) as engine:
+    with lab.engine(values, process=True) as engine:
         shutil.rmtree(doomed)
         os.kill(engine.driver.process.pid, signal.SIGKILL)
         wait_until(lambda: engine.supervision().state == "failed", timeout=120, what="the supervisor to give up")
@@ -218,7 +207,7 @@ def server_engine_max_restarts(lab: Lab) -> None:
 def server_engine_restart_backoff_seconds(lab: Lab) -> None:
     # the default waits 1 s before a restart: a client is told to come back in a few seconds, here in minutes
     values = {"server.engine_restart_backoff_seconds": 120.0}
-    with process_engine(lab, values) as engine, lab.http(values, engine) as client:
+    with lab.engine(values, process=True) as engine, lab.http(values, engine) as client:
         os.kill(engine.driver.process.pid, signal.SIGKILL)
         wait_until(lambda: engine.supervision().state == "restarting", timeout=30, what="the restart to be scheduled")
         response = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1})

@@ -90,6 +90,18 @@ function showNotice(text, kind) {
   notice.className = "notice " + (kind || "");
 }
 
+const STATS_EVERY_MS = 2000;
+let timer = null;
+
+// the page's poll() now, then again STATS_EVERY_MS after each one ends (never two at once); calling it again
+// (a new key) polls at once
+function schedule() {
+  clearTimeout(timer);
+  poll().finally(() => {
+    timer = setTimeout(schedule, STATS_EVERY_MS);
+  });
+}
+
 function setStatus(text, ok) {
   const status = $("status");
   status.textContent = text;

@@ -3,13 +3,11 @@
 // beyond formatting. Each figure's element carries the raw value in data-value (tests and scripts read it).
 "use strict";
 
-const STATS_EVERY_MS = 2000;
 const LISTS_EVERY = 5; // the prefix and key lists walk the server's index: every 5th poll
 const TIER_COLOURS = ["#2f6fdf", "#1a9e5c", "#e07b12", "#9b4dca", "#c23b57", "#5b6b7b"];
 const SVG = "http://www.w3.org/2000/svg";
 
 let polls = 0;
-let timer = null;
 let firstRender = true;
 
 // ---- formatting -----------------------------------------------------------------------------------
@@ -338,13 +336,6 @@ async function poll() {
       showNotice(error.message, "bad");
     }
   }
-}
-
-function schedule() {
-  clearTimeout(timer);
-  poll().finally(() => {
-    timer = setTimeout(schedule, STATS_EVERY_MS);
-  });
 }
 
 // ---- actions -------------------------------------------------------------------------------------------

@@ -3,10 +3,7 @@
 // made here. Each figure's element carries the raw value in data-value (tests and scripts read it).
 "use strict";
 
-const STATS_EVERY_MS = 2000;
-
 let polls = 0;
-let timer = null;
 
 function sum(values) {
   return values.reduce((total, value) => total + (value || 0), 0);
@@ -123,13 +120,6 @@ async function poll() {
       showNotice(error.message, "bad");
     }
   }
-}
-
-function schedule() {
-  clearTimeout(timer);
-  poll().finally(() => {
-    timer = setTimeout(schedule, STATS_EVERY_MS);
-  });
 }
 
 function setUp() {
