@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--cases", type=_names(tier_stall.CASES), default=list(tier_stall.CASES),
                     help=f"comma-separated, of {','.join(tier_stall.CASES)} (default: all)")  # fmt: skip
 
+    from bench import fleet as fleet_bench
+
     fl = commands.add_parser("fleet", help="tierserve fleet on Ray: cache-aware routing, disaggregation")
     fl.add_argument("--parts", type=_names(("routing", "disaggregation", "nodes")), default=["routing", "disaggregation", "nodes"],
                     help="routing, disaggregation, nodes: two Ray nodes, one lost mid-run (default: all three)")
@@ -156,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--arrival-rate", type=float, default=2.0, help="conversations starting per second, Poisson (default: 2)")
     fl.add_argument("--l1-prefixes", type=float, default=0.25,
                     help="the fraction of the system prompts one replica's L1 holds (default: 0.25)")
+    fl.add_argument("--routings", type=_names(fleet_bench.ROUTINGS), default=list(fleet_bench.ROUTINGS),
+                    help=f"routing part: comma-separated, of {','.join(fleet_bench.ROUTINGS)} (default: all)")
     fl.add_argument("--tiers", type=_names(("none", "redis")), default=["none", "redis"],
                     help="below L1: none, and/or a write-through redis tier every replica shares (default: both)")
     fl.add_argument("--decoders", type=int, default=4, help="streams decoding during the long prompts (default: 4)")

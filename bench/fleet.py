@@ -107,22 +107,59 @@ def conversations(tokenizer, systems: int, per_system: int, turns: int, prefix_l
     return chats
 
 
-def routing_run(ctx: BenchContext, server: FleetServer, args: Any, seed: int) -> dict:
+def routing_chats(ctx: BenchContext, args: Any, seed: int) -> list[Conversation]:
+    """The conversations of one routing run, in the order they arrive (tenants interleaved)."""
     chats = conversations(ctx.tokenizer, args.systems_prompts, max(1, args.conversations // args.systems_prompts),
                           args.turns, args.prefix_len, args.turn_len, seed)  # fmt: skip
-    random.Random(seed).shuffle(chats)  # tenants interleaved, as they arrive
+    random.Random(seed).shuffle(chats)
+    return chats
+
+
+def hit_rate_ceiling(tokenizer: Any, chats: list[Conversation], turns: int) -> float:
+    """The prompt-token hit rate no placement can beat on these conversations: a turn can reuse at most what it
+    shares with an earlier prompt (a conversation's first turn: its tenant's system prompt, once an earlier
+    conversation of the tenant sent it; a later turn: its own history), never its last token."""
+    seen_systems: set[str] = set()
+    cached = total = 0
+    for chat in chats:
+        previous: list[int] | None = None
+        for turn in range(turns):
+            ids = tokenizer(chat.prompt(turn))["input_ids"]
+            if previous is not None:
+                shared = next((i for i, (a, b) in enumerate(zip(ids, previous)) if a != b), min(len(ids), len(previous)))
+            elif chat.system in seen_systems:
+                shared = len(tokenizer(chat.system)["input_ids"]) - 1  # the system text's last token may merge on
+            else:
+                shared = 0
+            cached += min(shared, len(ids) - 1)
+            total += len(ids)
+            previous = ids
+        seen_systems.add(chat.system)
+    return cached / total if total else 0.0
+
+
+def routing_run(ctx: BenchContext, server: FleetServer, args: Any, seed: int) -> dict:
+    chats = routing_chats(ctx, args, seed)
     sessions = [[server.completion_body(chat.prompt(t), args.output_len) for t in range(args.turns)] for chat in chats]
     rng, clock, starts = random.Random(seed + 1), 0.0, []
     for _ in sessions:  # Poisson arrivals: exponential gaps
         starts.append(clock)
         clock += rng.expovariate(args.arrival_rate) if args.arrival_rate > 0 else 0.0
-    decisions = lambda: httpx.get(f"{server.base_url}/v1/fleet/stats", timeout=30).json()["routing_decisions"]  # noqa: E731
-    before = decisions()
+    fleet_stats = lambda: httpx.get(f"{server.base_url}/v1/fleet/stats", timeout=30).json()  # noqa: E731
+    before = fleet_stats()["routing_decisions"]
     result: RunResult = asyncio.run(run_clients(server, sessions, starts=starts))
     summary = result.summary()
     summary["hit_rate"] = summary["cached_tokens"] / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0
-    after = decisions()  # the ingress counts since it started: this run's are the difference
+    summary["hit_rate_ceiling"] = hit_rate_ceiling(ctx.tokenizer, chats, args.turns)
+    stats = fleet_stats()
+    after = stats["routing_decisions"]  # the ingress counts since it started: this run's are the difference
     summary["routing_decisions"] = {reason: after[reason] - before.get(reason, 0) for reason in after if after[reason] != before.get(reason, 0)}
+    summary["routing_seconds"] = stats.get("routing_seconds")  # the router's own time per decision (its latest)
+    # the replicas' own TTFT p50 (their recent requests): what the client sees beyond it is the proxy, ingress and router
+    summary["replica_ttft_p50_s"] = median([r["ttft_p50"] for r in stats["replicas"].values() if r.get("ttft_p50")] or [0.0])
+    # how evenly the router spread the run (a redeploy starts new replicas: their counts are this run's)
+    counts = sorted(sum(r.get("routing_decisions", {}).values()) for r in stats["replicas"].values())
+    summary["requests_per_replica"] = counts if any(counts) else None  # Ray's own router counts nothing here
     return summary
 
 
@@ -188,7 +225,8 @@ def run(ctx: BenchContext, args: Any) -> dict:
                     redis_server = redis_server or RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start()
                     tiers = [{"name": "shared", "plugin": "redis", "url": redis_server.url, "write_through": True}]
                 for repeat in range(args.repeats):
-                    order = ROUTINGS if repeat % 2 == 0 else ROUTINGS[::-1]
+                    routings = [routing for routing in ROUTINGS if routing in args.routings]
+                    order = routings if repeat % 2 == 0 else routings[::-1]
                     for routing in order:
                         server = deploy(ctx, port, {"replicas": args.replicas, "routing": routing}, tiers, kv)
                         if not runs:
@@ -200,7 +238,8 @@ def run(ctx: BenchContext, args: Any) -> dict:
                         runs.append({"part": "routing", "routing": routing, "tier": shared, "repeat": repeat, **summary})
                         print(f"routing {routing} ({shared}): hit rate {summary['hit_rate']:.3f}, TTFT p50 "
                               f"{summary['ttft_p50_s']}s p99 {summary['ttft_p99_s']}s, errors {summary['errors']} "
-                              f"({summary['first_error']}), decisions {summary['routing_decisions']}")
+                              f"({summary['first_error']}), decisions {summary['routing_decisions']}, routing {summary['routing_seconds']}, "
+                              f"replicas' TTFT p50 {summary['replica_ttft_p50_s']}")
         if "disaggregation" in args.parts:
             redis_server = redis_server or RedisServer(Path(tempfile.mkdtemp(prefix="tierserve-redis-"))).start()
             tier = {"name": "shared", "plugin": "redis", "url": redis_server.url, "write_through": True}
@@ -224,7 +263,7 @@ def run(ctx: BenchContext, args: Any) -> dict:
 def finish(ctx: BenchContext, args: Any, runs: list[dict]) -> dict:
     config = {key: getattr(args, key) for key in (
         "parts", "replicas", "conversations", "systems_prompts", "turns", "prefix_len", "turn_len", "output_len",
-        "arrival_rate", "l1_prefixes", "tiers", "repeats", "decoders", "decode_len", "long_prompts", "long_len",
+        "arrival_rate", "l1_prefixes", "routings", "tiers", "repeats", "decoders", "decode_len", "long_prompts", "long_len",
         "node_clients", "node_seconds", "kill_at",
     )}  # fmt: skip
     summary = summarise(runs)
@@ -316,7 +355,8 @@ def summarise(runs: list[dict]) -> dict:
         for routing in ROUTINGS:
             mine = [r for r in runs if r.get("routing") == routing and r.get("tier") == shared]
             if mine:
-                table[routing] = {key: median([r[key] for r in mine]) for key in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "output_tok_s")}
+                keys = ("hit_rate", "hit_rate_ceiling", "ttft_p50_s", "ttft_p99_s", "output_tok_s", "replica_ttft_p50_s")
+                table[routing] = {key: median([r[key] for r in mine if r.get(key) is not None]) for key in keys}
         default = table.get("power_of_two")
         for routing in ("kv_events", "cache_aware"):
             if routing in table and default:

@@ -63,10 +63,15 @@ def command_line() -> str:
 def machine() -> dict:
     """The machine the figures belong to."""
     cpu = platform.processor() or platform.machine()
+    features: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                # which of the CPU kernels' builds can run here: a host's name ("AMD EPYC") does not say
+                flags = set(line.split(":", 1)[1].split())
+                features = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags]
                 break
     except OSError:
         pass
@@ -80,6 +85,7 @@ def machine() -> dict:
         commit = ""
     return {
         "cpu": cpu,
+        "cpu_features": features,
         "cores": os.cpu_count(),
         "memory_gib": round(memory, 1) if memory else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

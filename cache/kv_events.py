@@ -66,6 +66,7 @@ class KVEventLog:
         self.holdings = holdings
         self.epoch = uuid.uuid4().hex
         self.seq = 0
+        self.recorded = 0  # changes recorded so far: a reader that saw this count has nothing new to ask for
         self._pending: list[tuple[bool, int, bytes]] = []
         self._batches: deque[KVEventBatch] = deque(maxlen=max_batches)
 
@@ -73,6 +74,7 @@ class KVEventLog:
         """``key`` arrived at (``stored``) or left ``position``; positions not reported are ignored."""
         if position in self.positions:
             self._pending.append((stored, position, key))
+            self.recorded += 1
 
     def since(self, epoch: str | None, seq: int) -> KVEvents:
         """Everything after batch ``seq`` of ``epoch`` (the changes recorded since the last call become a batch)."""

@@ -485,6 +485,7 @@ class EngineCore:
             cache_keys=len(self.keys) if self.keys is not None else 0,
             cache_keys_pinned_bytes=self.keys.pinned_bytes if self.keys is not None else 0,
             plugin_figures=[source.read() for source in self.figure_sources],
+            kv_events_recorded=self.store.events.recorded if self.store is not None else 0,
         )
 
     def _window_snapshot(self) -> WindowSnapshot:

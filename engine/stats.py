@@ -143,6 +143,7 @@ class EngineSnapshot:
     cache_keys: int = 0  # named prefixes (cache_key) registered
     cache_keys_pinned_bytes: int = 0  # bytes of the distinct blocks they pin
     plugin_figures: list[FigureGroup] = field(default_factory=list)  # components' own figures (cache.figures)
+    kv_events_recorded: int = 0  # block events recorded so far (cache.kv_events): unchanged, none to publish
 
     @property
     def kv_usage(self) -> float:

@@ -107,7 +107,7 @@ def build_fleet(sources: SettingsSources) -> Any:
     # losing any other node leaves them standing.
     on_head = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
     hub_options = {"num_replicas": 1, "ray_actor_options": on_head, "max_ongoing_requests": 10_000,
-                   "logging_config": {"enable_access_log": False}}  # a call every 20-50 ms per replica and router
+                   "logging_config": {"enable_access_log": False}}  # a publication every 0.1-1 s per replica, a call as often per router
     hub = serve.deployment(KVHub, name=HUB_DEPLOYMENT).options(**hub_options).bind()
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(settings.fleet, settings, sources))
     ingress = serve.deployment(Ingress, name="ingress").options(ray_actor_options=on_head, max_ongoing_requests=10_000)

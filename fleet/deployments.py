@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tierserve.fleet.fleet_view import fleet_document
-from tierserve.fleet.prefix_affinity import DECISIONS, REPLICA_DECISIONS
+from tierserve.fleet.prefix_affinity import DECIDE_SECONDS, DECISIONS, REPLICA_DECISIONS
 from tierserve.fleet.settings_sources import SettingsSources, replica_settings
 
 log = structlog.get_logger(__name__)
@@ -244,7 +244,7 @@ class Ingress:
             if given not in self.admin_keys:
                 return _error(401, "a valid admin API key is required for /v1/fleet/stats", "authentication_error")
         replicas = await self.hub.summary.remote() if self.hub is not None else {}
-        return JSONResponse(fleet_document(self.routing, DECISIONS, REPLICA_DECISIONS, replicas))
+        return JSONResponse(fleet_document(self.routing, DECISIONS, REPLICA_DECISIONS, replicas, list(DECIDE_SECONDS)))
 
 
 def fleet_page(path: str) -> Response:

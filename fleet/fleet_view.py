@@ -11,7 +11,7 @@ the sum of the replicas' own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -20,18 +20,34 @@ def fleet_document(
     decisions: Mapping[str, int],
     replica_decisions: Mapping[str, Mapping[str, int]],
     replicas: Mapping[str, dict[str, Any]],
+    decide_seconds: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """The document: ``routing`` (``fleet.routing``), ``routing_decisions`` (reason -> requests), ``replicas`` (name ->
-    the hub's summary of it, with ``routing_decisions`` of its own), ``shared_tiers`` (name -> figures)."""
+    """The document: ``routing`` (``fleet.routing``), ``routing_decisions`` (reason -> requests), ``routing_seconds``
+    (what the router's latest decisions took: how many, p50, p99, max), ``replicas`` (name -> the hub's summary of it,
+    with ``routing_decisions`` of its own), ``shared_tiers`` (name -> figures)."""
     listed = {
         name: {**state, "routing_decisions": dict(replica_decisions.get(name, {}))} for name, state in sorted(replicas.items())
     }
     return {
         "routing": routing,
         "routing_decisions": dict(decisions),
+        "routing_seconds": decision_times(decide_seconds),
         "replicas": listed,
         "shared_tiers": shared_tiers(listed.values()),
     }
+
+
+def decision_times(seconds: Sequence[float]) -> dict[str, Any]:
+    """How long the router took to decide, over its latest decisions (a request may be decided more than once:
+    Ray asks again when a chosen replica cannot take it)."""
+    ordered = sorted(seconds)
+    if not ordered:
+        return {"decisions": 0, "p50": None, "p99": None, "max": None}
+
+    def at(share: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(share * len(ordered)))], 6)
+
+    return {"decisions": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 6)}
 
 
 def shared_tiers(replicas: Any) -> dict[str, dict[str, int]]:

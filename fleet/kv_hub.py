@@ -1,8 +1,10 @@
 """The fleet's KV event hub: one Ray Serve deployment that every engine replica publishes its cache events to,
 and every ingress router follows.
 
-    EngineReplica ── every PUBLISH_SECONDS: engine.kv_events(cursor) + load ──► KVHub.publish ──► FleetKVIndex
-    KVEventRouter's HubMirror ── every MIRROR_SECONDS: KVHub.updates(version) ──► its own FleetKVIndex
+    EngineReplica ── when its cache changed (looked at every PUBLISH_SECONDS), its free blocks moved, or every
+                     HEARTBEAT_SECONDS: engine.kv_events(cursor) + load ──► KVHub.publish ──► FleetKVIndex
+    KVEventRouter's HubMirror ── KVHub.updates(version), answered once there is news (at most every
+                                 MIRROR_SECONDS, or after WAIT_SECONDS without) ──► its own FleetKVIndex
     KVEventRouter ── per request, locally: mirror.match(prompt ids, salt) ──► {replica: ReplicaMatch}
 
 One hub serves every router, so several ingress replicas see the same
@@ -16,6 +18,7 @@ nothing; the router also tells the hub when Ray reports a replica dead.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -31,8 +34,13 @@ from tierserve.fleet.kv_index import STALE_SECONDS, FleetKVIndex, ReplicaLoad, R
 log = structlog.get_logger(__name__)
 
 HUB_DEPLOYMENT = "kv-hub"
-PUBLISH_SECONDS = 0.05
-MIRROR_SECONDS = 0.02
+PUBLISH_SECONDS = 0.1
+# a replica with nothing new still publishes this often: its TTFT and report stay current, and silence (STALE_SECONDS)
+# means it is gone; publishing every PUBLISH_SECONDS regardless cost a 2-core fleet a tenth of its CPU (hub, replicas)
+HEARTBEAT_SECONDS = 1.0
+PRESSURE_SHARE = 1 / 64  # free blocks moved by this share of the pool since the last publication: publish it
+MIRROR_SECONDS = 0.1
+WAIT_SECONDS = 1.0  # a mirror's call waits this long for news before the hub answers with none
 FORGET_SECONDS = 60.0  # a replica silent this long leaves the hub (and the fleet's views); stale ones are listed till then
 REPORT_SECONDS = 1.0  # a replica's figures for the fleet's views (dashboard, top --fleet) go with a publication this often
 
@@ -46,6 +54,7 @@ class KVHub:
         self.version = 0
         self.log: deque[tuple[int, str, KVEvents | None, ReplicaLoad | None]] = deque(maxlen=max_log)
         self.reports: dict[str, dict[str, Any]] = {}  # replica -> its latest ``replica_report``, for the fleet's views
+        self._news: asyncio.Event | None = None  # set (and replaced) whenever the version moves: mirrors waiting wake
 
     async def publish(self, replica: str, events: KVEvents, load: ReplicaLoad, report: dict[str, Any] | None = None) -> bool:
         """Apply a replica's events (and keep its ``report``); False: they did not follow the last ones, publish a
@@ -53,8 +62,7 @@ class KVHub:
         if report is not None:
             self.reports[replica] = report
         applied = self.index.apply(replica, events, load)
-        self.version += 1
-        self.log.append((self.version, replica, events if applied else None, load))  # None: start over
+        self._append(replica, events if applied else None, load)  # None: start over
         if not applied:
             log.info("fleet_kv_resync", replica=replica, epoch=events.epoch, seq=events.seq)
         return applied
@@ -62,12 +70,27 @@ class KVHub:
     async def forget(self, replica: str) -> None:
         self.index.forget(replica)
         self.reports.pop(replica, None)
-        self.version += 1
-        self.log.append((self.version, replica, None, None))
+        self._append(replica, None, None)
 
-    async def updates(self, since: int) -> HubUpdates:
+    def _append(self, replica: str, events: KVEvents | None, load: ReplicaLoad | None) -> None:
+        self.version += 1
+        self.log.append((self.version, replica, events, load))
+        if self._news is not None:
+            self._news.set()
+            self._news = None
+
+    async def updates(self, since: int, wait_seconds: float = 0.0) -> HubUpdates:
         """What a router's mirror needs after ``since``: the publications applied since then, in order, or (too far
-        behind, or a hub that restarted) every replica's state as a snapshot."""
+        behind, or a hub that restarted) every replica's state as a snapshot. With nothing new yet, the answer waits
+        up to ``wait_seconds`` for news (a long poll: a mirror asks again at once, and hears of a change when it
+        happens rather than at its next poll)."""
+        if since == self.version and wait_seconds > 0:
+            if self._news is None:
+                self._news = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._news.wait(), wait_seconds)
+            except asyncio.TimeoutError:
+                pass
         oldest = self.log[0][0] if self.log else self.version + 1
         if since < oldest - 1 or since > self.version:
             full = {}
@@ -102,8 +125,10 @@ class HubUpdates:
 
 
 class HubMirror:
-    """A router's copy of the hub's index, kept current by a thread that asks the hub for updates every
-    ``MIRROR_SECONDS`` (a handle's blocking call: never on the router's event loop). Reads are locked."""
+    """A router's copy of the hub's index, kept current by a thread that asks the hub for updates (a handle's
+    blocking call, never on the router's event loop): the hub answers when there is news, and the thread asks
+    again ``MIRROR_SECONDS`` later, so news waits at most that long and a quiet fleet costs a call a second. Reads
+    are locked."""
 
     def __init__(self, app_name: str) -> None:
         self.app_name = app_name
@@ -159,7 +184,7 @@ class HubMirror:
         while not self._stop.wait(MIRROR_SECONDS):
             try:
                 hub = hub or serve.get_deployment_handle(HUB_DEPLOYMENT, app_name=self.app_name)
-                self.apply(hub.updates.remote(self.version).result(timeout_s=10))
+                self.apply(hub.updates.remote(self.version, WAIT_SECONDS).result(timeout_s=10 + WAIT_SECONDS))
                 if self._failing:
                     log.info("fleet_kv_mirror_recovered")
                     self._failing = False
@@ -177,6 +202,8 @@ class EventPublisher:
         """``where``: what the fleet's views show of the replica's place (its deployment, node), sent with reports."""
         self.replica, self.engine, self.hub, self.ttft_p50, self.where = replica, engine, hub, ttft_p50, where or {}
         self.reported = 0.0
+        self.published = 0.0  # when it last published, and what its engine had then (events recorded, free blocks)
+        self.seen: tuple[int, int] | None = None
         self.cursor: tuple[str | None, int] = (None, -1)
         self._stop = threading.Event()
         self._failing = False
@@ -190,11 +217,20 @@ class EventPublisher:
         self._stop.set()
 
     def publish_once(self) -> bool:
-        """One publication (nothing when the cache is off); False when the hub asked for a snapshot."""
+        """One publication if one is due (nothing when the cache is off); False when the hub asked for a snapshot.
+
+        Due: the engine recorded block events since the last one, its free blocks moved by ``PRESSURE_SHARE`` of
+        its pool, ``HEARTBEAT_SECONDS`` passed, or the hub asked to start over."""
+        stats = self.engine.stats()
+        now = time.monotonic()
+        if self.seen is not None and self.cursor[0] is not None and now - self.published < HEARTBEAT_SECONDS:
+            recorded, free = self.seen
+            moved = abs(stats.kv_blocks_free - free) >= max(1.0, PRESSURE_SHARE * stats.kv_blocks_total)
+            if stats.kv_events_recorded == recorded and not moved:
+                return True
         events = self.engine.kv_events(*self.cursor)
         if events is None:
             return True
-        stats = self.engine.stats()
         load = ReplicaLoad(self.engine.info.fingerprint, self.engine.info.block_size, stats.kv_blocks_free,
                            stats.kv_blocks_total, self.ttft_p50())  # fmt: skip
         report = None
@@ -202,6 +238,7 @@ class EventPublisher:
             report, self.reported = {**self.where, **replica_report(stats)}, time.monotonic()
         applied = self.hub.publish.remote(self.replica, events, load, report).result()
         self.cursor = (events.epoch, events.seq) if applied else (None, -1)
+        self.published, self.seen = now, (stats.kv_events_recorded, stats.kv_blocks_free)
         return applied
 
     def _run(self) -> None:

@@ -30,7 +30,7 @@ from tierserve.cache.hashing import extend_hashes, root_hash
 from tierserve.cache.kv_events import KVEvents
 
 L1 = 0
-STALE_SECONDS = 5.0  # a replica publishes every 50 ms: silent this long, it is gone (its node lost, its process dead)
+STALE_SECONDS = 5.0  # a replica publishes at least every second: silent this long, it is gone (its node lost, its process dead)
 LOWER_TIER_WEIGHT = 0.5  # a block in a private tier below L1 saves its compute but costs a read
 # a replica whose TTFT p50 is over eight times the other replicas' median loses the prefix's claim: a degraded
 # replica, not one that served more misses lately (a p50 mixing hits and misses swings fourfold on shared cores;

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,7 @@ KEY_BYTES = 12
 # Routing decisions of this process's routers, by reason (the ingress serves them at /v1/fleet/stats).
 DECISIONS: Counter[str] = Counter()  # cache_key, prefix, overloaded, no_match, unparsed
 REPLICA_DECISIONS: defaultdict[str, Counter[str]] = defaultdict(Counter)  # replica -> the same, of its requests
+DECIDE_SECONDS: deque[float] = deque(maxlen=4096)  # what the latest routing decisions took in the router, each
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ metric ``tierserve_fleet_routing_decisions``).
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -73,7 +74,9 @@ class CacheAwareRouter(RequestRouter):
         if not by_name:
             return []
         ongoing = {name: self._ongoing[name] for name in by_name}
+        started = time.perf_counter()
         chosen, reason, key = self._decide(pending_request, ongoing)
+        prefix_affinity.DECIDE_SECONDS.append(time.perf_counter() - started)
         if pending_request is not None:
             self._follow(pending_request, key, reason)
         others = [replica for name, replica in by_name.items() if name != chosen]

@@ -117,6 +117,8 @@ def test_the_fleet_dashboard_and_top_show_each_replica(fleet, capsys):
         for reason, count in replica["routing_decisions"].items():
             per_replica[reason] = per_replica.get(reason, 0) + count
     assert per_replica == stats["routing_decisions"]  # each decision is counted against the replica it chose
+    timing = stats["routing_seconds"]  # what deciding took in the router: reading, hashing, matching
+    assert timing["decisions"] >= sum(per_replica.values()) and 0 < timing["p50"] <= timing["p99"] <= timing["max"] < 5
     assert stats["replicas"][home]["routing_decisions"].get("kv_l1", 0) >= 1
     assert stats["shared_tiers"] == {}  # no redis tier in this fleet
 

@@ -230,3 +230,76 @@ def test_the_fleet_document_merges_the_shared_tiers_and_counts_decisions_per_rep
     assert list(document["replicas"]) == ["r1", "r2", "r3"]
     assert document["replicas"]["r1"]["routing_decisions"] == {"kv_l1": 3} and document["replicas"]["r3"]["routing_decisions"] == {}
     assert document["shared_tiers"] == {"shared": {"entries": 42, "bytes": 4000, "hits": 8, "misses": 2, "replicas": 2}}
+
+
+def test_a_mirrors_call_waits_for_news_and_is_answered_when_a_replica_publishes():
+    """The hub answers a mirror that is up to date when something is published (a long poll), not at its deadline;
+    with nothing published, after ``wait_seconds`` with no entries."""
+    import asyncio
+    import time
+
+    from tierserve.fleet.kv_hub import KVHub
+
+    hub = KVHub()
+    load = ReplicaLoad("fp", 4, 50, 64)
+
+    async def scenario() -> tuple[float, int, float, int]:
+        started = time.monotonic()
+        quiet = await hub.updates(hub.version, wait_seconds=0.2)
+        quiet_took = time.monotonic() - started
+        waiting = asyncio.ensure_future(hub.updates(hub.version, wait_seconds=30))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await hub.publish("r1", KVEvents("e", 0, snapshot={0: [b"k"]}), load)
+        news = await waiting
+        return quiet_took, len(quiet.entries), time.monotonic() - started, len(news.entries)
+
+    quiet_took, quiet_entries, news_took, news_entries = asyncio.run(scenario())
+    assert 0.15 <= quiet_took < 5 and quiet_entries == 0
+    assert news_took < 5 and news_entries == 1
+
+
+class _Hub:
+    """The hub's ``publish`` as a replica's handle calls it (``.remote(...).result()``), into a real ``KVHub``."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        from tierserve.fleet.kv_hub import KVHub
+
+        self.hub, self.calls, self.publish = KVHub(), 0, self
+        self.loop = asyncio.new_event_loop()
+
+    def remote(self, *args):
+        self.calls += 1
+        result = self.loop.run_until_complete(self.hub.publish(*args))
+        return type("Done", (), {"result": lambda _self: result})()
+
+
+def test_a_replica_publishes_when_its_cache_changed_and_otherwise_only_a_heartbeat():
+    """Nothing new in the cache, free blocks where they were: no publication until the heartbeat is due; a request
+    that stored blocks is published at the next look, and the hub then believes what the engine holds."""
+    from tierserve.fleet import kv_hub
+    from tierserve.fleet.kv_hub import EventPublisher
+
+    with tiny_engine(SETTINGS) as engine:
+        hub = _Hub()
+        publisher = EventPublisher("r1", engine, hub, lambda: None)
+        assert publisher.publish_once() and hub.calls == 1  # the first: a snapshot
+        for _ in range(5):
+            publisher.publish_once()
+        assert hub.calls == 1  # quiet engine: nothing sent
+        engine.generate([PROMPTS[0]], GREEDY)
+        publisher.publish_once()
+        assert hub.calls == 2 and hub.hub.index.replicas["r1"].holds == actual(engine)
+        publisher.published -= kv_hub.HEARTBEAT_SECONDS  # a heartbeat's worth of silence
+        publisher.publish_once()
+        assert hub.calls == 3
+
+
+def test_the_fleet_document_reports_what_routing_decisions_took():
+    from tierserve.fleet.fleet_view import fleet_document
+
+    document = fleet_document("kv_events", {}, {}, {}, [0.002] * 98 + [0.05, 0.09])
+    assert document["routing_seconds"] == {"decisions": 100, "p50": 0.002, "p99": 0.09, "max": 0.09}
+    assert fleet_document("power_of_two", {}, {}, {})["routing_seconds"]["decisions"] == 0
