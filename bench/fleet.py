@@ -116,25 +116,23 @@ def routing_chats(ctx: BenchContext, args: Any, seed: int) -> list[Conversation]
 
 
 def hit_rate_ceiling(tokenizer: Any, chats: list[Conversation], turns: int) -> float:
-    """The prompt-token hit rate no placement can beat on these conversations: a turn can reuse at most what it
-    shares with an earlier prompt (a conversation's first turn: its tenant's system prompt, once an earlier
-    conversation of the tenant sent it; a later turn: its own history), never its last token."""
-    seen_systems: set[str] = set()
+    """The prompt-token hit rate no placement can beat on these conversations: a prompt can reuse at most its
+    longest common prefix with an earlier prompt (partial blocks included), never its last token. Earlier: the
+    conversation's own turns before it, and every turn of the conversations that started before it (more than
+    had arrived by then, which can only raise the bound). Generated tokens are not counted: the next turn's
+    prompt carries the conversation's fixed reply instead."""
+    trie: dict[int, dict] = {}
     cached = total = 0
     for chat in chats:
-        previous: list[int] | None = None
         for turn in range(turns):
             ids = tokenizer(chat.prompt(turn))["input_ids"]
-            if previous is not None:
-                shared = next((i for i, (a, b) in enumerate(zip(ids, previous)) if a != b), min(len(ids), len(previous)))
-            elif chat.system in seen_systems:
-                shared = len(tokenizer(chat.system)["input_ids"]) - 1  # the system text's last token may merge on
-            else:
-                shared = 0
+            node, shared = trie, 0
+            for token in ids:  # walk what earlier prompts hold, then add the rest of this one
+                if token in node:
+                    shared += 1
+                node = node.setdefault(token, {})
             cached += min(shared, len(ids) - 1)
             total += len(ids)
-            previous = ids
-        seen_systems.add(chat.system)
     return cached / total if total else 0.0
 
 
@@ -158,8 +156,9 @@ def routing_run(ctx: BenchContext, server: FleetServer, args: Any, seed: int) ->
     # the replicas' own TTFT p50 (their recent requests): what the client sees beyond it is the proxy, ingress and router
     summary["replica_ttft_p50_s"] = median([r["ttft_p50"] for r in stats["replicas"].values() if r.get("ttft_p50")] or [0.0])
     # how evenly the router spread the run (a redeploy starts new replicas: their counts are this run's)
+    # decisions, not requests: Ray asks the router again when a chosen replica cannot take one
     counts = sorted(sum(r.get("routing_decisions", {}).values()) for r in stats["replicas"].values())
-    summary["requests_per_replica"] = counts if any(counts) else None  # Ray's own router counts nothing here
+    summary["decisions_per_replica"] = counts if any(counts) else None  # Ray's own router counts nothing here
     return summary
 
 

@@ -486,6 +486,7 @@ class EngineCore:
             cache_keys_pinned_bytes=self.keys.pinned_bytes if self.keys is not None else 0,
             plugin_figures=[source.read() for source in self.figure_sources],
             kv_events_recorded=self.store.events.recorded if self.store is not None else 0,
+            kv_events_epoch=self.store.events.epoch if self.store is not None else None,
         )
 
     def _window_snapshot(self) -> WindowSnapshot:

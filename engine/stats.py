@@ -144,6 +144,7 @@ class EngineSnapshot:
     cache_keys_pinned_bytes: int = 0  # bytes of the distinct blocks they pin
     plugin_figures: list[FigureGroup] = field(default_factory=list)  # components' own figures (cache.figures)
     kv_events_recorded: int = 0  # block events recorded so far (cache.kv_events): unchanged, none to publish
+    kv_events_epoch: str | None = None  # the event log's epoch: another one is another core (a restarted engine)
 
     @property
     def kv_usage(self) -> float:

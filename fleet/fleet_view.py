@@ -11,6 +11,7 @@ the sum of the replicas' own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,8 +45,8 @@ def decision_times(seconds: Sequence[float]) -> dict[str, Any]:
     if not ordered:
         return {"decisions": 0, "p50": None, "p99": None, "max": None}
 
-    def at(share: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(share * len(ordered)))], 6)
+    def at(share: float) -> float:  # nearest rank: the smallest value with at least ``share`` of them at or below it
+        return round(ordered[max(0, math.ceil(share * len(ordered)) - 1)], 6)
 
     return {"decisions": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 6)}
 

@@ -127,8 +127,8 @@ class HubUpdates:
 class HubMirror:
     """A router's copy of the hub's index, kept current by a thread that asks the hub for updates (a handle's
     blocking call, never on the router's event loop): the hub answers when there is news, and the thread asks
-    again ``MIRROR_SECONDS`` later, so news waits at most that long and a quiet fleet costs a call a second. Reads
-    are locked."""
+    again ``MIRROR_SECONDS`` later, so news waits at most that long; a quiet fleet costs a call per replica's
+    heartbeat (at most one per ``MIRROR_SECONDS``). Reads are locked."""
 
     def __init__(self, app_name: str) -> None:
         self.app_name = app_name
@@ -220,10 +220,12 @@ class EventPublisher:
         """One publication if one is due (nothing when the cache is off); False when the hub asked for a snapshot.
 
         Due: the engine recorded block events since the last one, its free blocks moved by ``PRESSURE_SHARE`` of
-        its pool, ``HEARTBEAT_SECONDS`` passed, or the hub asked to start over."""
+        its pool, ``HEARTBEAT_SECONDS`` passed, the hub asked to start over, or another core took over (a restart:
+        another epoch, whose counts start again)."""
         stats = self.engine.stats()
         now = time.monotonic()
-        if self.seen is not None and self.cursor[0] is not None and now - self.published < HEARTBEAT_SECONDS:
+        same_core = self.cursor[0] is not None and stats.kv_events_epoch == self.cursor[0]
+        if self.seen is not None and same_core and now - self.published < HEARTBEAT_SECONDS:
             recorded, free = self.seen
             moved = abs(stats.kv_blocks_free - free) >= max(1.0, PRESSURE_SHARE * stats.kv_blocks_total)
             if stats.kv_events_recorded == recorded and not moved:

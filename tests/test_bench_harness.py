@@ -203,3 +203,21 @@ def test_perplexity_windows_are_llama_perplexitys():
     assert [w[0] for w in chunks(ids, 512, bos=7)] == [7, 7] and chunks(ids, 512, bos=7)[1][1] == 513
     value, error = ppl([1.0, 1.0, 1.0])
     assert abs(value - 2.718281828) < 1e-6 and error == 0.0
+
+
+def test_the_fleet_bench_hit_rate_ceiling_counts_what_earlier_prompts_share():
+    """A conversation's first turn can reuse its tenant's system prompt once an earlier conversation sent it, a
+    later turn its own history; nothing can reuse a prompt's last token."""
+    from bench.fleet import hit_rate_ceiling
+    from bench.workloads import Conversation
+
+    def words(text: str) -> dict[str, list[int]]:  # one id per word: prefixes are easy to count by hand
+        return {"input_ids": [hash(word) % 10_000 for word in text.split()]}
+
+    first = Conversation("sys a b", ("u1", "u2"), ("r1", "r2"))
+    second = Conversation("sys a b", ("v1", "v2"), ("s1", "s2"))
+    # prompts (words): "sys a b User: u1 Assistant:" (6), then "... Assistant: r1 User: u2 Assistant:" (10), which
+    # starts with all 6; the second conversation's first prompt shares "sys a b User:" (4) with the first's, and
+    # its second prompt all 6 of its own first
+    assert hit_rate_ceiling(words, [first], 2) == (0 + 6) / (6 + 10)
+    assert hit_rate_ceiling(words, [first, second], 2) == (0 + 6 + 4 + 6) / (6 + 10 + 6 + 10)
