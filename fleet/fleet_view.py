@@ -11,9 +11,10 @@ the sum of the replicas' own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from tierserve.server.recent import percentile
 
 
 def fleet_document(
@@ -41,14 +42,15 @@ def fleet_document(
 def decision_times(seconds: Sequence[float]) -> dict[str, Any]:
     """How long the router took to decide, over its latest decisions (a request may be decided more than once:
     Ray asks again when a chosen replica cannot take it)."""
-    ordered = sorted(seconds)
-    if not ordered:
+    if not seconds:
         return {"decisions": 0, "p50": None, "p99": None, "max": None}
-
-    def at(share: float) -> float:  # nearest rank: the smallest value with at least ``share`` of them at or below it
-        return round(ordered[max(0, math.ceil(share * len(ordered)) - 1)], 6)
-
-    return {"decisions": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 6)}
+    values = list(seconds)
+    return {
+        "decisions": len(values),
+        "p50": round(percentile(values, 0.5), 6),
+        "p99": round(percentile(values, 0.99), 6),
+        "max": round(max(values), 6),
+    }
 
 
 def shared_tiers(replicas: Any) -> dict[str, dict[str, int]]:
